@@ -1,0 +1,119 @@
+"""kiln.export: PyTorch model -> .kiln program. Imports torch (the runtime never does).
+
+    builder = kiln.export(model, (example_input,), dynamic_shapes=...)
+    builder.save("model.kiln")
+
+Several methods that share constants and state buffers (a KV cache):
+
+    kiln.export(model, methods={"prefill": kiln.export.Method((tokens, pos), dynamic_shapes=...),
+                                "decode": kiln.export.Method((token, pos))})
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kiln.errors import UnsupportedOpsError
+from kiln.export.builder import ProgramBuilder
+from kiln.export.capture import bound, capture, user_dim_names
+from kiln.export.method import Failures, lower_method, mutated_buffers
+from kiln.export.passes.dce import eliminate_dead_code
+from kiln.export.plan import plan_memory
+
+
+@dataclass
+class Method:
+    """One method to export: example inputs, optional dynamic shapes, and the module function to trace."""
+
+    args: tuple
+    dynamic_shapes: Any = None
+    kwargs: dict | None = None
+    function: str | None = None
+    """Name of the module's function to export; default: the method's own name if the module has it, else
+    forward."""
+    extra: dict = field(default_factory=dict)
+
+
+def _normalize(methods: dict[str, Any]) -> dict[str, Method]:
+    out = {}
+    for name, spec in methods.items():
+        if isinstance(spec, Method):
+            out[name] = spec
+        elif isinstance(spec, tuple) and spec and isinstance(spec[0], (tuple, list)):
+            out[name] = Method(tuple(spec[0]), spec[1] if len(spec) > 1 else None)
+        else:
+            raise TypeError(f"method {name!r}: give kiln.export.Method(args, dynamic_shapes) or (args, "
+                            f"dynamic_shapes), got {type(spec).__name__}")
+    return out
+
+
+def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_shapes: Any = None,
+           methods: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
+           progress: Callable[[str], None] | None = None) -> ProgramBuilder:
+    """Export `module` to a kiln program (call `.save(path)` on the result).
+
+    example_args: inputs for `forward` (a tuple). dynamic_shapes: as torch.export takes it (torch.export.Dim per
+    dynamic axis). methods: instead of example_args, several named methods, each a `kiln.export.Method` (or an
+    `(args, dynamic_shapes)` tuple); a method traces the module function of the same name when there is one, else
+    forward. Buffers that any method mutates become state buffers shared by all methods.
+
+    Raises UnsupportedOpsError listing every op that cannot be lowered, before anything is written.
+    """
+    if (example_args is None) == (methods is None):
+        raise TypeError("give either example_args (for forward) or methods={name: Method(...)}")
+    if methods is None:
+        if not isinstance(example_args, (tuple, list)):
+            example_args = (example_args,)
+        specs = {"forward": Method(tuple(example_args), dynamic_shapes)}
+    else:
+        specs = _normalize(methods)
+    say = progress or (lambda msg: None)
+    was_training = module.training
+    module.eval()
+    try:
+        captured = {}
+        for name, spec in specs.items():
+            t0 = time.perf_counter()
+            function = spec.function or (name if callable(getattr(module, name, None)) else "forward")
+            with torch.no_grad():
+                captured[name] = capture(bound(module, function), spec.args, spec.kwargs, spec.dynamic_shapes)
+            say(f"captured {name} ({function}) in {time.perf_counter() - t0:.1f}s")
+    finally:
+        module.train(was_training)
+    state_names = set().union(*(mutated_buffers(ep) for ep in captured.values()))
+    builder = ProgramBuilder()
+    failures = Failures()
+    for name, ep in captured.items():
+        spec = specs[name]
+        placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(ep.graph_signature.user_inputs):] \
+            if ep.graph_signature.user_inputs else []
+        names = user_dim_names(spec.args, spec.kwargs, spec.dynamic_shapes, placeholders)
+        method = lower_method(name, ep, builder, state_names, names, failures)
+        if method is not None:
+            eliminate_dead_code(method)
+            plan_memory(method)
+            builder.add_method(method)
+            say(f"lowered {name}: {len(method.nodes)} nodes")
+    if failures.groups:
+        raise UnsupportedOpsError(failures.ops())
+    builder.metadata.update({"producer": "kiln", "torch_version": torch.__version__})
+    builder.metadata.update(metadata or {})
+    return builder
+
+
+class _CallableModule(types.ModuleType):
+    """Makes `kiln.export(...)` work even though `kiln.export` is also this package."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ProgramBuilder:
+        return export(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["Method", "ProgramBuilder", "export"]

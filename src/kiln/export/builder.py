@@ -1,0 +1,119 @@
+"""ProgramBuilder: collects methods, constants (deduplicated by content) and state buffers; writes the file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kiln.export.lower.registry import kiln_dtype
+from kiln.format import ALIGNMENT
+from kiln.format.writer import layout_blobs, write_program
+from kiln.ir import ops
+from kiln.ir.graph import Blob, Constant, Method, Program, StateBuffer, ValueKind
+
+if TYPE_CHECKING:
+    from kiln.runtime.program import Program as LoadedProgram
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a tensor as a uint8 NumPy array sharing its memory (works for bfloat16 and bool too)."""
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
+
+
+class ProgramBuilder:
+    """A program being exported. `kiln.export(...)` returns one; `.save(path)` writes the .kiln file."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, Method] = {}
+        self.constants: list[Constant] = []
+        self.states: list[StateBuffer] = []
+        self.metadata: dict[str, str] = {}
+        self._blob_data: list[np.ndarray] = []
+        self._blob_index: dict[bytes, int] = {}
+        self._constant_index: dict[tuple, int] = {}
+        self._state_index: dict[str, int] = {}
+
+    # ---- contents ----
+    def constant(self, tensor: torch.Tensor, name: str) -> int:
+        """Index of a constant with this tensor's contents; equal bytes are stored once (a tied LM head)."""
+        data = tensor_bytes(tensor)
+        digest = hashlib.blake2b(memoryview(data), digest_size=20).digest() + len(data).to_bytes(8, "little")
+        blob = self._blob_index.get(digest)
+        if blob is None:
+            blob = self._blob_index[digest] = len(self._blob_data)
+            self._blob_data.append(data)
+        key = (blob, kiln_dtype(tensor.dtype), tuple(tensor.shape))
+        index = self._constant_index.get(key)
+        if index is None:
+            index = self._constant_index[key] = len(self.constants)
+            self.constants.append(Constant(name, key[1], key[2], blob))
+        return index
+
+    def state(self, name: str, tensor: torch.Tensor) -> int:
+        """Index of the state buffer called `name`, created on first use with `tensor` as its initial value."""
+        index = self._state_index.get(name)
+        if index is None:
+            t = tensor.detach()
+            init = -1 if not bool(torch.any(t != 0)) else self.constant(t, f"{name}.init")
+            index = self._state_index[name] = len(self.states)
+            self.states.append(StateBuffer(name, kiln_dtype(t.dtype), tuple(int(d) for d in t.shape), init))
+        return index
+
+    def add_method(self, method: Method) -> None:
+        if method.name in self.methods:
+            raise ValueError(f"method {method.name!r} added twice")
+        self.methods[method.name] = method
+
+    # ---- output ----
+    def build(self) -> tuple[Program, list[np.ndarray]]:
+        """The program with only the constants its methods use, and the bytes of its blobs."""
+        used = sorted({v.ref for m in self.methods.values() for v in m.values if v.kind == ValueKind.CONSTANT}
+                      | {s.init for s in self.states if s.init >= 0})
+        const_map = {old: new for new, old in enumerate(used)}
+        blobs_used = sorted({self.constants[i].blob for i in used})
+        blob_map = {old: new for new, old in enumerate(blobs_used)}
+        data = [self._blob_data[b] for b in blobs_used]
+        offsets = layout_blobs([d.nbytes for d in data])
+        constants = [Constant(c.name, c.dtype, c.shape, blob_map[c.blob]) for c in (self.constants[i] for i in used)]
+        states = [StateBuffer(s.name, s.dtype, s.shape, const_map[s.init] if s.init >= 0 else -1)
+                  for s in self.states]
+        methods = {}
+        for name, m in self.methods.items():
+            values = [type(v)(v.name, v.dtype, v.shape, v.kind, const_map[v.ref] if v.kind == ValueKind.CONSTANT
+                              else v.ref) for v in m.values]
+            methods[name] = Method(m.name, values, m.inputs, m.outputs, m.nodes, m.symbols, m.state_updates)
+        blobs = [Blob(off, d.nbytes) for off, d in zip(offsets, data)]
+        assert all(b.offset % ALIGNMENT == 0 for b in blobs)
+        return Program(ops.OPSET_VERSION, methods, constants, blobs, states, dict(self.metadata)), data
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the .kiln file (atomically) and return its path."""
+        program, data = self.build()
+        write_program(program, data, path)
+        return Path(path)
+
+    def to_bytes(self) -> bytes:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "program.kiln"
+            self.save(path)
+            return path.read_bytes()
+
+    def load(self, **options: Any) -> LoadedProgram:
+        """Serialize and load back with the runtime: what a user of the file gets."""
+        from kiln.runtime import load
+
+        return load(self.to_bytes(), **options)
+
+    def summary(self) -> str:
+        nodes = sum(len(m.nodes) for m in self.methods.values())
+        size = sum(d.nbytes for d in self._blob_data)
+        return (f"{len(self.methods)} method(s), {nodes} nodes, {len(self.constants)} constants "
+                f"({size / 1e6:.1f} MB), {len(self.states)} state buffer(s)")

@@ -1,0 +1,27 @@
+"""Lowering of scaled_dot_product_attention, kept whole for fused backend kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.export.lower.registry import LowerContext, Unsupported, lowering
+
+aten = torch.ops.aten
+
+
+@lowering(aten.scaled_dot_product_attention.default)
+def sdpa(ctx: LowerContext, node: torch.fx.Node) -> int:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    if args.get("dropout_p", 0.0) not in (0, 0.0, None):
+        raise Unsupported("attention dropout at inference (dropout_p must be 0)")
+    dtype, shape = ctx.meta(node)
+    mask = args.get("attn_mask")
+    mask_v = ctx.optional(mask)
+    if mask is not None and ctx.dtype(mask_v).is_float and ctx.dtype(mask_v) != dtype:
+        mask_v = ctx.cast(mask_v, dtype)
+    scale = args.get("scale")
+    return ctx.emit("sdpa", [ctx.value(args["query"]), ctx.value(args["key"]), ctx.value(args["value"]), mask_v],
+                    (dtype, shape), causal=bool(args.get("is_causal", False)),
+                    scale=None if scale is None else float(scale))

@@ -1,0 +1,1 @@
+"""Graph passes over kiln methods, one module each. Each keeps the method's outputs unchanged."""

@@ -1,0 +1,231 @@
+"""kiln's op set: every op a program may contain, defined once, with a version.
+
+Each op has named inputs (``name?`` optional, ``*name`` variadic and last), a number of outputs, typed attributes
+with defaults, and a docstring that states its semantics. The exporter lowers ATen to these ops; every backend
+implements them; the loader checks every node of a file against this table.
+
+Conventions shared by all ops unless the doc says otherwise:
+- Elementwise binary ops take inputs of one dtype (the exporter inserts casts to do PyTorch's type promotion)
+  and broadcast as NumPy and PyTorch do.
+- Dimension arguments are already normalized to be non-negative.
+- ``SYMINT``/``SYMINTS`` attributes hold static ints or expressions over the method's symbols.
+
+Changes are additive: a new op or a new attribute with a default bumps ``OPSET_VERSION``; nothing is renamed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+OPSET_VERSION = 1
+
+
+class AttrType(enum.IntEnum):
+    """Attribute type; the value is its code in the file."""
+
+    INT = 0
+    FLOAT = 1
+    STRING = 2
+    BOOL = 3
+    DTYPE = 4
+    INTS = 5
+    FLOATS = 6
+    SYMINT = 7
+    SYMINTS = 8
+
+
+REQUIRED = object()
+"""Default of an attribute that every node must set."""
+
+
+@dataclass(frozen=True)
+class AttrDef:
+    name: str
+    type: AttrType
+    default: Any = REQUIRED
+    """REQUIRED, None (optional: absent means 'not given'), or the value used when the node omits it."""
+
+
+@dataclass(frozen=True)
+class InputDef:
+    name: str
+    optional: bool = False
+    variadic: bool = False
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    inputs: tuple[InputDef, ...]
+    attrs: tuple[AttrDef, ...]
+    num_outputs: int
+    doc: str
+    attr_map: dict[str, AttrDef] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attr_map", {a.name: a for a in self.attrs})
+
+    @property
+    def min_inputs(self) -> int:
+        return sum(1 for i in self.inputs if not i.optional and not i.variadic)
+
+    @property
+    def max_inputs(self) -> int | None:
+        return None if any(i.variadic for i in self.inputs) else len(self.inputs)
+
+    def signature(self) -> str:
+        ins = ", ".join(("*" if i.variadic else "") + i.name + ("?" if i.optional else "") for i in self.inputs)
+        ats = ", ".join(f"{a.name}: {a.type.name.lower()}" for a in self.attrs)
+        return f"{self.name}({ins}{'; ' + ats if ats else ''}) -> {self.num_outputs}"
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def define(name: str, inputs: str, *attrs: AttrDef, outputs: int = 1, doc: str) -> OpDef:
+    """Add one op to the table; defining a name twice is a bug."""
+    if name in OPS:
+        raise ValueError(f"op {name!r} defined twice")
+    parsed = []
+    for spec in inputs.split():
+        variadic, optional = spec.startswith("*"), spec.endswith("?")
+        parsed.append(InputDef(spec.strip("*?"), optional=optional, variadic=variadic))
+    OPS[name] = OpDef(name, tuple(parsed), tuple(attrs), outputs, doc)
+    return OPS[name]
+
+
+A, T = AttrDef, AttrType
+
+# ---- elementwise unary: y = f(x), same dtype and shape ----
+UNARY = {
+    "neg": "-x", "abs": "|x|", "exp": "e^x", "log": "natural log", "sqrt": "square root",
+    "rsqrt": "1/sqrt(x)", "reciprocal": "1/x", "sigmoid": "1/(1+e^-x)", "tanh": "hyperbolic tangent",
+    "relu": "max(x, 0)", "erf": "error function", "sin": "sine", "cos": "cosine", "floor": "round down",
+    "ceil": "round up", "round": "round half to even", "sign": "-1, 0 or 1", "silu": "x * sigmoid(x)",
+    "hardswish": "x * clamp(x + 3, 0, 6) / 6", "hardsigmoid": "clamp(x + 3, 0, 6) / 6",
+    "logical_not": "not x (bool in, bool out)", "bitwise_not": "~x (integers and bool)",
+    "log1p": "log(1 + x)", "expm1": "e^x - 1", "trunc": "round toward zero", "isnan": "x != x (bool out)",
+}
+for _name, _sem in UNARY.items():
+    define(_name, "x", doc=f"Elementwise {_sem}.")
+
+define("gelu", "x", A("approximate", T.STRING, "none"),
+       doc="GELU: x * Phi(x) exactly ('none') or with the tanh approximation ('tanh').")
+define("leaky_relu", "x", A("negative_slope", T.FLOAT, 0.01), doc="x if x > 0 else negative_slope * x.")
+define("clamp", "x", A("min", T.FLOAT, None), A("max", T.FLOAT, None),
+       doc="Clamp to [min, max]; an absent bound is not applied. NaN stays NaN.")
+define("cast", "x", A("dtype", T.DTYPE), doc="Convert to dtype as PyTorch's .to(dtype) does (float->int truncates).")
+
+# ---- elementwise binary: same dtype in, broadcast ----
+BINARY = {
+    "add": "a + b", "sub": "a - b", "mul": "a * b", "pow": "a ** b", "maximum": "max(a, b), NaN-propagating",
+    "minimum": "min(a, b), NaN-propagating", "remainder": "a mod b with the sign of b (Python %)",
+    "fmod": "a mod b with the sign of a (C fmod)", "bitwise_and": "a & b", "bitwise_or": "a | b",
+    "bitwise_xor": "a ^ b", "logical_and": "a and b (bool)", "logical_or": "a or b (bool)",
+    "logical_xor": "a xor b (bool)", "atan2": "atan2(a, b)",
+}
+for _name, _sem in BINARY.items():
+    define(_name, "a b", doc=f"Elementwise {_sem}; inputs share one dtype and broadcast.")
+define("div", "a b", A("rounding_mode", T.STRING, "none"),
+       doc="a / b; rounding_mode 'none' (true division, float inputs), 'floor' or 'trunc' (any dtype).")
+
+COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+for _name, _sem in COMPARE.items():
+    define(_name, "a b", doc=f"Elementwise a {_sem} b; inputs share one dtype and broadcast; output bool.")
+
+define("where", "cond a b", doc="cond ? a : b elementwise; cond is bool, a and b share one dtype; all broadcast.")
+
+# ---- reductions ----
+_REDUCE_ATTRS = (A("dims", T.INTS, ()), A("keepdim", T.BOOL, False))
+for _name, _sem in {"sum": "sum", "mean": "mean", "prod": "product", "amax": "maximum", "amin": "minimum",
+                    "any": "logical or (bool out)", "all": "logical and (bool out)"}.items():
+    define(_name, "x", *_REDUCE_ATTRS,
+           doc=f"Reduce by {_sem} over dims (empty dims: all dims); keepdim keeps them as size 1.")
+define("var", "x", *_REDUCE_ATTRS, A("correction", T.FLOAT, 1.0),
+       doc="Variance over dims with Bessel-style correction (divisor N - correction).")
+for _name in ("argmax", "argmin"):
+    define(_name, "x", A("dim", T.INT, None), A("keepdim", T.BOOL, False),
+           doc=f"Index (int64) of the first {_name[3:]}imum along dim, or of the flattened tensor if dim is absent.")
+define("cumsum", "x", A("dim", T.INT), doc="Cumulative sum along dim.")
+define("softmax", "x", A("dim", T.INT), doc="exp(x - max) / sum(exp(x - max)) along dim.")
+define("log_softmax", "x", A("dim", T.INT), doc="x - max - log(sum(exp(x - max))) along dim.")
+
+# ---- linear algebra ----
+define("matmul", "a b", doc="Matrix product with PyTorch/NumPy matmul semantics (1-d promotion, batch broadcast).")
+define("linear", "x weight bias?",
+       doc="x @ weight.T + bias; weight is [out, in]; x is [..., in]. The weight is never transposed in the file.")
+
+# ---- convolution and pooling (N spatial dims, channels first) ----
+define("conv", "x weight bias?", A("stride", T.INTS), A("padding", T.INTS), A("dilation", T.INTS),
+       A("groups", T.INT, 1), A("transposed", T.BOOL, False), A("output_padding", T.INTS, ()),
+       doc="N-d convolution (cross-correlation) or, when transposed, its adjoint, as aten.convolution. "
+           "x [N, C, *spatial]; weight [O, C/groups, *k] (transposed: [C, O/groups, *k]).")
+define("max_pool", "x", A("kernel", T.INTS), A("stride", T.INTS), A("padding", T.INTS),
+       A("dilation", T.INTS), A("ceil_mode", T.BOOL, False),
+       doc="N-d max pooling over the trailing len(kernel) dims; padding is -inf; windows starting in the "
+           "right padding are dropped in ceil_mode as PyTorch does.")
+define("avg_pool", "x", A("kernel", T.INTS), A("stride", T.INTS), A("padding", T.INTS),
+       A("ceil_mode", T.BOOL, False), A("count_include_pad", T.BOOL, True), A("divisor", T.INT, None),
+       doc="N-d average pooling over the trailing len(kernel) dims with PyTorch's divisor rules.")
+
+# ---- normalization ----
+define("layer_norm", "x weight? bias?", A("axes", T.INT), A("eps", T.FLOAT, 1e-5),
+       doc="Normalize over the last `axes` dims: (x - mean) / sqrt(var + eps) * weight + bias.")
+define("rms_norm", "x weight?", A("axes", T.INT), A("eps", T.FLOAT, None),
+       doc="x / sqrt(mean(x^2 over the last `axes` dims) + eps) * weight; eps absent: the dtype's epsilon.")
+define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
+       doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
+
+# ---- attention ----
+define("sdpa", "q k v mask?", A("causal", T.BOOL, False), A("scale", T.FLOAT, None),
+       doc="softmax(q @ k^T * scale + mask) @ v over [..., L, E] / [..., S, E]; scale absent: 1/sqrt(E). "
+           "causal masks j > i (top-left aligned); a bool mask keeps True; a float mask is added. "
+           "k/v with fewer heads than q (dim -3) are shared by groups of q heads (GQA).")
+
+# ---- shape and view ops ----
+define("reshape", "x", A("shape", T.SYMINTS), doc="Same elements in row-major order, new shape.")
+define("permute", "x", A("perm", T.INTS), doc="Reorder dims: out.shape[i] = x.shape[perm[i]].")
+define("expand", "x", A("shape", T.SYMINTS), doc="Broadcast x to shape (x right-aligned, size-1 dims stretch).")
+define("slice", "x", A("dim", T.INT), A("start", T.SYMINT), A("end", T.SYMINT), A("step", T.INT, 1),
+       doc="Elements start <= i < end (already clamped to [0, size]) by step > 0 along dim.")
+define("cat", "*xs", A("dim", T.INT), doc="Concatenate along dim; inputs share a dtype.")
+define("flip", "x", A("dims", T.INTS), doc="Reverse the order along each of dims.")
+define("pad", "x", A("pads", T.INTS), A("mode", T.STRING, "constant"), A("value", T.FLOAT, 0.0),
+       doc="Pad as torch.nn.functional.pad: pads are (before, after) pairs from the last dim backwards; "
+           "negative pads crop. mode: constant, reflect, replicate.")
+define("tril", "x", A("diagonal", T.INT, 0), doc="Zero elements above the diagonal of the last two dims.")
+define("triu", "x", A("diagonal", T.INT, 0), doc="Zero elements below the diagonal of the last two dims.")
+
+# ---- indexing ----
+define("index_select", "x index", A("dim", T.INT), doc="x gathered along dim at the 1-d int index.")
+define("gather", "x index", A("dim", T.INT), doc="out[i][j][k] = x[i][index[i][j][k]][k] for dim 1, and so on.")
+define("embedding", "weight indices", doc="weight[indices]: rows of a [V, D] table, out shape indices.shape + [D].")
+define("index", "x *indices", A("dims", T.INTS),
+       doc="Advanced indexing: x[..., idx0, ..., idx1, ...] with int index tensors at dims (sorted, broadcast "
+           "together), as aten.index.Tensor with None for the dims not listed.")
+define("index_put", "x values *indices", A("dims", T.INTS), A("accumulate", T.BOOL, False),
+       doc="Copy of x with x[indices at dims] = values (or += when accumulate), as aten.index_put.")
+define("index_copy", "x index source", A("dim", T.INT),
+       doc="Copy of x with x.select(dim, index[i]) = source.select(dim, i).")
+define("slice_scatter", "x source", A("dim", T.INT), A("start", T.SYMINT), A("end", T.SYMINT),
+       A("step", T.INT, 1), doc="Copy of x with the slice (as in `slice`) replaced by source.")
+define("scatter", "x index source", A("dim", T.INT), A("reduce", T.STRING, "none"),
+       doc="Copy of x with out[index[i][j]][j] = source[i][j] for dim 0 (and so on); reduce: none, add.")
+
+# ---- creation ----
+define("arange", "", A("start", T.SYMINT), A("end", T.SYMINT), A("step", T.SYMINT, 1), A("dtype", T.DTYPE),
+       doc="Integers start, start+step, ... < end as dtype.")
+define("arange_float", "", A("start", T.FLOAT), A("end", T.FLOAT), A("step", T.FLOAT), A("dtype", T.DTYPE),
+       A("length", T.SYMINT), doc="start + i * step for i < length, computed in float64 then cast to dtype.")
+define("full", "", A("shape", T.SYMINTS), A("value", T.FLOAT), A("dtype", T.DTYPE),
+       doc="A tensor of shape filled with value (cast to dtype).")
+define("copy", "x", doc="An independent copy of x (used where a value must not alias its input).")
+
+
+def get(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a kiln op (op set version {OPSET_VERSION})") from None

@@ -1,0 +1,102 @@
+"""Elementwise kernels: unary, binary, comparisons, where, clamp, cast. Table-driven where the op is a ufunc."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.runtime.backends.cpu.registry import CPU_KERNELS, in_float32, kernel
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf without SciPy (math.erf is scalar-only): the Chebyshev fit of erfc from Numerical Recipes, fractional
+    error below 1.2e-7, evaluated in float64 so float32 results are exact to their last bit or two."""
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))
+    r = 1.0 - t * np.exp(poly)
+    return np.where(x >= 0, r, -r).astype(x.dtype, copy=False)
+
+
+def _hardsigmoid(x: np.ndarray) -> np.ndarray:
+    return np.clip(x + 3, 0, 6) / 6
+
+
+_UNARY = {
+    "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1 / np.sqrt(x), "reciprocal": lambda x: 1 / x, "sigmoid": _sigmoid, "tanh": np.tanh,
+    "relu": lambda x: np.maximum(x, x.dtype.type(0)), "erf": _erf, "sin": np.sin, "cos": np.cos,
+    "floor": np.floor, "ceil": np.ceil, "round": np.round, "sign": np.sign, "silu": lambda x: x * _sigmoid(x),
+    "hardswish": lambda x: x * _hardsigmoid(x), "hardsigmoid": _hardsigmoid, "log1p": np.log1p,
+    "expm1": np.expm1, "trunc": np.trunc,
+}
+for _name, _fn in _UNARY.items():
+    CPU_KERNELS.add(_name, in_float32(_fn))
+
+CPU_KERNELS.add("logical_not", np.logical_not)
+CPU_KERNELS.add("bitwise_not", np.invert)
+CPU_KERNELS.add("isnan", np.isnan)
+
+
+@kernel("gelu")
+@in_float32
+def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1 + _erf(x * (1 / math.sqrt(2))))
+
+
+@kernel("leaky_relu")
+def leaky_relu(x: np.ndarray, negative_slope: float) -> np.ndarray:
+    return np.where(x > 0, x, x * x.dtype.type(negative_slope))
+
+
+@kernel("clamp")
+def clamp(x: np.ndarray, min: float | None, max: float | None) -> np.ndarray:
+    out = x
+    if min is not None:
+        out = np.where(out < x.dtype.type(min), x.dtype.type(min), out)
+    if max is not None:
+        out = np.where(out > x.dtype.type(max), x.dtype.type(max), out)
+    return out if out is not x else x.copy()
+
+
+@kernel("cast")
+def cast(x: np.ndarray, dtype) -> np.ndarray:
+    return x.astype(dtype.numpy)
+
+
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "pow": np.power, "maximum": np.maximum,
+    "minimum": np.minimum, "remainder": np.remainder, "fmod": np.fmod, "bitwise_and": np.bitwise_and,
+    "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor, "logical_and": np.logical_and,
+    "logical_or": np.logical_or, "logical_xor": np.logical_xor, "atan2": np.arctan2,
+    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal,
+}
+for _name, _fn in _BINARY.items():
+    CPU_KERNELS.add(_name, _fn)
+
+
+@kernel("div")
+def div(a: np.ndarray, b: np.ndarray, rounding_mode: str) -> np.ndarray:
+    if rounding_mode == "floor":
+        return np.floor_divide(a, b)
+    if rounding_mode == "trunc":
+        if a.dtype.kind == "f" or np.result_type(a, b).kind == "f":
+            return np.trunc(a / b).astype(a.dtype)
+        q = np.floor_divide(a, b)
+        return q + ((np.remainder(a, b) != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
+    return np.true_divide(a, b)
+
+
+@kernel("where")
+def where(cond: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.where(cond, a, b)

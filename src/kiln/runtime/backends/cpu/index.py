@@ -1,0 +1,80 @@
+"""Indexing kernels: gathers, advanced indexing, and the functional scatters (copy, then write)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.backends.cpu.registry import kernel
+
+
+@kernel("index_select")
+def index_select(x: np.ndarray, index: np.ndarray, dim: int) -> np.ndarray:
+    return np.take(x, index.reshape(-1), axis=dim)
+
+
+@kernel("embedding")
+def embedding(weight: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    return np.take(weight, indices, axis=0)
+
+
+def _crop_to(x: np.ndarray, index: np.ndarray, dim: int) -> np.ndarray:
+    """x restricted to index's extent in every dim but `dim` (torch allows index to be smaller there)."""
+    return x[tuple(slice(None) if d == dim else slice(0, index.shape[d]) for d in range(x.ndim))]
+
+
+@kernel("gather")
+def gather(x: np.ndarray, index: np.ndarray, dim: int) -> np.ndarray:
+    if x.ndim == 0:
+        return x.copy()
+    return np.take_along_axis(_crop_to(x, index, dim), index, axis=dim)
+
+
+def _index_tuple(ndim: int, dims, indices) -> tuple:
+    key: list = [slice(None)] * ndim
+    for d, idx in zip(dims, indices):
+        key[d] = idx
+    return tuple(key)
+
+
+@kernel("index")
+def index(x: np.ndarray, *indices: np.ndarray, dims) -> np.ndarray:
+    return x[_index_tuple(x.ndim, dims, indices)]
+
+
+@kernel("index_put")
+def index_put(x: np.ndarray, values: np.ndarray, *indices: np.ndarray, dims, accumulate: bool) -> np.ndarray:
+    out = x.copy()
+    key = _index_tuple(x.ndim, dims, indices)
+    if accumulate:
+        np.add.at(out, key, values)
+    else:
+        out[key] = values
+    return out
+
+
+@kernel("index_copy")
+def index_copy(x: np.ndarray, index: np.ndarray, source: np.ndarray, dim: int) -> np.ndarray:
+    out = x.copy()
+    out[(slice(None),) * dim + (index,)] = source
+    return out
+
+
+@kernel("slice_scatter")
+def slice_scatter(x: np.ndarray, source: np.ndarray, dim: int, start: int, end: int, step: int) -> np.ndarray:
+    out = x.copy()
+    out[(slice(None),) * dim + (slice(start, end, step),)] = source
+    return out
+
+
+@kernel("scatter")
+def scatter(x: np.ndarray, index: np.ndarray, source: np.ndarray, dim: int, reduce: str) -> np.ndarray:
+    out = x.copy()
+    if source.ndim:
+        source = source[tuple(slice(0, n) for n in index.shape)]
+    grid = list(np.indices(index.shape, sparse=True))
+    grid[dim] = index
+    if reduce == "add":
+        np.add.at(out, tuple(grid), source)
+    else:
+        out[tuple(grid)] = source
+    return out

@@ -1,0 +1,50 @@
+"""Normalization kernels, computed in float32 for half-precision inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.backends.cpu.registry import in_float32, kernel, upcast
+
+
+@kernel("layer_norm")
+@in_float32
+def layer_norm(x: np.ndarray, weight, bias, axes: int, eps: float) -> np.ndarray:
+    dims = tuple(range(x.ndim - axes, x.ndim))
+    mean = x.mean(axis=dims, keepdims=True)
+    centered = x - mean
+    var = np.mean(centered * centered, axis=dims, keepdims=True)
+    out = centered / np.sqrt(var + x.dtype.type(eps))
+    weight, bias = upcast(weight, bias)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+@kernel("rms_norm")
+def rms_norm(x: np.ndarray, weight, axes: int, eps: float | None) -> np.ndarray:
+    dtype = x.dtype
+    if eps is None:
+        eps = float(np.finfo(dtype).eps)
+    (xf, weight) = upcast(x, weight)
+    dims = tuple(range(x.ndim - axes, x.ndim))
+    out = xf / np.sqrt(np.mean(xf * xf, axis=dims, keepdims=True) + xf.dtype.type(eps))
+    if weight is not None:
+        out = out * weight
+    return out.astype(dtype, copy=False)
+
+
+@kernel("batch_norm")
+def batch_norm(x: np.ndarray, weight, bias, mean, var, eps: float) -> np.ndarray:
+    dtype = x.dtype
+    x, weight, bias, mean, var = upcast(x, weight, bias, mean, var)
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    scale = 1 / np.sqrt(var + var.dtype.type(eps))
+    if weight is not None:
+        scale = scale * weight
+    out = (x - mean.reshape(shape)) * scale.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out.astype(dtype, copy=False)

@@ -1,0 +1,196 @@
+"""A session runs the methods of one program on one backend, with its own state buffers.
+
+It builds a plan once per method and input-shape signature: for each node the kernel, its input and output slots,
+its attributes with symbols resolved, and the values to drop after it (the exporter's memory plan). `run` is then
+a tight loop over that plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import InputError, KilnError
+from kiln.ir import ops
+from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
+from kiln.ir.ops import REQUIRED, AttrType
+from kiln.ir.symbolic import UNBOUNDED, format_shape, parse, resolve, resolve_shape
+from kiln.runtime import backends
+from kiln.runtime.program import Program
+
+MAX_PLANS_PER_METHOD = 64
+
+
+class KernelError(KilnError, RuntimeError):
+    """A kernel failed or produced a result that does not match the program (raised with the node's context)."""
+
+
+@dataclass
+class _Step:
+    kernel: Any
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attrs: dict[str, Any]
+    free: tuple[int, ...]
+    node: Node
+
+
+@dataclass
+class _Plan:
+    steps: list[_Step]
+    env: dict[str, int]
+
+
+class Session:
+    """Independent execution context: several threads may each run their own session of one program."""
+
+    def __init__(self, program: Program, backend: str = "cpu", validate: bool = False):
+        """validate: check every kernel's output dtype and shape against the program (slow; for debugging)."""
+        self.program = program
+        self.backend = backends.create(backend, program)
+        self.validate = validate
+        self.state = [self.backend.initial_state(i, s) for i, s in enumerate(program.ir.states)]
+        self._plans: dict[str, dict[tuple, _Plan]] = {}
+
+    def reset_state(self) -> None:
+        """Put every state buffer (e.g. a KV cache) back to its initial contents."""
+        self.state = [self.backend.initial_state(i, s) for i, s in enumerate(self.program.ir.states)]
+
+    def run(self, method: str, *inputs: Any) -> list[Any]:
+        """Run `method` on `inputs`; returns its outputs as the backend's arrays (NumPy on the CPU)."""
+        m = self.program.method(method)
+        arrays = self._check_inputs(m, inputs)
+        env = self._bind_symbols(m, arrays)
+        key = tuple(sorted(env.items()))
+        plans = self._plans.setdefault(method, {})
+        plan = plans.get(key)
+        if plan is None:
+            if len(plans) >= MAX_PLANS_PER_METHOD:
+                plans.pop(next(iter(plans)))
+            plan = plans[key] = self._build_plan(m, env)
+        slots: list[Any] = [None] * len(m.values)
+        for v_index, value in enumerate(m.values):
+            if value.kind == ValueKind.CONSTANT:
+                slots[v_index] = self.backend.constant(value.ref)
+            elif value.kind == ValueKind.STATE:
+                slots[v_index] = self.state[value.ref]
+        for v_index, arr in zip(m.inputs, arrays):
+            slots[v_index] = arr
+        self._execute(m, plan, slots)
+        for update in m.state_updates:
+            self.state[update.state] = slots[update.value]
+        return [self.backend.asarray(slots[i]) for i in m.outputs]
+
+    def _execute(self, m: Method, plan: _Plan, slots: list[Any]) -> None:
+        for step in plan.steps:
+            try:
+                result = step.kernel(*[slots[i] if i != NO_VALUE else None for i in step.inputs], **step.attrs)
+            except KilnError:
+                raise
+            except Exception as e:
+                raise KernelError(f"{self.backend.name} kernel for node {step.node.op!r} failed: "
+                                  f"{type(e).__name__}: {e}" + _where(step.node)) from e
+            if len(step.outputs) == 1:
+                slots[step.outputs[0]] = result
+            else:
+                for i, r in zip(step.outputs, result):
+                    slots[i] = r
+            if self.validate:
+                self._check_outputs(m, step, slots, plan.env)
+            for i in step.free:
+                slots[i] = None
+
+    def _check_outputs(self, m: Method, step: _Step, slots: list[Any], env: dict[str, int]) -> None:
+        for i in step.outputs:
+            spec, got = m.values[i], slots[i]
+            want = resolve_shape(spec.shape, env)
+            if got.dtype != spec.dtype.numpy or tuple(got.shape) != want:
+                raise KernelError(f"{self.backend.name} kernel for {step.node.op!r} produced "
+                                  f"{got.dtype}{list(got.shape)} for {spec.name}, expected "
+                                  f"{spec.dtype.name}{list(want)}" + _where(step.node))
+
+    def _check_inputs(self, m: Method, inputs: tuple[Any, ...]) -> list[Any]:
+        specs = m.input_specs()
+        if len(inputs) != len(specs):
+            listing = ", ".join(v.spec() for v in specs)
+            raise InputError(f"method {m.name!r} takes {len(specs)} input(s) ({listing}), got {len(inputs)}")
+        arrays = []
+        for k, (x, spec) in enumerate(zip(inputs, specs)):
+            arr = self.backend.asarray(x)
+            if arr.dtype != spec.dtype.numpy:
+                raise InputError(f"input {k} '{spec.name}' of {m.name!r}: expected dtype {spec.dtype.name} "
+                                 f"({spec.spec()}), got {arr.dtype}; convert it with .astype(...)")
+            if arr.ndim != len(spec.shape):
+                raise InputError(f"input {k} '{spec.name}' of {m.name!r}: expected {len(spec.shape)} dimensions "
+                                 f"({spec.spec()}), got shape {list(arr.shape)}")
+            arrays.append(arr)
+        return arrays
+
+    def _bind_symbols(self, m: Method, arrays: list[Any]) -> dict[str, int]:
+        """Bind each symbol from the first input dimension that is exactly that symbol; check every other dim."""
+        env: dict[str, int] = {}
+        specs = m.input_specs()
+        for spec, arr in zip(specs, arrays):
+            for d, size in zip(spec.shape, arr.shape):
+                if isinstance(d, str) and parse(d).is_symbol and d not in env:
+                    env[d] = int(size)
+        for s in m.symbols:
+            if s.name not in env:
+                continue
+            value = env[s.name]
+            if value < s.min or (s.max != UNBOUNDED and value > s.max):
+                where = _symbol_site(m, s.name)
+                raise InputError(f"{where} is {value}, outside the bounds of symbol {s.describe()} "
+                                 f"that {m.name!r} was exported with")
+        for k, (spec, arr) in enumerate(zip(specs, arrays)):
+            for axis, (d, size) in enumerate(zip(spec.shape, arr.shape)):
+                try:
+                    want = resolve(d, env)
+                except KeyError as e:
+                    raise InputError(f"input '{spec.name}': symbol {e} cannot be bound from the inputs") from None
+                if want != size:
+                    raise InputError(f"input {k} '{spec.name}' of {m.name!r}: dimension {axis} is {size}, expected "
+                                     f"{d}{'' if isinstance(d, int) else f' = {want}'} (spec {spec.spec()}, "
+                                     f"got shape {list(arr.shape)})")
+        return env
+
+    def _build_plan(self, m: Method, env: dict[str, int]) -> _Plan:
+        kernels = self.backend.kernels
+        steps = []
+        for node in m.nodes:
+            kernel = kernels.get(node.op)
+            if kernel is None:
+                raise KilnError(f"the {self.backend.name} backend has no kernel for op {node.op!r}" + _where(node))
+            attrs = _resolve_attrs(ops.OPS[node.op], node.attrs, env)
+            steps.append(_Step(kernel, tuple(node.inputs), tuple(node.outputs), attrs, tuple(node.free_after), node))
+        return _Plan(steps, env)
+
+
+def _resolve_attrs(opdef: ops.OpDef, attrs: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+    out = {}
+    for adef in opdef.attrs:
+        value = attrs.get(adef.name, None if adef.default is REQUIRED else adef.default)
+        if adef.type == AttrType.SYMINT and value is not None:
+            value = resolve(value, env)
+        elif adef.type == AttrType.SYMINTS and value is not None:
+            value = resolve_shape(tuple(value), env)
+        out[adef.name] = value
+    return out
+
+
+def _symbol_site(m: Method, name: str) -> str:
+    for spec in m.input_specs():
+        for axis, d in enumerate(spec.shape):
+            if d == name:
+                return f"input '{spec.name}' dimension {axis} ({name}, spec {spec.name}{format_shape(spec.shape)})"
+    return f"symbol {name}"
+
+
+def _where(node: Node) -> str:
+    return f"\n  from: {node.source}" if node.source else ""
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
