@@ -93,7 +93,7 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         spec = specs[name]
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(ep.graph_signature.user_inputs):] \
             if ep.graph_signature.user_inputs else []
-        names = user_dim_names(spec.args, spec.kwargs, spec.dynamic_shapes, placeholders)
+        names = user_dim_names(spec.dynamic_shapes, placeholders)
         method = lower_method(name, ep, builder, state_names, names, failures)
         if method is not None:
             eliminate_dead_code(method)

@@ -67,28 +67,37 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     return ep.run_decompositions(decomposition_table())
 
 
-def user_dim_names(example_args: tuple, example_kwargs: dict | None, dynamic_shapes: Any,
-                   placeholders: list[torch.fx.Node]) -> dict[str, str]:
+def _is_dim(x: Any) -> bool:
+    return hasattr(x, "__name__") and type(x).__name__.endswith("Dim")
+
+
+def _spec_leaves(spec: Any) -> list[Any]:
+    """Per-tensor specs in input order: an {axis: Dim} dict or a sequence of Dim/None/int is one tensor's spec."""
+    if spec is None or _is_dim(spec):
+        return [spec]
+    if isinstance(spec, dict):
+        if all(isinstance(k, int) for k in spec):
+            return [spec]
+        return [leaf for v in spec.values() for leaf in _spec_leaves(v)]
+    if isinstance(spec, (tuple, list)):
+        if any(_is_dim(v) for v in spec) and all(v is None or isinstance(v, int) or _is_dim(v) for v in spec):
+            return [spec]
+        return [leaf for v in spec for leaf in _spec_leaves(v)]
+    return [spec]
+
+
+def user_dim_names(dynamic_shapes: Any, placeholders: list[torch.fx.Node]) -> dict[str, str]:
     """torch symbol name (e.g. 's17') -> the name of the user's Dim at that position, where one was given."""
     if dynamic_shapes is None:
         return {}
-    specs: list[Any] = []
-    if isinstance(dynamic_shapes, dict) and example_kwargs is not None and all(
-            k in example_kwargs for k in dynamic_shapes):
-        specs = [dynamic_shapes.get(k) for k in example_kwargs]
-    elif isinstance(dynamic_shapes, dict):
-        specs = list(dynamic_shapes.values())
-    else:
-        specs = list(dynamic_shapes)
     names: dict[str, str] = {}
-    for node, spec in zip(placeholders, specs):
+    for node, spec in zip(placeholders, _spec_leaves(dynamic_shapes)):
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or spec is None:
+        if not isinstance(val, torch.Tensor) or not isinstance(spec, (dict, tuple, list)):
             continue
         items = spec.items() if isinstance(spec, dict) else enumerate(spec)
         for axis, dim in items:
-            name = getattr(dim, "__name__", None)
-            size = val.shape[axis] if axis < val.dim() else None
-            if name and isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                names.setdefault(str(size.node.expr), name)
+            size = val.shape[axis] if isinstance(axis, int) and axis < val.dim() else None
+            if _is_dim(dim) and isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                names.setdefault(str(size.node.expr), dim.__name__)
     return names

@@ -15,6 +15,16 @@ class Unsupported(Exception):
     """Raised by a lowering handler (or a helper) when it cannot lower a node; the message says why."""
 
 
+def _as_int(bound: Any, infinite: int) -> int:
+    """A sympy range bound as int; torch's int_oo and sympy's oo claim to be finite, so test by value."""
+    if str(bound) in ("oo", "-oo", "int_oo", "-int_oo", "zoo"):
+        return infinite
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError):
+        return infinite
+
+
 class SymbolTable:
     """The symbols of one method: torch's names (s0, s17, ...) renamed after the user's Dim names."""
 
@@ -33,8 +43,7 @@ class SymbolTable:
                 name, k = f"{base}_{k}", k + 1
             used.add(name)
             self.names[str(sym)] = name
-            lo = int(vr.lower) if vr.lower.is_finite else 0
-            hi = int(vr.upper) if vr.upper.is_finite else UNBOUNDED
+            lo, hi = _as_int(vr.lower, 0), _as_int(vr.upper, UNBOUNDED)
             self.symbols.append(Symbol(name, max(lo, 0), hi))
 
     def dim(self, d: Any) -> int | str:

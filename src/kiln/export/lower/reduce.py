@@ -78,3 +78,64 @@ def softmax(ctx: LowerContext, node: torch.fx.Node) -> int:
     if ndim == 0:
         raise Unsupported("softmax of a 0-d tensor")
     return ctx.emit(op, [x], (dtype, shape), dim=norm_dim(node.args[1], ndim))
+
+
+@lowering(aten.linalg_vector_norm.default)
+def vector_norm(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """||x||_ord over dims (all dims when none), composed of kiln ops: F.normalize and clip_grad_norm use it.
+
+    Half-precision inputs are reduced in float32 and rounded back, as PyTorch's CPU kernel accumulates.
+    """
+    args = list(node.args) + [None] * (4 - len(node.args))
+    ord_ = node.kwargs.get("ord", 2 if args[1] is None else args[1])
+    dim = node.kwargs.get("dim", args[2])
+    keepdim = bool(node.kwargs.get("keepdim", args[3] or False))
+    dtype, shape = ctx.meta(node)
+    ndim = ndim_of(node.args[0])
+    dims = () if ndim == 0 else norm_dims(dim, ndim)
+    if not dtype.is_float:
+        raise Unsupported(f"vector norm with result dtype {dtype.name} (kiln supports floating point)")
+    work = DType.float32 if dtype in (DType.float16, DType.bfloat16) else dtype
+    x = ctx.value(node.args[0], work)
+    full = (work, ctx.shape(x))
+    out = (work, shape)
+    ord_ = float(ord_)
+    if ord_ == 0:
+        nonzero = ctx.emit("ne", [x, ctx.scalar(0, work)], (DType.bool, ctx.shape(x)))
+        result = ctx.emit("sum", [ctx.cast(nonzero, work)], out, dims=dims, keepdim=keepdim)
+    elif ord_ == 2:
+        sq = ctx.emit("mul", [x, x], full)
+        result = ctx.emit("sqrt", [ctx.emit("sum", [sq], out, dims=dims, keepdim=keepdim)], out)
+    else:
+        mag = ctx.emit("abs", [x], full)
+        if ord_ in (float("inf"), float("-inf")):
+            result = ctx.emit("amax" if ord_ > 0 else "amin", [mag], out, dims=dims, keepdim=keepdim)
+        elif ord_ == 1:
+            result = ctx.emit("sum", [mag], out, dims=dims, keepdim=keepdim)
+        else:
+            powered = ctx.emit("pow", [mag, ctx.scalar(ord_, work)], full)
+            total = ctx.emit("sum", [powered], out, dims=dims, keepdim=keepdim)
+            result = ctx.emit("pow", [total, ctx.scalar(1.0 / ord_, work)], out)
+    return ctx.cast(result, dtype)
+
+
+@lowering(aten.max.dim, aten.min.dim)
+def max_min_dim(ctx: LowerContext, node: torch.fx.Node) -> list[int]:
+    """(values, indices) along a dim: one reduction and one arg-reduction."""
+    ndim = ndim_of(node.args[0])
+    dim = norm_dim(node.args[1], ndim)
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    (vdt, vshape), (idt, ishape) = ctx.metas(node)
+    x = ctx.value(node.args[0])
+    is_max = node.target == aten.max.dim
+    dims = () if ndim == 0 else (dim,)
+    values = ctx.emit("amax" if is_max else "amin", [x], (vdt, vshape), dims=dims, keepdim=keepdim)
+    indices = ctx.emit("argmax" if is_max else "argmin", [x], (idt, ishape), dim=None if ndim == 0 else dim,
+                       keepdim=keepdim)
+    return [values, indices]
+
+
+@lowering(aten.max.default, aten.min.default)
+def max_min_all(ctx: LowerContext, node: torch.fx.Node) -> int:
+    op = "amax" if node.target == aten.max.default else "amin"
+    return ctx.emit(op, [ctx.value(node.args[0])], ctx.meta(node), dims=(), keepdim=False)

@@ -137,7 +137,7 @@ def split(ctx: LowerContext, node: torch.fx.Node) -> list[int]:
         length = 1 if unbind else shape[dim]
         if not isinstance(length, int) or not isinstance(start, int):
             raise Unsupported("split into pieces of symbolic size")
-        piece_shape = tuple(1 if unbind and d == dim else s for d, s in enumerate(ctx.shape(x)))
+        piece_shape = tuple(length if d == dim else s for d, s in enumerate(ctx.shape(x)))
         piece = ctx.emit("slice", [x], (dtype, piece_shape), dim=dim, start=start, end=start + length, step=1)
         outs.append(ctx.reshape(piece, shape))
         start += length
@@ -170,3 +170,17 @@ def triangle(ctx: LowerContext, node: torch.fx.Node) -> int:
     op = "tril" if node.target == aten.tril.default else "triu"
     diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
     return ctx.emit(op, [ctx.value(node.args[0])], ctx.meta(node), diagonal=int(diagonal))
+
+
+@lowering(aten.repeat.default)
+def repeat(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """Tile: view x as [1, s0, 1, s1, ...], expand to [r0, s0, r1, s1, ...], then merge each pair."""
+    dtype, shape = ctx.meta(node)
+    reps = [ctx.symint(r) for r in node.args[1]]
+    x = ctx.value(node.args[0])
+    sizes = (1,) * (len(reps) - len(ctx.shape(x))) + tuple(ctx.shape(x))
+    paired = tuple(d for s in sizes for d in (1, s))
+    expanded = tuple(d for r, s in zip(reps, sizes) for d in (r, s))
+    x = ctx.reshape(x, paired)
+    x = ctx.emit("expand", [x], (dtype, expanded), shape=expanded)
+    return ctx.reshape(x, shape)

@@ -1,0 +1,58 @@
+"""Shared test helpers: available backends, seeded generators, export-and-run against eager."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+
+
+def available_backends() -> list[str]:
+    """cpu always; cuda when CuPy sees a GPU (tests parametrized over these run on every backend present)."""
+    backends = ["cpu"]
+    if importlib.util.find_spec("cupy") is not None:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                backends.append("cuda")
+        except Exception:  # noqa: BLE001 - no driver, no device: no cuda backend
+            pass
+    return backends
+
+
+BACKENDS = available_backends()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    if request.param == "cuda":
+        request.applymarker(pytest.mark.cuda)
+    return request.param
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def to_numpy(x) -> np.ndarray:
+    if hasattr(x, "get"):
+        x = x.get()
+    return np.asarray(x)
+
+
+def export_run(module: torch.nn.Module, args: tuple, backend: str = "cpu", dynamic_shapes=None,
+               run_args: tuple | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Export `module`, run it with the runtime (validating every kernel) and eagerly; returns (kiln, eager)."""
+    program = kiln.export(module, args, dynamic_shapes=dynamic_shapes).load()
+    run_args = args if run_args is None else run_args
+    outs = program.session(backend, validate=True).run("forward", *[a.numpy() for a in run_args])
+    with torch.no_grad():
+        ref = module(*run_args)
+    ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    return [to_numpy(o) for o in outs], [r.detach().numpy() for r in ref]

@@ -1,0 +1,109 @@
+"""Table-driven op tests: a case is a torch function and input specs; it is exported, run on every backend, and
+compared with eager PyTorch under per-dtype tolerances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import kiln
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-7, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@dataclass(frozen=True)
+class In:
+    """One input: shape, dtype, how to fill it, and whether to pass it as a non-contiguous view."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    fill: str = "randn"  # randn | positive | int | index:N | bool | special
+    noncontiguous: bool = False
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable[..., Any]
+    inputs: tuple[In, ...]
+    dynamic: Any = None
+    run_shapes: tuple[tuple[int, ...], ...] | None = None
+    """Shapes to run with (for dynamic cases); default: the export shapes."""
+    tol: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class FnModule(torch.nn.Module):
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def make(spec: In, gen: torch.Generator, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    shape = spec.shape if shape is None else shape
+    full = tuple(reversed(shape)) if spec.noncontiguous else shape
+    if spec.fill == "bool":
+        t = torch.rand(full, generator=gen) > 0.5
+    elif spec.fill == "int":
+        t = torch.randint(-8, 9, full, generator=gen)
+    elif spec.fill.startswith("index:"):
+        t = torch.randint(0, int(spec.fill.split(":")[1]), full, generator=gen)
+    elif spec.fill == "positive":
+        t = torch.rand(full, generator=gen) * 4 + 0.1
+    elif spec.fill == "special":
+        t = torch.randn(full, generator=gen) * 3
+        flat = t.view(-1)
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+        flat[: min(5, flat.numel())] = specials[: min(5, flat.numel())]
+    else:
+        t = torch.randn(full, generator=gen) * 2
+    t = t.to(spec.dtype)
+    if spec.noncontiguous:
+        t = t.permute(*reversed(range(t.dim())))
+    return t
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def compare(got: Any, want: torch.Tensor, tol: float | None, label: str) -> None:
+    got = np.asarray(got.get() if hasattr(got, "get") else got)
+    assert got.shape == tuple(want.shape), f"{label}: shape {got.shape} != {tuple(want.shape)}"
+    if want.dtype.is_floating_point:
+        t = tol if tol is not None else TOLERANCE[want.dtype]
+        np.testing.assert_allclose(got.astype(np.float64), want.double().numpy(), rtol=t, atol=t, equal_nan=True,
+                                   err_msg=label)
+    else:
+        np.testing.assert_array_equal(got, to_numpy(want), err_msg=label)
+
+
+def check(case: Case, backend: str) -> None:
+    gen = torch.Generator().manual_seed(hash(case.name) % (2**31))
+    args = tuple(make(s, gen) for s in case.inputs)
+    dynamic = None if case.dynamic is None else (tuple(case.dynamic),)  # FnModule.forward takes *args
+    program = kiln.export(FnModule(case.fn), args, dynamic_shapes=dynamic).load()
+    session = program.session(backend, validate=True)
+    runs = [args] if case.run_shapes is None else [
+        tuple(make(s, gen, shape) for s, shape in zip(case.inputs, shapes)) for shapes in case.run_shapes]
+    for run_args in runs:
+        with torch.no_grad():
+            want = case.fn(*run_args)
+        want = list(want) if isinstance(want, (tuple, list)) else [want]
+        got = session.run("forward", *[to_numpy(a) for a in run_args])
+        assert len(got) == len(want)
+        for k, (g, w) in enumerate(zip(got, want)):
+            compare(g, w, case.tol, f"{case.name} output {k} on {backend}")

@@ -1,0 +1,90 @@
+"""Matrix products, normalization, attention, convolution and pooling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.harness import Case, In, check
+
+Dim = torch.export.Dim
+CASES = [
+    Case("mm", torch.mm, (In((3, 4)), In((4, 5)))),
+    Case("bmm", torch.bmm, (In((2, 3, 4)), In((2, 4, 5)))),
+    Case("matmul_broadcast", torch.matmul, (In((2, 1, 3, 4)), In((3, 4, 5)))),
+    Case("matmul_vec", torch.matmul, (In((3, 4)), In((4,)))),
+    Case("matmul_f16", torch.matmul, (In((3, 16), torch.float16), In((16, 5), torch.float16)), tol=2e-3),
+    Case("matmul_bf16", torch.matmul, (In((3, 16), torch.bfloat16), In((16, 5), torch.bfloat16)), tol=2e-2),
+    Case("matmul_noncontig", torch.matmul, (In((4, 3), noncontiguous=True), In((3, 5)))),
+    Case("matmul_int", torch.matmul, (In((3, 4), torch.int64, "int"), In((4, 2), torch.int64, "int"))),
+    Case("linear", F.linear, (In((2, 3, 8)), In((5, 8)), In((5,)))),
+    Case("linear_nobias", F.linear, (In((3, 8)), In((5, 8)))),
+    Case("linear_bf16", F.linear, (In((3, 16), torch.bfloat16), In((5, 16), torch.bfloat16)), tol=2e-2),
+    Case("addmm", lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0), (In((5,)), In((3, 4)), In((4, 5)))),
+    Case("linear_dynamic", F.linear, (In((3, 8)), In((5, 8))), dynamic=({0: Dim("n", max=64)}, None),
+         run_shapes=(((3, 8), (5, 8)), ((11, 8), (5, 8)))),
+    Case("layer_norm", lambda x, w, b: F.layer_norm(x, (8,), w, b), (In((2, 3, 8)), In((8,)), In((8,)))),
+    Case("layer_norm_2d_noaffine", lambda x: F.layer_norm(x, (3, 8), eps=1e-3), (In((2, 3, 8)),)),
+    Case("layer_norm_f16", lambda x, w: F.layer_norm(x, (32,), w), (In((4, 32), torch.float16),
+                                                                    In((32,), torch.float16))),
+    Case("rms_norm", lambda x, w: F.rms_norm(x, (8,), w, 1e-6), (In((2, 3, 8)), In((8,)))),
+    Case("rms_norm_default_eps", lambda x: F.rms_norm(x, (8,)), (In((2, 8)),)),
+    Case("batch_norm", lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, False, 0.1, 1e-5),
+         (In((2, 3, 4, 4)), In((3,)), In((3,), fill="positive"), In((3,)), In((3,)))),
+    Case("sdpa", F.scaled_dot_product_attention, (In((1, 2, 5, 8)), In((1, 2, 7, 8)), In((1, 2, 7, 8)))),
+    Case("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+         (In((1, 2, 5, 8)), In((1, 2, 5, 8)), In((1, 2, 5, 8)))),
+    Case("sdpa_bool_mask", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m | torch.eye(
+        5, 7, dtype=torch.bool)), (In((1, 2, 5, 8)), In((1, 2, 7, 8)), In((1, 2, 7, 8)), In((5, 7), torch.bool, "bool"))),
+    Case("sdpa_float_mask_scale", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3),
+         (In((2, 5, 8)), In((2, 7, 8)), In((2, 7, 8)), In((5, 7)))),
+    Case("sdpa_gqa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+         (In((1, 4, 5, 8)), In((1, 2, 6, 8)), In((1, 2, 6, 8)))),
+    Case("sdpa_f16", F.scaled_dot_product_attention,
+         (In((1, 2, 5, 16), torch.float16), In((1, 2, 6, 16), torch.float16), In((1, 2, 6, 16), torch.float16))),
+    Case("sdpa_dynamic", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+         (In((1, 2, 5, 8)), In((1, 2, 5, 8)), In((1, 2, 5, 8))),
+         dynamic=({2: Dim("t", max=64)}, {2: Dim("t", max=64)}, {2: Dim("t", max=64)}),
+         run_shapes=(((1, 2, 5, 8),) * 3, ((1, 2, 9, 8),) * 3)),
+    Case("conv1d", lambda x, w, b: F.conv1d(x, w, b, padding=1), (In((2, 3, 10)), In((4, 3, 3)), In((4,)))),
+    Case("conv2d", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (In((1, 3, 9, 9)), In((4, 3, 3, 3)),
+                                                                            In((4,)))),
+    Case("conv2d_1x1", lambda x, w: F.conv2d(x, w), (In((2, 6, 5, 5)), In((4, 6, 1, 1)))),
+    Case("conv2d_1x1_stride", lambda x, w: F.conv2d(x, w, stride=2), (In((1, 6, 5, 5)), In((4, 6, 1, 1)))),
+    Case("conv2d_dilation", lambda x, w: F.conv2d(x, w, dilation=2, padding=2), (In((1, 2, 8, 8)),
+                                                                                  In((3, 2, 3, 3)))),
+    Case("conv2d_groups", lambda x, w: F.conv2d(x, w, groups=2), (In((1, 4, 6, 6)), In((6, 2, 3, 3)))),
+    Case("conv2d_depthwise", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=2, groups=4),
+         (In((1, 4, 9, 9)), In((4, 1, 5, 5)), In((4,)))),
+    Case("conv2d_depthwise_mult", lambda x, w: F.conv2d(x, w, padding=1, groups=3), (In((1, 3, 6, 6)),
+                                                                                      In((6, 1, 3, 3)))),
+    Case("conv2d_asym", lambda x, w: F.conv2d(x, w, stride=(1, 2), padding=(0, 1)), (In((1, 2, 6, 7)),
+                                                                                      In((3, 2, 2, 3)))),
+    Case("conv3d", lambda x, w: F.conv3d(x, w, padding=1), (In((1, 2, 4, 5, 5)), In((3, 2, 3, 3, 3)))),
+    Case("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
+         (In((1, 3, 4, 4)), In((3, 2, 3, 3)), In((2,)))),
+    Case("conv_transpose1d_groups", lambda x, w: F.conv_transpose1d(x, w, stride=2, groups=2),
+         (In((1, 4, 5)), In((4, 3, 3)))),
+    Case("conv2d_f16", lambda x, w: F.conv2d(x, w, padding=1), (In((1, 3, 6, 6), torch.float16),
+                                                                 In((4, 3, 3, 3), torch.float16)), tol=2e-3),
+    Case("conv2d_dynamic_batch", lambda x, w: F.conv2d(x, w, padding=1), (In((2, 3, 6, 6)), In((4, 3, 3, 3))),
+         dynamic=({0: Dim("b", max=8)}, None), run_shapes=(((2, 3, 6, 6), (4, 3, 3, 3)), ((5, 3, 6, 6), (4, 3, 3, 3)))),
+    Case("max_pool2d", lambda x: F.max_pool2d(x, 3, 2, 1), (In((1, 2, 9, 9)),)),
+    Case("max_pool2d_ceil", lambda x: F.max_pool2d(x, 2, 2, ceil_mode=True), (In((1, 2, 7, 7)),)),
+    Case("max_pool2d_dilation", lambda x: F.max_pool2d(x, 2, 1, dilation=2), (In((1, 2, 7, 7)),)),
+    Case("max_pool1d", lambda x: F.max_pool1d(x, 3, 2), (In((1, 2, 9)),)),
+    Case("max_pool3d", lambda x: F.max_pool3d(x, 2), (In((1, 2, 4, 4, 4)),)),
+    Case("avg_pool2d", lambda x: F.avg_pool2d(x, 3, 2, 1), (In((1, 2, 9, 9)),)),
+    Case("avg_pool2d_nopad_count", lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False), (In((1, 2, 8, 8)),)),
+    Case("avg_pool2d_ceil", lambda x: F.avg_pool2d(x, 2, 2, ceil_mode=True), (In((1, 2, 7, 7)),)),
+    Case("avg_pool2d_divisor", lambda x: F.avg_pool2d(x, 2, divisor_override=3), (In((1, 2, 6, 6)),)),
+    Case("avg_pool1d", lambda x: F.avg_pool1d(x, 2), (In((1, 2, 8)),)),
+    Case("adaptive_avg_pool2d_1", lambda x: F.adaptive_avg_pool2d(x, 1), (In((2, 3, 5, 5)),)),
+    Case("adaptive_avg_pool2d_div", lambda x: F.adaptive_avg_pool2d(x, (2, 3)), (In((1, 3, 4, 6)),)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_nn(case: Case, backend: str) -> None:
+    check(case, backend)
