@@ -14,6 +14,7 @@ from typing import Any
 from kiln.errors import (
     BackendUnavailableError,
     InputError,
+    KernelError,
     KilnError,
     ProgramFormatError,
     UnsupportedOpsError,
@@ -31,5 +32,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 
-__all__ = ["BackendUnavailableError", "InputError", "KilnError", "Program", "ProgramFormatError", "Session",
-           "UnsupportedOpsError", "export", "load"]
+__all__ = ["BackendUnavailableError", "InputError", "KernelError", "KilnError", "Program", "ProgramFormatError",
+           "Session", "UnsupportedOpsError", "export", "load"]

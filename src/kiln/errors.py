@@ -20,6 +20,10 @@ class InputError(KilnError, ValueError):
     """The inputs given to `Session.run` do not match the method's input specs."""
 
 
+class KernelError(KilnError, RuntimeError):
+    """A kernel failed or produced a result that does not match the program; says which node and source line."""
+
+
 class BackendUnavailableError(KilnError, RuntimeError):
     """The requested backend cannot run on this machine (e.g. no GPU or no CuPy)."""
 

@@ -3,8 +3,9 @@ compared with eager PyTorch under per-dtype tolerances."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -35,8 +35,9 @@ CASES = [
     Case("sdpa", F.scaled_dot_product_attention, (In((1, 2, 5, 8)), In((1, 2, 7, 8)), In((1, 2, 7, 8)))),
     Case("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
          (In((1, 2, 5, 8)), In((1, 2, 5, 8)), In((1, 2, 5, 8)))),
-    Case("sdpa_bool_mask", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m | torch.eye(
-        5, 7, dtype=torch.bool)), (In((1, 2, 5, 8)), In((1, 2, 7, 8)), In((1, 2, 7, 8)), In((5, 7), torch.bool, "bool"))),
+    Case("sdpa_bool_mask", lambda q, k, v, m: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m | torch.eye(5, 7, dtype=torch.bool)),
+         (In((1, 2, 5, 8)), In((1, 2, 7, 8)), In((1, 2, 7, 8)), In((5, 7), torch.bool, "bool"))),
     Case("sdpa_float_mask_scale", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3),
          (In((2, 5, 8)), In((2, 7, 8)), In((2, 7, 8)), In((5, 7)))),
     Case("sdpa_gqa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),

@@ -137,6 +137,9 @@ def lower_method(name: str, ep: torch.export.ExportedProgram, builder: ProgramBu
         else:
             failures.add("output", f"output kind {spec.kind.name} ({spec.target}) is not supported; a method may "
                                    "mutate buffers but not its inputs", "")
+    for k, v in enumerate(outputs):
+        if ctx.values[v].kind == ValueKind.TEMP:
+            ctx.values[v].name = "output" if len(outputs) == 1 else f"output_{k}"
     return Method(name, ctx.values, inputs, outputs, ctx.nodes, symbols.symbols, updates)
 
 

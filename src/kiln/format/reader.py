@@ -46,11 +46,15 @@ def read_header(buf: Any) -> Header:
     if h.meta_offset != HEADER_SIZE or h.meta_size < 8 or h.meta_offset + h.meta_size > size:
         raise ProgramFormatError(f"metadata section [{h.meta_offset}, +{h.meta_size}) lies outside the file "
                                  f"({size} bytes)")
-    if (h.const_offset % ALIGNMENT or h.const_offset < h.meta_offset + h.meta_size
-            or h.const_offset + h.const_size != size):
-        raise ProgramFormatError(f"constant segment [{h.const_offset}, +{h.const_size}) is misplaced: it must be "
-                                 f"{ALIGNMENT}-byte aligned, after the metadata, and end at the end of the file")
+    if h.const_offset != _align(h.meta_offset + h.meta_size) or h.const_offset + h.const_size != size:
+        raise ProgramFormatError(f"constant segment [{h.const_offset}, +{h.const_size}) is misplaced: it must start "
+                                 f"at the first {ALIGNMENT}-byte boundary after the metadata "
+                                 f"({_align(h.meta_offset + h.meta_size)}) and end at the end of the file ({size})")
     return h
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 def read_program(buf: Any, verify_checksums: bool = True) -> tuple[Program, Header]:
@@ -59,6 +63,9 @@ def read_program(buf: Any, verify_checksums: bool = True) -> tuple[Program, Head
     meta = bytes(buf[h.meta_offset:h.meta_offset + h.meta_size])
     if zlib.crc32(meta) != h.meta_crc32:
         raise ProgramFormatError("metadata checksum mismatch: the file is corrupted")
+    if any(buf[h.meta_offset + h.meta_size:h.const_offset]):  # no checksum covers the padding: it must be zeros
+        raise ProgramFormatError("padding between the metadata and the constant segment is not zero: the file is "
+                                 "corrupted")
     if verify_checksums:
         crc, step = 0, 1 << 24
         view = memoryview(buf)
@@ -86,6 +93,11 @@ class _Decoder:
 
     def __init__(self, meta: bytes, header: Header):
         self.meta, self.limit = meta, len(meta) // 4 + 1
+        # FlatBuffers lets many tables point at one vector or string, so per-vector bounds alone still allow a small
+        # hostile file to decode into quadratic work and memory. The writer never shares vectors (each element takes
+        # at least 4 bytes of its own) and shares only short strings, so these totals bound any file it writes.
+        self.entries_left = len(meta) // 4 + 1
+        self.text_left = 64 * len(meta) + (16 << 20)
         if meta[4:8] != b"KILN":
             raise ProgramFormatError("metadata is not a kiln FlatBuffers table (identifier missing)")
         self.root = fbProgram.GetRootAs(meta, 0)
@@ -94,6 +106,10 @@ class _Decoder:
         count = getattr(obj, field + "Length")()
         if count < 0 or count > self.limit:
             raise ProgramFormatError(f"{where}: vector '{field}' claims {count} entries, more than the file holds")
+        self.entries_left -= count
+        if self.entries_left < 0:
+            raise ProgramFormatError(f"{where}: vector '{field}' brings the entries decoded past what a "
+                                     f"{len(self.meta)}-byte metadata table can hold (vectors shared or overlapping)")
         return count
 
     def ints(self, obj: Any, field: str, where: str) -> list[int]:
@@ -110,9 +126,14 @@ class _Decoder:
         get = getattr(obj, field)
         return [get(i) for i in range(self.n(obj, field, where))]
 
-    @staticmethod
-    def text(raw: bytes | None) -> str:
-        return raw.decode("utf-8") if raw is not None else ""
+    def text(self, raw: bytes | None) -> str:
+        if raw is None:
+            return ""
+        self.text_left -= len(raw)
+        if self.text_left < 0:
+            raise ProgramFormatError(f"strings decoded exceed what a {len(self.meta)}-byte metadata table can hold "
+                                     "(one long string referenced many times)")
+        return raw.decode("utf-8")
 
     def dims(self, obj: Any, field: str, where: str) -> tuple[int | str, ...]:
         out: list[int | str] = []
@@ -285,6 +306,11 @@ def _check_method(p: Program, m: Method) -> None:
             _fail(where, f"input {k} refers to value {i}, which is not an input value")
     if len(set(m.inputs)) != len(m.inputs):
         _fail(where, "an input value is listed twice")
+    unlisted = [i for i, v in enumerate(m.values) if v.kind == ValueKind.INPUT and i not in set(m.inputs)]
+    if unlisted:
+        _fail(where, f"value {unlisted[0]} ({m.values[unlisted[0]].name}) is an input value but not a method input")
+    last_read = _last_readers(m)
+    kept = set(m.outputs) | {u.value for u in m.state_updates}
     for j, n in enumerate(m.nodes):
         nw = f"{where} node {j} ({n.op})"
         if n.op not in ops.OPS:
@@ -309,6 +335,11 @@ def _check_method(p: Program, m: Method) -> None:
         for i in n.free_after:
             if not 0 <= i < nvalues:
                 _fail(nw, f"free_after names value {i}, out of range")
+            # The memory plan may drop only a temporary or input that nothing reads later and the caller never sees.
+            if (m.values[i].kind not in (ValueKind.TEMP, ValueKind.INPUT) or not defined[i] or i in kept
+                    or last_read.get(i, -1) > j):
+                _fail(nw, f"free_after drops value {i} ({m.values[i].name}), which is not a dead temporary here "
+                          "(read later, a method output or state update, a constant/state, or not yet produced)")
         n.attrs = _check_attrs(opdef, n.attrs, symbols, nw)
     for k, i in enumerate(m.outputs):
         if not 0 <= i < nvalues or not defined[i]:
@@ -320,6 +351,34 @@ def _check_method(p: Program, m: Method) -> None:
         if v.dtype != s.dtype or tuple(v.shape) != s.shape:
             _fail(where, f"state update writes {v.dtype.name}{list(v.shape)} into {s.name} "
                          f"{s.dtype.name}{list(s.shape)}")
+    _check_symbols_bindable(m, where)
+
+
+def _check_symbols_bindable(m: Method, where: str) -> None:
+    """A runtime binds each symbol from an input dimension that is exactly that symbol; one used without such a
+    dimension could never be given a size."""
+    bindable = {d for v in m.input_specs() for d in v.shape if isinstance(d, str) and parse(d).is_symbol}
+    dims = [d for v in m.values for d in v.shape]
+    for n in m.nodes:
+        for name, value in n.attrs.items():
+            kind = ops.OPS[n.op].attr_map[name].type
+            if kind in (AttrType.SYMINT, AttrType.SYMINTS):
+                dims.extend(value if kind == AttrType.SYMINTS else (value,))
+    for d in dims:
+        if isinstance(d, str):
+            unbound = parse(d).symbols - bindable
+            if unbound:
+                _fail(where, f"symbol(s) {sorted(unbound)} in {d!r} are not the size of any input dimension, so "
+                             "no call could bind them")
+
+
+def _last_readers(m: Method) -> dict[int, int]:
+    """Value index -> index of the last node that reads it."""
+    last: dict[int, int] = {}
+    for j, n in enumerate(m.nodes):
+        for i in n.inputs:
+            last[i] = j
+    return last
 
 
 def _check_attrs(opdef: ops.OpDef, raw: dict[str, tuple[AttrType, Any]], symbols: set[str], where: str) -> dict:

@@ -198,6 +198,11 @@ class _Encoder:
         return bytes(b.Output())
 
 
+def encode_metadata(program: Program) -> bytes:
+    """The FlatBuffers metadata table of `program` (the file's second section), without header or constants."""
+    return _Encoder().program(program)
+
+
 def layout_blobs(sizes: Sequence[int]) -> list[int]:
     """Offsets (relative to the constant segment) that put each blob on a 64-byte boundary."""
     offsets, pos = [], 0
@@ -214,13 +219,16 @@ def write_program(program: Program, blob_data: Sequence[Any], path: str | os.Pat
     """
     if len(blob_data) != len(program.blobs):
         raise ValueError(f"{len(program.blobs)} blobs declared but {len(blob_data)} given")
-    for blob, data in zip(program.blobs, blob_data):
-        if memoryview(data).nbytes != blob.nbytes or blob.offset % ALIGNMENT:
-            raise ValueError("blob table does not match the blob data")
+    end = 0
+    for i, (blob, data) in enumerate(zip(program.blobs, blob_data, strict=True)):
+        if memoryview(data).nbytes != blob.nbytes or blob.offset % ALIGNMENT or blob.offset < end:
+            raise ValueError(f"blob {i} [{blob.offset}, +{blob.nbytes}) does not match its data "
+                             f"({memoryview(data).nbytes} bytes), is unaligned, or overlaps the blob before it")
+        end = blob.offset + blob.nbytes
     for c in program.constants:
         if c.dtype not in DType.__members__.values():
             raise ValueError(f"constant {c.name} has no kiln dtype")
-    meta = _Encoder().program(program)
+    meta = encode_metadata(program)
     const_offset = _align(HEADER_SIZE + len(meta))
     const_size = _align(program.blobs[-1].offset + program.blobs[-1].nbytes) if program.blobs else 0
     tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
@@ -230,7 +238,7 @@ def write_program(program: Program, blob_data: Sequence[Any], path: str | os.Pat
             f.write(meta)
             f.write(b"\0" * (const_offset - HEADER_SIZE - len(meta)))
             crc, pos = 0, 0
-            for blob, data in zip(program.blobs, blob_data):
+            for blob, data in zip(program.blobs, blob_data, strict=True):
                 pad = b"\0" * (blob.offset - pos)
                 view = memoryview(data).cast("B")
                 f.write(pad)

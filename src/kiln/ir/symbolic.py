@@ -14,8 +14,8 @@ Functions: ``max``, ``min`` (two or more arguments). ``//`` and ``%`` are floor 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 MAX_EXPR_LEN = 512
 MAX_DEPTH = 32

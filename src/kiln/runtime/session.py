@@ -12,19 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KernelError, KilnError
 from kiln.ir import ops
 from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
 from kiln.ir.ops import REQUIRED, AttrType
-from kiln.ir.symbolic import UNBOUNDED, format_shape, parse, resolve, resolve_shape
+from kiln.ir.symbolic import UNBOUNDED, ExprError, format_shape, parse, resolve, resolve_shape
 from kiln.runtime import backends
 from kiln.runtime.program import Program
 
 MAX_PLANS_PER_METHOD = 64
-
-
-class KernelError(KilnError, RuntimeError):
-    """A kernel failed or produced a result that does not match the program (raised with the node's context)."""
 
 
 @dataclass
@@ -76,12 +72,19 @@ class Session:
                 slots[v_index] = self.backend.constant(value.ref)
             elif value.kind == ValueKind.STATE:
                 slots[v_index] = self.state[value.ref]
-        for v_index, arr in zip(m.inputs, arrays):
+        for v_index, arr in zip(m.inputs, arrays, strict=True):
             slots[v_index] = arr
         self._execute(m, plan, slots)
+        # State must not share memory with the caller's inputs or with the outputs handed back: a caller who refills
+        # an input buffer or edits an output in place would otherwise rewrite the state (a KV cache) behind our back.
         for update in m.state_updates:
-            self.state[update.state] = slots[update.value]
-        return [self.backend.asarray(slots[i]) for i in m.outputs]
+            new = slots[update.value]
+            self.state[update.state] = new.copy() if any(_may_alias(new, a) for a in arrays) else new
+        outputs = []
+        for i in m.outputs:
+            out = self.backend.asarray(slots[i])
+            outputs.append(out.copy() if any(_may_alias(out, s) for s in self.state) else out)
+        return outputs
 
     def _execute(self, m: Method, plan: _Plan, slots: list[Any]) -> None:
         for step in plan.steps:
@@ -95,7 +98,7 @@ class Session:
             if len(step.outputs) == 1:
                 slots[step.outputs[0]] = result
             else:
-                for i, r in zip(step.outputs, result):
+                for i, r in zip(step.outputs, result, strict=False):
                     slots[i] = r
             if self.validate:
                 self._check_outputs(m, step, slots, plan.env)
@@ -117,7 +120,7 @@ class Session:
             listing = ", ".join(v.spec() for v in specs)
             raise InputError(f"method {m.name!r} takes {len(specs)} input(s) ({listing}), got {len(inputs)}")
         arrays = []
-        for k, (x, spec) in enumerate(zip(inputs, specs)):
+        for k, (x, spec) in enumerate(zip(inputs, specs, strict=True)):
             arr = self.backend.asarray(x)
             if arr.dtype != spec.dtype.numpy:
                 raise InputError(f"input {k} '{spec.name}' of {m.name!r}: expected dtype {spec.dtype.name} "
@@ -132,8 +135,8 @@ class Session:
         """Bind each symbol from the first input dimension that is exactly that symbol; check every other dim."""
         env: dict[str, int] = {}
         specs = m.input_specs()
-        for spec, arr in zip(specs, arrays):
-            for d, size in zip(spec.shape, arr.shape):
+        for spec, arr in zip(specs, arrays, strict=True):
+            for d, size in zip(spec.shape, arr.shape, strict=True):
                 if isinstance(d, str) and parse(d).is_symbol and d not in env:
                     env[d] = int(size)
         for s in m.symbols:
@@ -144,12 +147,14 @@ class Session:
                 where = _symbol_site(m, s.name)
                 raise InputError(f"{where} is {value}, outside the bounds of symbol {s.describe()} "
                                  f"that {m.name!r} was exported with")
-        for k, (spec, arr) in enumerate(zip(specs, arrays)):
-            for axis, (d, size) in enumerate(zip(spec.shape, arr.shape)):
+        for k, (spec, arr) in enumerate(zip(specs, arrays, strict=True)):
+            for axis, (d, size) in enumerate(zip(spec.shape, arr.shape, strict=True)):
                 try:
                     want = resolve(d, env)
                 except KeyError as e:
                     raise InputError(f"input '{spec.name}': symbol {e} cannot be bound from the inputs") from None
+                except ExprError as e:
+                    raise InputError(f"input '{spec.name}' dimension {axis} ({d}): {e}") from None
                 if want != size:
                     raise InputError(f"input {k} '{spec.name}' of {m.name!r}: dimension {axis} is {size}, expected "
                                      f"{d}{'' if isinstance(d, int) else f' = {want}'} (spec {spec.spec()}, "
@@ -163,7 +168,11 @@ class Session:
             kernel = kernels.get(node.op)
             if kernel is None:
                 raise KilnError(f"the {self.backend.name} backend has no kernel for op {node.op!r}" + _where(node))
-            attrs = _resolve_attrs(ops.OPS[node.op], node.attrs, env)
+            try:
+                attrs = _resolve_attrs(ops.OPS[node.op], node.attrs, env)
+            except (KeyError, ExprError) as e:
+                raise InputError(f"node {node.op!r}: cannot resolve its attributes for {env}: "
+                                 f"{type(e).__name__}: {e}" + _where(node)) from None
             steps.append(_Step(kernel, tuple(node.inputs), tuple(node.outputs), attrs, tuple(node.free_after), node))
         return _Plan(steps, env)
 
@@ -192,5 +201,8 @@ def _where(node: Node) -> str:
     return f"\n  from: {node.source}" if node.source else ""
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray)
+def _may_alias(a: Any, b: Any) -> bool:
+    """Whether two arrays may share memory (NumPy's bounds check; identity for other array types)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.may_share_memory(a, b)
+    return a is b or getattr(a, "base", None) is b or getattr(b, "base", None) is a

@@ -66,20 +66,22 @@ def avg_pool(ctx: LowerContext, node: torch.fx.Node) -> int:
 @lowering(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool1d.default
           if hasattr(aten, "_adaptive_avg_pool1d") else aten.adaptive_avg_pool1d.default)
 def adaptive_avg_pool(ctx: LowerContext, node: torch.fx.Node) -> int:
-    """Adaptive pooling whose windows are uniform: a mean (output 1) or a plain average pool (divisible sizes)."""
+    """Adaptive pooling whose windows are uniform: a mean (output 1, any input size, symbolic too) or a plain
+    average pool (static sizes that the output divides)."""
     x = node.args[0]
     out_size = [int(s) for s in node.args[1]]
     in_shape = list(fake(x).shape)
     nsp = len(out_size)
     spatial = in_shape[-nsp:]
-    if any(not isinstance(s, int) for s in spatial):
-        raise Unsupported("adaptive pooling over symbolic spatial sizes")
     dtype, shape = ctx.meta(node)
     v = ctx.value(x)
     if all(o == 1 for o in out_size):
         dims = tuple(range(len(in_shape) - nsp, len(in_shape)))
         return ctx.emit("mean", [v], (dtype, shape), dims=dims, keepdim=True)
-    if all(s % o == 0 for s, o in zip(spatial, out_size)):
-        kernel = tuple(s // o for s, o in zip(spatial, out_size))
+    if any(not isinstance(s, int) for s in spatial):
+        raise Unsupported(f"adaptive average pooling to {out_size} over symbolic spatial sizes (only output 1 is "
+                          "supported there)")
+    if all(s % o == 0 for s, o in zip(spatial, out_size, strict=True)):
+        kernel = tuple(s // o for s, o in zip(spatial, out_size, strict=True))
         return ctx.emit("avg_pool", [v], (dtype, shape), kernel=kernel, stride=kernel, padding=(0,) * nsp)
     raise Unsupported(f"adaptive average pooling from {spatial} to {out_size} (non-uniform windows)")

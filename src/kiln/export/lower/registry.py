@@ -7,7 +7,8 @@ the node's result, or raises Unsupported with the reason.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -6,19 +6,17 @@ from typing import Any
 
 import numpy as np
 
+import kiln.runtime.backends.cpu.attention
+import kiln.runtime.backends.cpu.conv
+import kiln.runtime.backends.cpu.creation
+import kiln.runtime.backends.cpu.elementwise
+import kiln.runtime.backends.cpu.index
+import kiln.runtime.backends.cpu.linalg
+import kiln.runtime.backends.cpu.norm
+import kiln.runtime.backends.cpu.reduce
+import kiln.runtime.backends.cpu.shape  # noqa: F401 - importing the kernel families registers them
 from kiln.ir.graph import StateBuffer
 from kiln.runtime.backends.base import Backend
-from kiln.runtime.backends.cpu import (  # noqa: F401 - importing registers the kernels
-    attention,
-    conv,
-    creation,
-    elementwise,
-    index,
-    linalg,
-    norm,
-    reduce,
-    shape,
-)
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 from kiln.runtime.program import Program
 

@@ -1,7 +1,9 @@
 """Convolution and pooling over N spatial dims (channels first), as aten.convolution and the pooling ops.
 
-Convolution is im2col through a strided window view and one tensordot per group (BLAS), with direct paths for
-1x1 kernels and depthwise convolutions, where im2col would only copy.
+Convolution is im2col + one GEMM per group: the patch matrix is built tap by tap (one strided block copy per kernel
+offset, so every copy moves a whole output plane) in the layout [C*K, out] that makes the weight [O, C*K] multiply it
+directly into channels-first output, with no transpose after. 1x1 kernels skip im2col, and depthwise convolutions
+(and pooling) accumulate tap by tap, where a GEMM would have nothing to share.
 """
 
 from __future__ import annotations
@@ -9,29 +11,26 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from kiln.runtime.backends.cpu.registry import LOW_PRECISION, kernel, upcast
 
 
-def _windows(x: np.ndarray, kernel_size: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
-             out: tuple[int, ...]) -> np.ndarray:
-    """View of x [..., *spatial] as [..., *out, *kernel]: element (o, k) is x[o * stride + k * dilation]."""
-    nsp = len(kernel_size)
-    lead_shape, lead_strides = x.shape[:-nsp], x.strides[:-nsp]
-    sp_strides = x.strides[-nsp:]
-    shape = lead_shape + tuple(out) + tuple(kernel_size)
-    strides = lead_strides + tuple(s * st for s, st in zip(sp_strides, stride)) + tuple(
-        s * d for s, d in zip(sp_strides, dilation))
-    return as_strided(x, shape, strides, writeable=False)
+def _tap_slices(taps: tuple[int, ...], stride, dilation, out_sp) -> tuple[slice, ...]:
+    """Slices of a padded input that give, for every output position o, the element o * stride + taps * dilation."""
+    return tuple(slice(t * d, t * d + (size - 1) * s + 1, s)
+                 for t, d, s, size in zip(taps, dilation, stride, out_sp, strict=True))
 
 
 def _pad_spatial(x: np.ndarray, before: tuple[int, ...], after: tuple[int, ...], value: float) -> np.ndarray:
+    """x with the trailing len(before) dims padded by `value` (a fill and one block copy: faster than np.pad)."""
     if not any(before) and not any(after):
         return x
     nsp = len(before)
-    widths = [(0, 0)] * (x.ndim - nsp) + list(zip(before, after))
-    return np.pad(x, widths, constant_values=value)
+    lead = x.shape[:-nsp]
+    shape = lead + tuple(s + b + a for s, b, a in zip(x.shape[-nsp:], before, after, strict=True))
+    out = np.full(shape, value, dtype=x.dtype)
+    out[(Ellipsis,) + tuple(slice(b, b + s) for b, s in zip(before, x.shape[-nsp:], strict=True))] = x
+    return out
 
 
 def _conv_out(size: int, k: int, s: int, p: int, d: int) -> int:
@@ -62,34 +61,82 @@ def _conv_forward(x, weight, stride, padding, dilation, groups):
         xs = x[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in stride)]
         res = np.matmul(weight.reshape(o, c), xs.reshape(n, c, -1))
         return res.reshape((n, o) + out_sp)
+    if cg == 1 and groups == c == o and 0 not in out_sp:
+        return _depthwise(x, weight, stride, padding, dilation, out_sp)
     xp = _pad_spatial(x, tuple(padding), tuple(padding), 0.0)
-    if cg == 1 and groups == c:
-        return _depthwise(xp, weight, stride, dilation, out_sp)
-    win = _windows(xp, ks, stride, dilation, out_sp)  # [n, c, *out, *k]
-    og = o // groups
-    parts = []
-    k_axes = list(range(2 + nsp, 2 + 2 * nsp))
-    for g in range(groups):
-        wg = weight[g * og:(g + 1) * og]
-        xg = win[:, g * cg:(g + 1) * cg]
-        res = np.tensordot(xg, wg, axes=([1] + k_axes, [1] + list(range(2, 2 + nsp))))  # [n, *out, og]
-        parts.append(np.moveaxis(res, -1, 1))
-    return parts[0] if groups == 1 else np.concatenate(parts, axis=1)
+    cols = np.empty((n, c) + tuple(ks) + out_sp, dtype=np.result_type(x, weight))  # im2col: [n, c, *k, *out]
+    for taps in itertools.product(*(range(k) for k in ks)):
+        cols[(slice(None), slice(None)) + taps] = xp[(slice(None), slice(None)) + _tap_slices(taps, stride, dilation,
+                                                                                                out_sp)]
+    kk = int(np.prod(ks))
+    length = int(np.prod(out_sp))
+    cols = cols.reshape(n, groups, cg * kk, length)
+    res = np.matmul(weight.reshape(groups, o // groups, cg * kk), cols)  # [n, groups, o/groups, length]
+    return res.reshape((n, o) + out_sp)
 
 
-def _depthwise(xp, weight, stride, dilation, out_sp):
-    """groups == channels: one multiply-add per kernel tap over strided views of the padded input."""
-    n, c = xp.shape[:2]
-    o = weight.shape[0]
-    mult = o // c
-    if mult > 1:
-        xp = np.repeat(xp, mult, axis=1)
-    out = np.zeros((n, o) + out_sp, dtype=np.result_type(xp, weight))
-    for taps in itertools.product(*(range(k) for k in weight.shape[2:])):
-        sl = tuple(slice(t * d, t * d + (size - 1) * s + 1, s) for t, d, s, size in zip(taps, dilation, stride, out_sp))
-        w = weight[(slice(None), 0) + taps].reshape((1, o) + (1,) * len(out_sp))
-        out += xp[(slice(None), slice(None)) + sl] * w
-    return out
+_DEPTHWISE_BLOCK_BYTES = 1 << 19
+"""Channels per step of the depthwise loop are chosen so one output block is about this big and stays in cache
+across all kernel taps (measured ~1.5x faster than whole-array passes on EfficientNet-lite0's layers)."""
+
+
+def _phases(x: np.ndarray, ks, stride, padding, dilation, out_sp):
+    """The zero-padded input split by stride phase, flattened per channel, and each tap's (phase, flat offset).
+
+    Padded position j * s + f of a dim lands in phase f at index j, so a strided convolution becomes stride 1 inside
+    each phase. With phases of shape q, output position o (row-major index m in a grid [out_0, *q[1:]], whose extra
+    columns are dropped at the end) reads flat element m + offset of its tap's phase: every tap is one contiguous
+    1-d slice, so NumPy runs long inner loops even on 7x7 feature maps, with no stride-2 reads.
+    Returns (buffer [n, c, phases, length], phase per tap, offset per tap, m, q).
+    """
+    n, c = x.shape[:2]
+    nsp = len(ks)
+    q = tuple(-(-(size + 2 * p) // s) for size, p, s in zip(x.shape[2:], padding, stride, strict=True))
+    pitch = [int(np.prod(q[i + 1:])) for i in range(nsp)]
+    phases: dict[tuple[int, ...], int] = {}
+    phase_of, offsets = [], []
+    for taps in itertools.product(*(range(k) for k in ks)):
+        pos = [t * d for t, d in zip(taps, dilation, strict=True)]
+        phase_of.append(phases.setdefault(tuple(p % s for p, s in zip(pos, stride, strict=True)), len(phases)))
+        offsets.append(sum((p // s) * pi for p, s, pi in zip(pos, stride, pitch, strict=True)))
+    m = out_sp[0] * pitch[0]
+    size = int(np.prod(q))
+    buf = np.zeros((n, c, len(phases), max(size, max(offsets) + m)), dtype=x.dtype)
+    for phase, index in phases.items():
+        src, dst = [], []
+        for f, s, p, length in zip(phase, stride, padding, x.shape[2:], strict=True):
+            j0 = max(0, -(-(p - f) // s))  # first phase index that falls inside x (not in the padding)
+            x0 = j0 * s + f - p
+            src.append(slice(x0, length, s))
+            dst.append(slice(j0, j0 + len(range(x0, length, s))))
+        view = buf[:, :, index, :size].reshape((n, c) + q)
+        view[(slice(None), slice(None)) + tuple(dst)] = x[(slice(None), slice(None)) + tuple(src)]
+    return buf, phase_of, offsets, m, q
+
+
+def _depthwise(x, weight, stride, padding, dilation, out_sp):
+    """groups == channels == out channels: one multiply-add per kernel tap, channel block by channel block."""
+    n, c = x.shape[:2]
+    dtype = np.result_type(x, weight)
+    buf, phase_of, offsets, m, q = _phases(x.astype(dtype, copy=False), weight.shape[2:], stride, padding, dilation,
+                                           out_sp)
+    w = weight.reshape(c, -1)
+    out = np.empty((n, c, m), dtype=dtype)
+    block = max(1, _DEPTHWISE_BLOCK_BYTES // (dtype.itemsize * m))
+    tmp = np.empty((min(block, c), m), dtype=dtype)
+    for b in range(n):
+        for c0 in range(0, c, block):
+            c1 = min(c, c0 + block)
+            ob, tb, xb, wb = out[b, c0:c1], tmp[:c1 - c0], buf[b, c0:c1], w[c0:c1]
+            for i, (phase, off) in enumerate(zip(phase_of, offsets, strict=True)):
+                xs = xb[:, phase, off:off + m]
+                if i == 0:
+                    np.multiply(xs, wb[:, i:i + 1], out=ob)
+                else:
+                    np.multiply(xs, wb[:, i:i + 1], out=tb)
+                    ob += tb
+    out = out.reshape((n, c, out_sp[0]) + q[1:])[(slice(None), slice(None)) + tuple(slice(0, s) for s in out_sp)]
+    return np.ascontiguousarray(out)
 
 
 def _conv_transposed(x, weight, stride, padding, dilation, groups, output_padding):
@@ -108,8 +155,7 @@ def _conv_transposed(x, weight, stride, padding, dilation, groups, output_paddin
         for taps in itertools.product(*(range(k) for k in ks)):
             contrib = np.tensordot(xg, wg[(slice(None), slice(None)) + taps], axes=([1], [0]))  # [n, *sp, og]
             contrib = np.moveaxis(contrib, -1, 1)
-            sl = tuple(slice(t * d, t * d + (x.shape[2 + i] - 1) * s + 1, s)
-                       for i, (t, d, s) in enumerate(zip(taps, dilation, stride)))
+            sl = _tap_slices(taps, stride, dilation, x.shape[2:])
             out[(slice(None), slice(g * og, (g + 1) * og)) + sl] += contrib
     crop = tuple(slice(p, full[i] - p) for i, p in enumerate(padding))
     return out[(slice(None), slice(None)) + crop]
@@ -118,7 +164,7 @@ def _conv_transposed(x, weight, stride, padding, dilation, groups, output_paddin
 def _pool_geometry(in_sp, kernel_size, stride, padding, dilation, ceil_mode):
     """Output sizes as PyTorch computes them, and the extra right padding that ceil_mode needs."""
     outs, extra = [], []
-    for size, k, s, p, d in zip(in_sp, kernel_size, stride, padding, dilation):
+    for size, k, s, p, d in zip(in_sp, kernel_size, stride, padding, dilation, strict=True):
         span = size + 2 * p - d * (k - 1) - 1
         out = (-(-span // s) if ceil_mode else span // s) + 1
         if ceil_mode and (out - 1) * s >= size + p:
@@ -128,15 +174,30 @@ def _pool_geometry(in_sp, kernel_size, stride, padding, dilation, ceil_mode):
     return tuple(outs), tuple(extra)
 
 
+def _reduce_taps(xp: np.ndarray, kernel_size, stride, dilation, out_sp, ufunc: np.ufunc) -> np.ndarray:
+    """ufunc-reduce every pooling window, one whole-output ufunc call per kernel tap (fast strided views, unlike a
+    reduction over a window view's tiny trailing axes)."""
+    nsp = len(kernel_size)
+    lead = (slice(None),) * (xp.ndim - nsp)
+    out = None
+    for taps in itertools.product(*(range(k) for k in kernel_size)):
+        xs = xp[lead + _tap_slices(taps, stride, dilation, out_sp)]
+        if out is None:
+            out = xs.copy()
+        else:
+            ufunc(out, xs, out=out)
+    return out
+
+
 @kernel("max_pool")
 def max_pool(x: np.ndarray, kernel, stride, padding, dilation, ceil_mode: bool) -> np.ndarray:
     nsp = len(kernel)
     stride = tuple(stride) or tuple(kernel)
     out_sp, extra = _pool_geometry(x.shape[-nsp:], kernel, stride, padding, dilation, ceil_mode)
     fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    xp = _pad_spatial(x, tuple(padding), tuple(p + e for p, e in zip(padding, extra)), fill)
-    win = _windows(xp, tuple(kernel), stride, tuple(dilation), out_sp)
-    return win.max(axis=tuple(range(-nsp, 0)))
+    xp = _pad_spatial(x, tuple(padding), tuple(p + e for p, e in zip(padding, extra, strict=True)), fill)
+    # np.maximum propagates NaN as torch's max pooling does.
+    return _reduce_taps(xp, tuple(kernel), stride, tuple(dilation), out_sp, np.maximum)
 
 
 @kernel("avg_pool")
@@ -149,10 +210,9 @@ def avg_pool(x: np.ndarray, kernel, stride, padding, ceil_mode: bool, count_incl
     (x,) = upcast(x)
     in_sp = x.shape[-nsp:]
     out_sp, extra = _pool_geometry(in_sp, kernel, stride, padding, ones, ceil_mode)
-    after = tuple(p + e for p, e in zip(padding, extra))
+    after = tuple(p + e for p, e in zip(padding, extra, strict=True))
     xp = _pad_spatial(x, tuple(padding), after, 0.0)
-    axes = tuple(range(-nsp, 0))
-    total = _windows(xp, tuple(kernel), stride, ones, out_sp).sum(axis=axes)
+    total = _reduce_taps(xp, tuple(kernel), stride, ones, out_sp, np.add)
     if divisor is not None:
         return (total / divisor).astype(dtype, copy=False)
     # Count of the elements each window covers: inside the padded input (count_include_pad) or the real input.

@@ -1,0 +1,5 @@
+"""`python -m kiln ...`: the same as the `kiln` command."""
+
+from kiln.cli import main
+
+raise SystemExit(main())

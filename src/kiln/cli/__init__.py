@@ -1,0 +1,74 @@
+"""The `kiln` command line: export a model, inspect a .kiln file, run it.
+
+    kiln export model.py:make -o model.kiln
+    kiln inspect model.kiln
+    kiln run model.kiln --random --dim seq=16
+
+Each command lives in its own module with `add_parser(subparsers)` and `run(args) -> exit code`. Importing this
+package (and running `inspect` or `run`) never imports torch: only `export` does, inside its `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kiln.cli import export_cmd, inspect_cmd, run_cmd
+from kiln.cli.common import CliError, error
+from kiln.errors import (
+    BackendUnavailableError,
+    InputError,
+    KilnError,
+    ProgramFormatError,
+    UnsupportedOpsError,
+)
+
+COMMANDS = (export_cmd, inspect_cmd, run_cmd)
+
+USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
+"""Errors the user can fix from the message alone: printed without a traceback, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kiln import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kiln", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Export a PyTorch model to one .kiln file and run it without PyTorch.",
+        epilog="examples:\n"
+               "  kiln export model.py:make -o model.kiln     # needs torch\n"
+               "  kiln inspect model.kiln\n"
+               "  kiln run model.kiln -i x.npy -o outputs/\n\n"
+               "Run `kiln COMMAND --help` for each command's options.")
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with `argv` (default: sys.argv[1:]); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors: argparse has printed what to say
+        return e.code if isinstance(e.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.handler(args)
+    except USER_ERRORS as e:
+        error(args.command, str(e))
+        return 2
+    except KilnError as e:  # a kernel failed at run time: not the user's input, but still no traceback
+        error(args.command, str(e))
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["build_parser", "main"]

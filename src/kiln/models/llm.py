@@ -1,0 +1,114 @@
+"""Decoder-only language models (Llama and its relatives in transformers) exported with a static KV cache.
+
+`StaticCacheLM` wraps a transformers causal LM so that its KV cache lives in registered buffers of fixed shape
+[1, kv_heads, max_context, head_dim] per layer. Writing a step's keys and values into them (`index_copy_` at the
+step's cache positions) is a buffer mutation, which torch.export records and kiln turns into program state buffers
+that `prefill` and `decode` share. The attention mask is built from the cache positions (key j is visible to
+query i when j <= position[i]), so unwritten or stale cache slots are never read and a reset only needs zeros.
+
+`export_llama` exports the two methods; `kiln.runtime.generate.greedy_generate` runs them without torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from kiln.export import Method, ProgramBuilder, export
+from kiln.runtime.generate import MAX_CONTEXT_KEY, PREFILL_CHUNK_KEY
+
+
+class _BufferCache:
+    """The part of transformers' Cache interface that its decoder layers call: `update`, writing in place.
+
+    It holds the wrapper's buffers as they are at call time (torch.export swaps a module's buffers for traced
+    ones, so a cache made once in __init__ would write to stale tensors).
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], position: torch.Tensor):
+        self.keys, self.values, self.position = keys, values, position
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys[layer_idx].index_copy_(2, self.position, key_states)
+        self.values[layer_idx].index_copy_(2, self.position, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class StaticCacheLM(torch.nn.Module):
+    """A causal LM with a static KV cache in buffers; `prefill` and `decode` return the last position's logits.
+
+    prefill(tokens [1, T] int64, cache_position [T] int64) -> logits [1, vocab]: T tokens at those positions.
+    decode(token [1, 1] int64, cache_position [1] int64) -> logits [1, vocab]: the same for one token; a separate
+    method so that its graph is specialized to T = 1.
+    Positions must be consecutive and start where the previous call ended (0 after a reset).
+    """
+
+    def __init__(self, model: PreTrainedModel, max_context: int):
+        super().__init__()
+        config = model.config.get_text_config()
+        layer_types = getattr(config, "layer_types", None)
+        sliding = any(t != "full_attention" for t in layer_types) if layer_types \
+            else bool(getattr(config, "sliding_window", None))
+        if sliding:
+            raise NotImplementedError("StaticCacheLM supports full-attention layers only (no sliding window)")
+        self.model = model
+        self.max_context = int(max_context)
+        self.num_layers = config.num_hidden_layers
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (1, kv_heads, self.max_context, head_dim)
+        for i in range(self.num_layers):
+            self.register_buffer(f"key_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
+            self.register_buffer(f"value_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
+
+    def _step(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        cache = _BufferCache([getattr(self, f"key_cache_{i}") for i in range(self.num_layers)],
+                             [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)], cache_position)
+        keys = torch.arange(self.max_context, device=tokens.device)
+        # [1, 1, T, max_context]; a 4-d mask is used by transformers as given
+        mask = (keys[None, :] <= cache_position[:, None])[None, None]
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=cache_position[None, :],
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def prefill(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self._step(tokens, cache_position)
+
+    def decode(self, token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self._step(token, cache_position)
+
+    def reset(self) -> None:
+        """Zero the cache (eager use; an exported program's session has `reset_state()`)."""
+        for name, buf in self.named_buffers():
+            if "_cache_" in name:
+                buf.zero_()
+
+
+def export_llama(model: PreTrainedModel | StaticCacheLM, max_context: int, prefill_chunk: int,
+                 **export_options) -> ProgramBuilder:
+    """Export `prefill` (chunks of 1..prefill_chunk tokens) and `decode` (one token) sharing one KV cache.
+
+    model: a transformers causal LM (wrapped here) or a StaticCacheLM. The cache length and chunk size are written to
+    the program's metadata for `greedy_generate`.
+    """
+    if not 1 <= prefill_chunk <= max_context:
+        raise ValueError(f"prefill_chunk must be in 1..max_context ({max_context}), got {prefill_chunk}")
+    lm = model if isinstance(model, StaticCacheLM) else StaticCacheLM(model, max_context)
+    if lm.max_context != max_context:
+        raise ValueError(f"the StaticCacheLM has max_context {lm.max_context}, not {max_context}")
+    lm.reset()  # the buffers' contents at export become the program's initial state: start empty
+    example = min(prefill_chunk, 2)  # torch.export specializes a dimension whose example size is 1
+    tokens = torch.zeros((1, example), dtype=torch.long)
+    positions = torch.arange(example, dtype=torch.long)
+    if prefill_chunk > 1:
+        seq = torch.export.Dim("seq", min=1, max=prefill_chunk)
+        prefill = Method((tokens, positions), dynamic_shapes=({1: seq}, {0: seq}))
+    else:
+        prefill = Method((tokens, positions))
+    decode = Method((torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long)))
+    metadata = {MAX_CONTEXT_KEY: str(max_context), PREFILL_CHUNK_KEY: str(prefill_chunk)}
+    metadata.update(export_options.pop("metadata", None) or {})
+    return export(lm, methods={"prefill": prefill, "decode": decode}, metadata=metadata, **export_options)
+
+
+__all__ = ["MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "export_llama"]

@@ -1,0 +1,67 @@
+"""The runtime never imports torch: `import kiln`, `kiln.load` and a session run work in a process without it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.format import small_models
+
+REPO = Path(__file__).resolve().parents[2]
+
+RUN_SCRIPT = """
+import sys
+if sys.argv[3] == "blocked":
+    sys.modules["torch"] = None  # any `import torch` now raises ImportError, even a lazy one inside a function
+import kiln
+assert "torch" not in sys.modules or sys.modules["torch"] is None, "import kiln imported torch"
+import kiln.runtime
+import numpy as np
+program = kiln.load(sys.argv[1])
+x = np.load(sys.argv[2] + ".in.npy", allow_pickle=False)
+out = program.session().run("forward", x)[0]
+np.save(sys.argv[2] + ".out.npy", out, allow_pickle=False)
+print(program.info("forward").describe())
+assert "torch" not in sys.modules or sys.modules["torch"] is None, "the runtime imported torch"
+print("torch-free")
+"""
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def program_path(tmp_path_factory) -> Path:
+    return small_models.export_dynamic().save(tmp_path_factory.mktemp("torch_free") / "block.kiln")
+
+
+@pytest.mark.parametrize("torch_state", ["installed", "blocked"])
+def test_load_and_run_without_torch(program_path, tmp_path, torch_state):
+    x = torch.randn(3, 6, 8)
+    np.save(tmp_path / "io.in.npy", x.numpy(), allow_pickle=False)
+    result = run_python("-c", RUN_SCRIPT, str(program_path), str(tmp_path / "io"), torch_state)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("torch-free")
+    assert "forward(x: float32[batch, seq, 8])" in result.stdout
+    with torch.no_grad():
+        want = small_models.DynamicBlock()(x).numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "io.out.npy"), want, rtol=1e-5, atol=1e-5)
+
+
+def test_import_kiln_alone_does_not_import_torch():
+    result = run_python("-c", "import sys, kiln; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_check_can_see_torch():
+    """The same check does see torch once the export half is used, so the tests above can fail."""
+    result = run_python("-c", "import sys, kiln; kiln.export; print('torch' in sys.modules)")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True"
