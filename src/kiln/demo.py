@@ -146,6 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         export_s = export_program(path)
         t0 = time.perf_counter()
         program = kiln.load(path)
+    if program.metadata.get("kiln_version") != kiln.__version__:
+        print(f"      the cached file was written by kiln {program.metadata.get('kiln_version', '?')}; exporting again")
+        export_s = export_program(path)
+        t0 = time.perf_counter()
+        program = kiln.load(path)
     session = program.session("cpu")
     load_s = time.perf_counter() - t0
     info = program.info("forward")

@@ -78,6 +78,9 @@ def test_resnet18_dynamic_batch() -> None:
         np.testing.assert_allclose(out, ref, rtol=TOL_BY_MODEL["resnet18"], atol=TOL_BY_MODEL["resnet18"])
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="torch < 2.13 guards on the parity of strided conv sizes over a free dimension "
+                           "(seen with 2.11: ((side - 1) // 2) % 2 != 0), so the image side cannot be dynamic")
 def test_resnet18_dynamic_resolution() -> None:
     # min 33: at 32 the last stage is 1x1, which torch.export specializes on.
     model = randomized(vision.resnet18(num_classes=10), seed=2)

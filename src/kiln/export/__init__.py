@@ -103,7 +103,9 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
             say(f"lowered {name}: {len(method.nodes)} nodes")
     if failures.groups:
         raise UnsupportedOpsError(failures.ops())
-    builder.metadata.update({"producer": "kiln", "torch_version": torch.__version__})
+    from kiln import __version__
+
+    builder.metadata.update({"producer": "kiln", "kiln_version": __version__, "torch_version": torch.__version__})
     builder.metadata.update(metadata or {})
     return builder
 

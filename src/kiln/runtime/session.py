@@ -74,7 +74,8 @@ class Session:
                 slots[v_index] = self.state[value.ref]
         for v_index, arr in zip(m.inputs, arrays, strict=True):
             slots[v_index] = arr
-        self._execute(m, plan, slots)
+        with self.backend.execution_context():
+            self._execute(m, plan, slots)
         # State must not share memory with the caller's inputs or with the outputs handed back: a caller who refills
         # an input buffer or edits an output in place would otherwise rewrite the state (a KV cache) behind our back.
         for update in m.state_updates:

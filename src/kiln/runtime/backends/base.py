@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -49,3 +50,7 @@ class Backend:
 
     def to_numpy(self, x: Any) -> np.ndarray:
         raise NotImplementedError
+
+    def execution_context(self) -> contextlib.AbstractContextManager:
+        """Entered around each run (e.g. the CPU backend's floating-point error mode)."""
+        return contextlib.nullcontext()

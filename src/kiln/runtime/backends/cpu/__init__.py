@@ -41,3 +41,7 @@ class CPUBackend(Backend):
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
+
+    def execution_context(self) -> np.errstate:
+        """IEEE results (inf, nan) as PyTorch gives them, without NumPy's divide/overflow warnings."""
+        return np.errstate(all="ignore")
