@@ -104,6 +104,56 @@ for src, dst in [(torch.float32, torch.int64), (torch.float32, torch.float16), (
     fill = "int" if not src.is_floating_point and src != torch.bool else ("bool" if src == torch.bool else "randn")
     CASES.append(Case(f"cast_{str(src)[6:]}_{str(dst)[6:]}", lambda x, d=dst: x.to(d), (In((3, 4), src, fill),)))
 
+# Sweeps: every op over the dtypes PyTorch accepts for it, 0-d and empty tensors.
+for name, fn in {**UNARY, **POSITIVE}.items():
+    fill = "positive" if name in POSITIVE else "randn"
+    CASES.append(Case(f"{name}_0d", fn, (In((), fill=fill),)))
+    CASES.append(Case(f"{name}_empty", fn, (In((2, 0), fill=fill),)))
+INT_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum,
+              "minimum": torch.minimum}
+for name, fn in INT_BINARY.items():
+    for dt in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+        fill = "index:9" if dt == torch.uint8 else "int"
+        CASES.append(Case(f"{name}_{str(dt)[6:]}", fn, (In((3, 4), dt, fill), In((4,), dt, fill))))
+for name in ("maximum", "minimum", "mul"):
+    CASES.append(Case(f"{name}_bool", getattr(torch, name), (In((5,), torch.bool, "bool"), In((5,), torch.bool, "bool"))))
+for op in ("eq", "ne", "lt", "le", "gt", "ge"):
+    fn = getattr(torch, op)
+    for dt in (torch.float16, torch.bfloat16):
+        CASES.append(Case(f"{op}_{str(dt)[6:]}", fn, (In((4, 5), dt), In((4, 5), dt))))
+    CASES.append(Case(f"{op}_bool", fn, (In((6,), torch.bool, "bool"), In((6,), torch.bool, "bool"))))
+    CASES.append(Case(f"{op}_nan", fn, (In((8,), fill="special"), In((8,)))))
+for dt in (torch.float16, torch.bfloat16, torch.int32, torch.bool):
+    fill = {torch.int32: "int", torch.bool: "bool"}.get(dt, "randn")
+    CASES.append(Case(f"where_{str(dt)[6:]}", torch.where, (In((3, 4), torch.bool, "bool"), In((3, 4), dt, fill),
+                                                           In((3, 4), dt, fill))))
+for dt in (torch.float16, torch.bfloat16):
+    CASES.append(Case(f"clamp_{str(dt)[6:]}", lambda x: torch.clamp(x, -0.5, 0.5), (In((4, 5), dt),)))
+    CASES.append(Case(f"div_floor_{str(dt)[6:]}", lambda a, b: torch.div(a, b, rounding_mode="floor"),
+                      (In((6,), dt), In((6,), dt, "positive"))))
+    CASES.append(Case(f"pow_scalar_{str(dt)[6:]}", lambda a: a ** 2, (In((5,), dt),)))
+for dt in (torch.int32, torch.int16, torch.int8):
+    CASES.append(Case(f"abs_{str(dt)[6:]}", torch.abs, (In((7,), dt, "int"),)))
+    CASES.append(Case(f"neg_{str(dt)[6:]}", torch.neg, (In((7,), dt, "int"),)))
+    CASES.append(Case(f"remainder_{str(dt)[6:]}", lambda a: torch.remainder(a, 3), (In((7,), dt, "int"),)))
+    CASES.append(Case(f"clamp_{str(dt)[6:]}", lambda x: torch.clamp(x, -2, 3), (In((7,), dt, "int"),)))
+for src in (torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16, torch.float64):
+    for dst in (torch.float32, torch.int32, torch.bool):
+        if src == dst:
+            continue
+        fill = "index:9" if src == torch.uint8 else ("int" if not src.is_floating_point else "randn")
+        CASES.append(Case(f"cast_{str(src)[6:]}_{str(dst)[6:]}", lambda x, d=dst: x.to(d), (In((3, 4), src, fill),)))
+CASES += [
+    Case("add_dynamic", torch.add, (In((3, 4)), In((3, 4))),
+         dynamic=({0: torch.export.Dim("n", max=64)}, {0: torch.export.Dim("n", max=64)}),
+         run_shapes=(((3, 4), (3, 4)), ((9, 4), (9, 4)))),
+    Case("mul_broadcast_dynamic", torch.mul, (In((3, 4)), In((4,))), dynamic=({0: torch.export.Dim("n", max=64)},
+                                                                              None),
+         run_shapes=(((3, 4), (4,)), ((1, 4), (4,)))),
+    Case("sigmoid_dynamic", torch.sigmoid, (In((2, 5)),), dynamic=({1: torch.export.Dim("n", max=64)},),
+         run_shapes=(((2, 5),), ((2, 17),))),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_elementwise(case: Case, backend: str) -> None:

@@ -51,6 +51,41 @@ CASES = [
     Case("one_hot", lambda i: F.one_hot(i, 5), (In((4,), torch.int64, "index:5"),)),
 ]
 
+GATHERS = {
+    "index_select": (lambda x, i: torch.index_select(x, 0, i), (5, 3), (4,), 5),
+    "gather": (lambda x, i: torch.gather(x, 1, i), (3, 6), (3, 4), 6),
+    "embedding": (lambda x, i: F.embedding(i, x), (10, 4), (2, 3), 10),
+    "index": (lambda x, i: x[:, i], (3, 6), (2,), 6),
+    "index_put": (lambda x, i: x.index_put((i,), x[:2] * 2), (5, 3), (2,), 5),
+    "index_copy": (lambda x, i: x.index_copy(0, i, x[:2]), (5, 3), (2,), 2),
+}
+for name, (fn, xshape, ishape, high) in GATHERS.items():
+    for dt, fill in {torch.float16: "randn", torch.bfloat16: "randn", torch.int64: "int", torch.int32: "int",
+                     torch.bool: "bool"}.items():
+        if dt == torch.bool and name == "index_put":
+            continue
+        CASES.append(Case(f"{name}_{str(dt)[6:]}", fn, (In(xshape, dt, fill), In(ishape, torch.int64, f"index:{high}"))))
+    if name in ("index_select", "embedding", "index"):
+        CASES.append(Case(f"{name}_int32_index", fn, (In(xshape), In(ishape, torch.int32, f"index:{high}"))))
+    CASES.append(Case(f"{name}_noncontig", fn, (In(xshape, noncontiguous=True), In(ishape, torch.int64,
+                                                                                    f"index:{high}"))))
+CASES += [
+    Case("slice_scatter_dynamic", lambda x, s: torch.slice_scatter(x, s, 0, 0, s.shape[0]), (In((8, 3)), In((2, 3))),
+         dynamic=(None, {0: Dim("n", max=8)}), run_shapes=(((8, 3), (2, 3)), ((8, 3), (5, 3)))),
+    Case("index_copy_dynamic", lambda x, i, s: x.index_copy(0, i, s), (In((8, 3)), In((2,), torch.int64, "index:8"),
+                                                                      In((2, 3))),
+         dynamic=(None, {0: Dim("n", max=8)}, {0: Dim("n", max=8)}),
+         run_shapes=(((8, 3), (2,), (2, 3)), ((8, 3), (1,), (1, 3)))),
+    Case("embedding_dynamic", lambda i, w: F.embedding(i, w), (In((1, 4), torch.int64, "index:10"), In((10, 3))),
+         dynamic=({1: Dim("t", max=32)}, None), run_shapes=(((1, 4), (10, 3)), ((1, 9), (10, 3)))),
+    Case("arange_dynamic_step", lambda x: x + torch.arange(0, 2 * x.shape[0], 2), (In((4,)),),
+         dynamic=({0: Dim("n", max=32)},), run_shapes=(((4,),), ((7,),))),
+    Case("full_f16", lambda x: x + torch.full((3,), 0.5, dtype=torch.float16), (In((3,), torch.float16),)),
+    Case("full_bf16", lambda x: x + torch.full((3,), 0.5, dtype=torch.bfloat16), (In((3,), torch.bfloat16),)),
+    Case("zeros_0d", lambda x: x + torch.zeros(()), (In(()),)),
+    Case("ones_empty", lambda x: torch.ones(0, 3) + x, (In((3,)),)),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_index(case: Case, backend: str) -> None:

@@ -85,6 +85,49 @@ CASES = [
     Case("adaptive_avg_pool2d_div", lambda x: F.adaptive_avg_pool2d(x, (2, 3)), (In((1, 3, 4, 6)),)),
 ]
 
+LOW = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+for dt, tol in LOW.items():
+    tag = str(dt)[6:]
+    CASES += [
+        Case(f"bmm_{tag}", torch.bmm, (In((2, 3, 16), dt), In((2, 16, 4), dt)), tol=tol),
+        Case(f"linear_bias_{tag}", F.linear, (In((2, 16), dt), In((5, 16), dt), In((5,), dt)), tol=tol),
+        Case(f"addmm_{tag}", torch.addmm, (In((5,), dt), In((3, 16), dt), In((16, 5), dt)), tol=tol),
+        Case(f"layer_norm_affine_{tag}", lambda x, w, b: F.layer_norm(x, (16,), w, b),
+             (In((3, 16), dt), In((16,), dt), In((16,), dt)), tol=tol),
+        Case(f"rms_norm_{tag}", lambda x, w: F.rms_norm(x, (16,), w, 1e-6), (In((3, 16), dt), In((16,), dt)), tol=tol),
+        Case(f"batch_norm_{tag}", lambda x, m, v: F.batch_norm(x, m, v, None, None, False, 0.1, 1e-5),
+             (In((2, 3, 4, 4), dt), In((3,), dt), In((3,), dt, "positive")), tol=tol),
+        Case(f"sdpa_causal_{tag}", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             (In((1, 2, 6, 16), dt), In((1, 2, 6, 16), dt), In((1, 2, 6, 16), dt)), tol=tol),
+        Case(f"conv2d_{tag}", lambda x, w, b: F.conv2d(x, w, b, padding=1),
+             (In((1, 3, 6, 6), dt), In((4, 3, 3, 3), dt), In((4,), dt)), tol=tol),
+        Case(f"conv2d_depthwise_{tag}", lambda x, w: F.conv2d(x, w, groups=3), (In((1, 3, 6, 6), dt),
+                                                                                In((3, 1, 3, 3), dt)), tol=tol),
+        Case(f"max_pool2d_{tag}", lambda x: F.max_pool2d(x, 2), (In((1, 2, 6, 6), dt),)),
+        Case(f"avg_pool2d_{tag}", lambda x: F.avg_pool2d(x, 2), (In((1, 2, 6, 6), dt),), tol=tol),
+        Case(f"adaptive_avg_pool_{tag}", lambda x: F.adaptive_avg_pool2d(x, 1), (In((1, 4, 5, 5), dt),), tol=tol),
+        Case(f"conv_transpose2d_{tag}", lambda x, w: F.conv_transpose2d(x, w, stride=2),
+             (In((1, 3, 4, 4), dt), In((3, 2, 3, 3), dt)), tol=tol),
+    ]
+CASES += [
+    Case("linear_noncontig_weight", F.linear, (In((3, 8)), In((5, 8), noncontiguous=True))),
+    Case("conv2d_noncontig", lambda x, w: F.conv2d(x, w), (In((1, 3, 6, 6), noncontiguous=True), In((2, 3, 3, 3)))),
+    Case("max_pool2d_noncontig", lambda x: F.max_pool2d(x, 2), (In((1, 2, 6, 6), noncontiguous=True),)),
+    Case("layer_norm_noncontig", lambda x: F.layer_norm(x, (3,)), (In((4, 3), noncontiguous=True),)),
+    Case("sdpa_noncontig", F.scaled_dot_product_attention, (In((1, 2, 5, 8)), In((1, 2, 6, 8), noncontiguous=True),
+                                                            In((1, 2, 6, 8), noncontiguous=True))),
+    Case("max_pool2d_nan", lambda x: F.max_pool2d(x, 2), (In((1, 1, 4, 4), fill="special"),)),
+    Case("matmul_empty", torch.matmul, (In((0, 4)), In((4, 3)))),
+    Case("linear_0_batch", F.linear, (In((0, 8)), In((5, 8)))),
+    Case("matmul_dynamic_both", torch.matmul, (In((3, 4)), In((4, 5))), dynamic=({0: Dim("m", max=64)},
+                                                                              {1: Dim("n", max=64)}),
+         run_shapes=(((3, 4), (4, 5)), ((7, 4), (4, 2)))),
+    Case("layer_norm_dynamic", lambda x: F.layer_norm(x, (8,)), (In((3, 8)),), dynamic=({0: Dim("n", max=64)},),
+         run_shapes=(((3, 8),), ((10, 8),))),
+    Case("softmax_dynamic", lambda x: torch.softmax(x, -1), (In((2, 6)),), dynamic=({1: Dim("n", max=64)},),
+         run_shapes=(((2, 6),), ((2, 13),))),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_nn(case: Case, backend: str) -> None:

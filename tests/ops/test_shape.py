@@ -62,6 +62,41 @@ CASES = [
          run_shapes=(((3, 4),), ((6, 4),))),
 ]
 
+SHAPE_OPS = {
+    "view": (lambda x: x.view(4, 6), (2, 3, 4)),
+    "permute": (lambda x: x.permute(1, 2, 0), (2, 3, 4)),
+    "expand": (lambda x: x.expand(2, 3, 4), (3, 1)),
+    "slice": (lambda x: x[:, 1::2], (3, 6)),
+    "select": (lambda x: x[1], (3, 6)),
+    "cat": (lambda x: torch.cat([x, x.flip(0)], 1), (3, 4)),
+    "flip": (lambda x: x.flip(-1), (3, 4)),
+    "pad": (lambda x: F.pad(x, (1, 1)), (3, 4)),
+    "tril": (lambda x: torch.tril(x, -1), (4, 4)),
+    "split": (lambda x: x.split(2, 1), (3, 5)),
+    "unsqueeze": (lambda x: x.unsqueeze(0), (3, 4)),
+    "transpose": (lambda x: x.transpose(0, 1), (3, 4)),
+    "repeat": (lambda x: x.repeat(1, 2), (3, 4)),
+    "roll": (lambda x: x.roll(1, 0), (3, 4)),
+}
+DTYPE_FILL = {torch.float16: "randn", torch.bfloat16: "randn", torch.int64: "int", torch.int32: "int",
+              torch.bool: "bool", torch.uint8: "index:200"}
+for name, (fn, shape) in SHAPE_OPS.items():
+    for dt, fill in DTYPE_FILL.items():
+        if name == "pad" and dt == torch.bool:
+            continue
+        CASES.append(Case(f"{name}_{str(dt)[6:]}", fn, (In(shape, dt, fill),)))
+    if name != "view":  # torch itself refuses .view of a non-contiguous tensor
+        CASES.append(Case(f"{name}_noncontig", fn, (In(shape, noncontiguous=True),)))
+CASES += [
+    Case("reshape_0d", lambda x: x.reshape(1, 1), (In(()),)),
+    Case("reshape_empty", lambda x: x.reshape(0, 6), (In((2, 0, 3)),)),
+    Case("cat_empty", lambda a, b: torch.cat([a, b]), (In((0, 3)), In((2, 3)))),
+    Case("slice_empty", lambda x: x[3:3], (In((5, 2)),)),
+    Case("permute_empty", lambda x: x.permute(1, 0), (In((0, 3)),)),
+    Case("expand_0d", lambda x: x.expand(2, 3), (In(()),)),
+    Case("flip_0d_like", lambda x: x.flip(0), (In((1,)),)),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_shape(case: Case, backend: str) -> None:

@@ -194,7 +194,7 @@ def max_pool(x: np.ndarray, kernel, stride, padding, dilation, ceil_mode: bool) 
     nsp = len(kernel)
     stride = tuple(stride) or tuple(kernel)
     out_sp, extra = _pool_geometry(x.shape[-nsp:], kernel, stride, padding, dilation, ceil_mode)
-    fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    fill = -np.inf if x.dtype.kind == "f" or x.dtype in LOW_PRECISION else np.iinfo(x.dtype).min
     xp = _pad_spatial(x, tuple(padding), tuple(p + e for p, e in zip(padding, extra, strict=True)), fill)
     # np.maximum propagates NaN as torch's max pooling does.
     return _reduce_taps(xp, tuple(kernel), stride, tuple(dilation), out_sp, np.maximum)
