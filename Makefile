@@ -21,7 +21,7 @@ demo: setup
 	$(PY) -m kiln.demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 test-all: setup
 	$(PY) -m pytest -q -m "not cuda"

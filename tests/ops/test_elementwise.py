@@ -116,7 +116,8 @@ for name, fn in INT_BINARY.items():
         fill = "index:9" if dt == torch.uint8 else "int"
         CASES.append(Case(f"{name}_{str(dt)[6:]}", fn, (In((3, 4), dt, fill), In((4,), dt, fill))))
 for name in ("maximum", "minimum", "mul"):
-    CASES.append(Case(f"{name}_bool", getattr(torch, name), (In((5,), torch.bool, "bool"), In((5,), torch.bool, "bool"))))
+    CASES.append(Case(f"{name}_bool", getattr(torch, name),
+                      (In((5,), torch.bool, "bool"), In((5,), torch.bool, "bool"))))
 for op in ("eq", "ne", "lt", "le", "gt", "ge"):
     fn = getattr(torch, op)
     for dt in (torch.float16, torch.bfloat16):

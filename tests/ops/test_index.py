@@ -64,7 +64,8 @@ for name, (fn, xshape, ishape, high) in GATHERS.items():
                      torch.bool: "bool"}.items():
         if dt == torch.bool and name == "index_put":
             continue
-        CASES.append(Case(f"{name}_{str(dt)[6:]}", fn, (In(xshape, dt, fill), In(ishape, torch.int64, f"index:{high}"))))
+        CASES.append(Case(f"{name}_{str(dt)[6:]}", fn,
+                          (In(xshape, dt, fill), In(ishape, torch.int64, f"index:{high}"))))
     if name in ("index_select", "embedding", "index"):
         CASES.append(Case(f"{name}_int32_index", fn, (In(xshape), In(ishape, torch.int32, f"index:{high}"))))
     CASES.append(Case(f"{name}_noncontig", fn, (In(xshape, noncontiguous=True), In(ishape, torch.int64,

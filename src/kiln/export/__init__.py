@@ -63,6 +63,7 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     dynamic axis). methods: instead of example_args, several named methods, each a `kiln.export.Method` (or an
     `(args, dynamic_shapes)` tuple); a method traces the module function of the same name when there is one, else
     forward. Buffers that any method mutates become state buffers shared by all methods.
+    metadata: string entries stored in the file, added to the module's own `kiln_metadata` dict if it has one.
 
     Raises UnsupportedOpsError listing every op that cannot be lowered, before anything is written.
     """
@@ -75,7 +76,9 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     else:
         specs = _normalize(methods)
     say = progress or (lambda msg: None)
-    was_training = module.training
+    # restore each submodule's own mode afterwards: module.train(flag) would set them all, and a fresh wrapper
+    # (training by default) around an eval-mode model would leave the model training (dropout on)
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         captured = {}
@@ -86,7 +89,8 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
                 captured[name] = capture(bound(module, function), spec.args, spec.kwargs, spec.dynamic_shapes)
             say(f"captured {name} ({function}) in {time.perf_counter() - t0:.1f}s")
     finally:
-        module.train(was_training)
+        for m, mode in modes:
+            m.training = mode
     state_names = set().union(*(mutated_buffers(ep) for ep in captured.values()))
     builder = ProgramBuilder()
     failures = Failures()
@@ -106,6 +110,8 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     from kiln import __version__
 
     builder.metadata.update({"producer": "kiln", "kiln_version": __version__, "torch_version": torch.__version__})
+    # a model can carry the metadata its users need (e.g. kiln.vision.* preprocessing); explicit entries win
+    builder.metadata.update(getattr(module, "kiln_metadata", None) or {})
     builder.metadata.update(metadata or {})
     return builder
 

@@ -106,6 +106,7 @@ def lower_method(name: str, ep: torch.export.ExportedProgram, builder: ProgramBu
             continue
         try:
             ctx.env[node] = handler(ctx, node)
+            builder.source_ops[target_name(node.target)] += 1
         except Unsupported as e:
             failures.add(target_name(node.target), str(e), ctx.source)
             failed.add(node)

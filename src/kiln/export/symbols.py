@@ -45,6 +45,18 @@ class SymbolTable:
             self.names[str(sym)] = name
             lo, hi = _as_int(vr.lower, 0), _as_int(vr.upper, UNBOUNDED)
             self.symbols.append(Symbol(name, max(lo, 0), hi))
+        self.known: dict[str, int] = {}
+
+    def bind(self, size: Any, value: int) -> None:
+        """Fix a data-dependent size (torch's unbacked u0, ...) that the exporter computed from constant data."""
+        expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.sympify(size)
+        if expr.is_number:
+            return
+        if not isinstance(expr, sympy.Symbol):
+            raise Unsupported(f"data-dependent size {expr} is not a plain symbol")
+        self.known[str(expr)] = int(value)
+        name = self.names.get(str(expr))
+        self.symbols[:] = [s for s in self.symbols if s.name != name]
 
     def dim(self, d: Any) -> int | str:
         """A tensor dimension (int or SymInt) as kiln dim: an int, or expression text."""
@@ -52,6 +64,9 @@ class SymbolTable:
             return d
         if isinstance(d, torch.SymInt):
             expr = d.node.expr
+            if self.known and expr.free_symbols:
+                expr = expr.xreplace({s: sympy.Integer(self.known[str(s)]) for s in expr.free_symbols
+                                      if str(s) in self.known})
             if expr.is_number:
                 return int(expr)
             text = self.text(expr)

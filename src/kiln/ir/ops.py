@@ -206,7 +206,8 @@ define("index", "x *indices", A("dims", T.INTS),
        doc="Advanced indexing: x[..., idx0, ..., idx1, ...] with int index tensors at dims (sorted, broadcast "
            "together), as aten.index.Tensor with None for the dims not listed.")
 define("index_put", "x values *indices", A("dims", T.INTS), A("accumulate", T.BOOL, False),
-       doc="Copy of x with x[indices at dims] = values (or += when accumulate), as aten.index_put.")
+       doc="Copy of x with x[indices at dims] = values (or += when accumulate), as aten.index_put. An index may "
+           "be a bool mask, covering mask.ndim dims from its dim (values then broadcast to the selected elements).")
 define("index_copy", "x index source", A("dim", T.INT),
        doc="Copy of x with x.select(dim, index[i]) = source.select(dim, i).")
 define("slice_scatter", "x source", A("dim", T.INT), A("start", T.SYMINT), A("end", T.SYMINT),
@@ -229,3 +230,65 @@ def get(name: str) -> OpDef:
         return OPS[name]
     except KeyError:
         raise KeyError(f"{name!r} is not a kiln op (op set version {OPSET_VERSION})") from None
+
+
+# ---- sorting, scans, searches and data-shaped gathers/scatters (A2) ----
+define("sort", "x", A("dim", T.INT), A("descending", T.BOOL, False), outputs=2,
+       doc="(values, int64 indices) sorted along dim, stably (ties keep their order); NaN sorts above +inf "
+           "(last ascending, first descending), as torch.sort(stable=True).")
+define("topk", "x", A("k", T.SYMINT), A("dim", T.INT), A("largest", T.BOOL, True), outputs=2,
+       doc="(values, int64 indices) of the k largest (smallest) elements along dim, sorted; NaN counts as "
+           "largest; ties go to the lower index.")
+define("cumprod", "x", A("dim", T.INT), doc="Cumulative product along dim (small ints accumulate in int64).")
+for _name in ("cummax", "cummin"):
+    define(_name, "x", A("dim", T.INT), outputs=2,
+           doc=f"(running {_name[3:]}imum, int64 index of the last element that set it) along dim; NaN propagates.")
+define("logcumsumexp", "x", A("dim", T.INT), doc="log(cumsum(exp(x))) along dim, computed stably.")
+define("scatter_reduce", "x index source", A("dim", T.INT), A("reduce", T.STRING), A("include_self", T.BOOL, True),
+       doc="Copy of x where out[index[i][j]][j] combines source[i][j] (dim 0, and so on) by reduce: sum, prod, "
+           "mean, amax, amin; without include_self, scattered positions start from the first source value. "
+           "Integer mean rounds down.")
+define("searchsorted", "sorted values", A("right", T.BOOL, False), A("dtype", T.DTYPE),
+       doc="Insertion points of values into sorted along the last dim (sorted 1-d: for all values; else the "
+           "leading dims match): first i with sorted[i] >= v (right: > v). NaN sorts last.")
+define("nonzero_static", "x", A("size", T.INT), A("fill_value", T.INT, -1),
+       doc="[size, x.ndim] int64 coordinates of the nonzero elements in row-major order, cut at size and padded "
+           "with fill_value, as torch.nonzero_static.")
+define("as_strided", "x", A("size", T.SYMINTS), A("stride", T.SYMINTS), A("offset", T.SYMINT, 0),
+       doc="A strided window over x's elements in row-major order: out[i...] = flat(x)[offset + sum(i*stride)]; "
+           "strides are >= 0 and the window stays inside x (the kernel checks).")
+define("masked_scatter", "x mask source", doc="Copy of x with the positions where mask (broadcast to x) is True "
+       "filled, in row-major order, by the leading elements of source.")
+define("embedding_bag", "weight indices offsets per_sample_weights?", A("mode", T.STRING, "sum"),
+       A("include_last_offset", T.BOOL, False), A("padding_idx", T.INT, -1),
+       doc="Bags of rows of weight [V, D]: bag b reduces weight[indices[offsets[b]:offsets[b+1]]] (sum, mean or "
+           "max; sum scales each row by per_sample_weights); rows equal to padding_idx (>= 0) are skipped; an "
+           "empty bag is zeros. With include_last_offset the last offset ends the last bag.")
+
+# ---- A1: elementwise math, group norm, resampling (upsample, adaptive pooling, grid sample) ----
+for _name, _sem in {"acos": "arc cosine", "asin": "arc sine", "atan": "arc tangent", "acosh": "inverse hyperbolic "
+                    "cosine", "asinh": "inverse hyperbolic sine", "atanh": "inverse hyperbolic tangent",
+                    "cosh": "hyperbolic cosine", "sinh": "hyperbolic sine", "tan": "tangent", "log10": "base-10 log",
+                    "log2": "base-2 log", "exp2": "2^x", "erfinv": "inverse error function",
+                    "erfc": "complementary error function 1 - erf(x)"}.items():
+    define(_name, "x", doc=f"Elementwise {_sem} (floats; NaN outside the domain as PyTorch gives it).")
+define("isinf", "x", doc="Elementwise x is +inf or -inf (bool out).")
+define("elu", "x", A("alpha", T.FLOAT, 1.0), A("scale", T.FLOAT, 1.0), A("input_scale", T.FLOAT, 1.0),
+       doc="scale * x if x > 0 else scale * alpha * (exp(x * input_scale) - 1), as aten.elu (SELU is elu with "
+           "its constants).")
+define("group_norm", "x weight? bias?", A("groups", T.INT), A("eps", T.FLOAT, 1e-5),
+       doc="x [N, C, *] normalized over each group of C/groups channels and all trailing dims (biased variance), "
+           "then * weight[C] + bias[C].")
+define("upsample", "x", A("size", T.SYMINTS), A("mode", T.STRING, "nearest"), A("align_corners", T.BOOL, False),
+       A("scales", T.FLOATS, ()),
+       doc="Resize the trailing len(size) dims to size, as aten.upsample_{nearest,linear,bilinear,trilinear}*: "
+           "mode 'nearest' (src = floor(dst * scale)) or 'linear' (separable linear interpolation, half-pixel "
+           "centers clamped at 0, or corner-aligned when align_corners). scale = 1/scales[i] where the user gave "
+           "scale factors, else in/out.")
+define("adaptive_pool", "x", A("output_size", T.INTS), A("mode", T.STRING, "avg"),
+       doc="Adaptive average ('avg') or max ('max') pooling of the trailing len(output_size) dims: output index o "
+           "of an axis of size I pools [floor(o*I/O), ceil((o+1)*I/O)).")
+define("grid_sample", "x grid", A("mode", T.STRING, "bilinear"), A("padding_mode", T.STRING, "zeros"),
+       A("align_corners", T.BOOL, False),
+       doc="As aten.grid_sampler_2d: x [N, C, H, W] sampled at grid [N, Ho, Wo, 2] ((x, y) in [-1, 1]); mode "
+           "bilinear or nearest; padding zeros, border or reflection.")

@@ -41,16 +41,21 @@ class StaticCacheLM(torch.nn.Module):
     decode(token [1, 1] int64, cache_position [1] int64) -> logits [1, vocab]: the same for one token; a separate
     method so that its graph is specialized to T = 1.
     Positions must be consecutive and start where the previous call ended (0 after a reset).
+    Layers may be full or sliding-window attention (Mistral, Gemma 2/3): the cache keeps every position and the
+    sliding layers' mask hides keys older than the window.
     """
 
     def __init__(self, model: PreTrainedModel, max_context: int):
         super().__init__()
         config = model.config.get_text_config()
-        layer_types = getattr(config, "layer_types", None)
-        sliding = any(t != "full_attention" for t in layer_types) if layer_types \
-            else bool(getattr(config, "sliding_window", None))
-        if sliding:
-            raise NotImplementedError("StaticCacheLM supports full-attention layers only (no sliding window)")
+        self.sliding_window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) \
+            or ["sliding_attention" if self.sliding_window else "full_attention"] * config.num_hidden_layers
+        self.layer_types = sorted(set(layer_types))
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown or ("sliding_attention" in self.layer_types and not self.sliding_window):
+            raise NotImplementedError(f"StaticCacheLM supports full and sliding-window attention layers, not "
+                                      f"{sorted(unknown) or 'sliding_attention without a sliding_window'}")
         self.model = model
         self.max_context = int(max_context)
         self.num_layers = config.num_hidden_layers
@@ -64,12 +69,33 @@ class StaticCacheLM(torch.nn.Module):
     def _step(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         cache = _BufferCache([getattr(self, f"key_cache_{i}") for i in range(self.num_layers)],
                              [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)], cache_position)
-        keys = torch.arange(self.max_context, device=tokens.device)
-        # [1, 1, T, max_context]; a 4-d mask is used by transformers as given
-        mask = (keys[None, :] <= cache_position[:, None])[None, None]
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=cache_position[None, :],
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=tokens, attention_mask=self._mask(cache_position),
+                         position_ids=cache_position[None, :], past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
+
+    def _mask(self, cache_position: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[1, 1, T, max_context] booleans (a 4-d mask is used by transformers as given), or one per layer type.
+
+        The cache holds every position, so a sliding-window layer only needs its mask narrowed to the last
+        `sliding_window` keys (key j visible to query i when position[i] - window < j <= position[i]); models with
+        both kinds of layers take a dict keyed by layer type.
+        """
+        keys = torch.arange(self.max_context, device=cache_position.device)[None, :]
+        query = cache_position[:, None]
+        masks = {"full_attention": keys <= query}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = (keys <= query) & (keys > query - self.sliding_window)
+        masks = {kind: self._as_attention_mask(masks[kind][None, None]) for kind in self.layer_types}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def _as_attention_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """SDPA takes booleans; other attention implementations (Gemma 2's eager one, with its soft-capping) add
+        the mask to the scores, so they need 0 where visible and the dtype's minimum elsewhere."""
+        if self.model.config._attn_implementation == "sdpa":
+            return visible
+        dtype = self.model.dtype
+        blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+        return blocked.masked_fill(visible, 0.0)
 
     def prefill(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         return self._step(tokens, cache_position)

@@ -4,12 +4,19 @@ from kiln.export.lower import (  # noqa: F401 - importing registers the handlers
     attention,
     conv,
     creation,
+    distance,
     elementwise,
+    folded,
     index,
     linalg,
     norm,
     reduce,
+    resize,
+    scan,
+    scatter,
     shape,
+    sort,
+    strided,
 )
 from kiln.export.lower.registry import HANDLERS, LowerContext, Unsupported, lowering
 

@@ -64,7 +64,8 @@ def avg_pool(ctx: LowerContext, node: torch.fx.Node) -> int:
 
 
 @lowering(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool1d.default
-          if hasattr(aten, "_adaptive_avg_pool1d") else aten.adaptive_avg_pool1d.default)
+          if hasattr(aten, "_adaptive_avg_pool1d") else aten.adaptive_avg_pool1d.default,
+          aten._adaptive_avg_pool3d.default, aten.adaptive_avg_pool3d.default)
 def adaptive_avg_pool(ctx: LowerContext, node: torch.fx.Node) -> int:
     """Adaptive pooling whose windows are uniform: a mean (output 1, any input size, symbolic too) or a plain
     average pool (static sizes that the output divides)."""
@@ -84,4 +85,15 @@ def adaptive_avg_pool(ctx: LowerContext, node: torch.fx.Node) -> int:
     if all(s % o == 0 for s, o in zip(spatial, out_size, strict=True)):
         kernel = tuple(s // o for s, o in zip(spatial, out_size, strict=True))
         return ctx.emit("avg_pool", [v], (dtype, shape), kernel=kernel, stride=kernel, padding=(0,) * nsp)
-    raise Unsupported(f"adaptive average pooling from {spatial} to {out_size} (non-uniform windows)")
+    return ctx.emit("adaptive_pool", [v], (dtype, shape), output_size=tuple(out_size), mode="avg")
+
+
+@lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default, aten.adaptive_max_pool1d.default)
+def adaptive_max_pool(ctx: LowerContext, node: torch.fx.Node):
+    """Adaptive max pooling (PyTorch's start/end window rule); the indices output is not supported."""
+    out_size = tuple(int(s) for s in node.args[1])
+    spatial = list(fake(node.args[0]).shape)[-len(out_size):]
+    if any(not isinstance(s, int) for s in spatial):
+        raise Unsupported(f"adaptive max pooling over symbolic spatial sizes {spatial}")
+    out = ctx.emit("adaptive_pool", [ctx.value(node.args[0])], ctx.metas(node)[0], output_size=out_size, mode="max")
+    return [out, None]

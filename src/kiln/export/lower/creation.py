@@ -58,3 +58,10 @@ def fill(ctx: LowerContext, node: torch.fx.Node) -> int:
 def scalar_tensor(ctx: LowerContext, node: torch.fx.Node) -> int:
     dtype, shape = ctx.meta(node)
     return ctx.emit("full", [], (dtype, shape), shape=shape, value=_number(node.args[0]), dtype=dtype)
+
+
+@lowering(aten.fill.Scalar)
+def fill_scalar(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """fill(x, value): a tensor like x holding value (capture usually decomposes it to full_like first)."""
+    dtype, shape = ctx.meta(node)
+    return ctx.emit("full", [], (dtype, shape), shape=shape, value=_number(node.args[1]), dtype=dtype)

@@ -178,3 +178,33 @@ def getitem(ctx: LowerContext, node: torch.fx.Node) -> int:
     if v is None:
         raise Unsupported(f"output {node.args[1]} of {node.args[0].target} is not supported (only its result)")
     return v
+
+
+# ---- math functions (A1) ----
+MATH = {aten.acos.default: "acos", aten.asin.default: "asin", aten.atan.default: "atan", aten.acosh.default: "acosh",
+        aten.asinh.default: "asinh", aten.atanh.default: "atanh", aten.cosh.default: "cosh", aten.sinh.default: "sinh",
+        aten.tan.default: "tan", aten.log10.default: "log10", aten.log2.default: "log2", aten.exp2.default: "exp2",
+        aten.erfinv.default: "erfinv", aten.erfc.default: "erfc"}
+UNARY.update(MATH)
+lowering(*MATH)(_unary)
+
+
+@lowering(aten.isinf.default)
+def isinf(ctx: LowerContext, node: torch.fx.Node) -> int:
+    return ctx.emit("isinf", [ctx.value(node.args[0])], ctx.meta(node))
+
+
+@lowering(aten.elu.default)
+def elu(ctx: LowerContext, node: torch.fx.Node) -> int:
+    alpha, scale, input_scale = (node.kwargs.get(k, node.args[i] if len(node.args) > i else 1.0)
+                                 for i, k in enumerate(("alpha", "scale", "input_scale"), start=1))
+    return ctx.emit("elu", [ctx.value(node.args[0])], ctx.meta(node), alpha=float(alpha), scale=float(scale),
+                    input_scale=float(input_scale))
+
+
+@lowering(aten.div.Scalar_mode)
+def div_scalar_mode(ctx: LowerContext, node: torch.fx.Node) -> int:
+    dtype, shape = ctx.meta(node)
+    mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
+    return ctx.emit("div", [ctx.value(node.args[0], dtype), ctx.value(node.args[1], dtype)], (dtype, shape),
+                    rounding_mode=mode or "none")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from kiln.export.lower.registry import LowerContext, Unsupported, lowering, ndim_of, norm_dim
+from kiln.export.lower.consteval import constant_data
+from kiln.export.lower.registry import LowerContext, Unsupported, fake, lowering, ndim_of, norm_dim
 from kiln.export.lower.shape import _bound
 from kiln.ir.dtypes import DType
 
@@ -36,25 +38,52 @@ def embedding(ctx: LowerContext, node: torch.fx.Node) -> int:
     return ctx.emit("embedding", [ctx.value(node.args[0]), _index_value(ctx, node.args[1])], ctx.meta(node))
 
 
-def _indices(ctx: LowerContext, indices) -> tuple[list[int], tuple[int, ...]]:
+def _indices(ctx: LowerContext, indices, runtime_masks: bool = False) -> tuple[list[int], tuple[int, ...]]:
+    """Index values and the dims they start at. A bool mask covers mask.ndim dims: a constant one becomes int
+    indices (its nonzero coordinates); one computed at run time is kept as a mask where `runtime_masks` allows
+    (index_put, whose result shape does not depend on the mask)."""
     values, dims = [], []
-    for d, idx in enumerate(indices):
-        if idx is not None:
+    d = 0
+    for idx in indices:
+        if idx is None:
+            d += 1
+        elif isinstance(idx, torch.fx.Node) and fake(idx).dtype in (torch.bool, torch.uint8):
+            mask = constant_data(ctx, idx)
+            if mask is not None:
+                for k, coords in enumerate(torch.nonzero(mask.bool()).unbind(1)):
+                    values.append(ctx.constant(coords.contiguous(), f"mask_{idx.name}_{k}"))
+                    dims.append(d + k)
+            elif runtime_masks:
+                values.append(ctx.value(idx, DType.bool))
+                dims.append(d)
+            else:
+                raise Unsupported("x[mask] with a mask computed at run time has a data-dependent shape, and kiln "
+                                  "programs have shapes fixed by their inputs; use torch.where(mask, x, fill) or "
+                                  "masked_fill, or a mask that is a constant of the model")
+            d += fake(idx).dim()
+        else:
             values.append(_index_value(ctx, idx))
             dims.append(d)
+            d += 1
     return values, tuple(dims)
 
 
 @lowering(aten.index.Tensor)
 def index(ctx: LowerContext, node: torch.fx.Node) -> int:
     values, dims = _indices(ctx, node.args[1])
+    masks = [m for m in node.args[1] if isinstance(m, torch.fx.Node) and fake(m).dtype in (torch.bool, torch.uint8)]
+    if masks:  # bind the data-dependent length of the result to the (constant) masks' count
+        count = int(constant_data(ctx, masks[0]).bool().sum())
+        for size in node.meta["val"].shape:
+            if free_unbacked_symbols(size):
+                ctx.symbols.bind(size, count)
     return ctx.emit("index", [ctx.value(node.args[0])] + values, ctx.meta(node), dims=dims)
 
 
 @lowering(aten.index_put.default, aten._unsafe_index_put.default)
 def index_put(ctx: LowerContext, node: torch.fx.Node) -> int:
     dtype, shape = ctx.meta(node)
-    values, dims = _indices(ctx, node.args[1])
+    values, dims = _indices(ctx, node.args[1], runtime_masks=True)
     accumulate = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
     return ctx.emit("index_put", [ctx.value(node.args[0]), ctx.value(node.args[2], dtype)] + values,
                     (dtype, shape), dims=dims, accumulate=accumulate)

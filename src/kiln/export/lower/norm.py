@@ -39,6 +39,45 @@ def batch_norm(ctx: LowerContext, node: torch.fx.Node):
     return [out, None, None]
 
 
-@lowering(aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit.default)
+@lowering(aten._native_batch_norm_legit.default)
 def batch_norm_training(ctx: LowerContext, node: torch.fx.Node):
     raise Unsupported("batch norm in training mode; call model.eval() before export")
+
+
+@lowering(aten.native_group_norm.default)
+def group_norm(ctx: LowerContext, node: torch.fx.Node):
+    x, weight, bias, _n, _c, _hw, groups, eps = node.args
+    out = ctx.emit("group_norm", [ctx.value(x), ctx.optional(weight), ctx.optional(bias)], ctx.metas(node)[0],
+                   groups=int(groups), eps=float(eps))
+    return [out, None, None]
+
+
+@lowering(aten._native_batch_norm_legit.no_stats)
+def batch_norm_batch_stats(ctx: LowerContext, node: torch.fx.Node):
+    """Batch norm over the batch's own statistics without running stats (instance_norm lowers to this over a
+    [1, N*C, ...] view): per channel over dims 0 and 2..., which is group_norm with one group per channel of the
+    input with dims 0 and 1 swapped, then weight and bias per channel."""
+    x, weight, bias, _training, _momentum, eps = node.args
+    dtype, shape = ctx.metas(node)[0]
+    v = ctx.value(x)
+    if shape[0] == 1:
+        out = ctx.emit("group_norm", [v, ctx.optional(weight), ctx.optional(bias)], (dtype, shape),
+                       groups=_static(shape[1]), eps=float(eps))
+        return [out, None, None]
+    perm = (1, 0) + tuple(range(2, len(shape)))
+    swapped = (shape[1], shape[0]) + tuple(shape[2:])
+    t = ctx.emit("permute", [v], (dtype, swapped), perm=perm)
+    t = ctx.emit("group_norm", [t], (dtype, swapped), groups=1, eps=float(eps))
+    out = ctx.emit("permute", [t], (dtype, shape), perm=perm)
+    channel = (1, shape[1]) + (1,) * (len(shape) - 2)
+    if weight is not None:
+        out = ctx.emit("mul", [out, ctx.reshape(ctx.value(weight, dtype), channel)], (dtype, shape))
+    if bias is not None:
+        out = ctx.emit("add", [out, ctx.reshape(ctx.value(bias, dtype), channel)], (dtype, shape))
+    return [out, None, None]
+
+
+def _static(dim: int | str) -> int:
+    if isinstance(dim, int):
+        return dim
+    raise Unsupported(f"batch norm over a symbolic number of channels ({dim})")

@@ -139,3 +139,16 @@ def max_min_dim(ctx: LowerContext, node: torch.fx.Node) -> list[int]:
 def max_min_all(ctx: LowerContext, node: torch.fx.Node) -> int:
     op = "amax" if node.target == aten.max.default else "amin"
     return ctx.emit(op, [ctx.value(node.args[0])], ctx.meta(node), dims=(), keepdim=False)
+
+
+@lowering(aten.var_mean.correction)
+def var_mean(ctx: LowerContext, node: torch.fx.Node) -> list[int]:
+    """(var, mean) over dims: the two existing reductions (std_mean adds a sqrt after capture)."""
+    ndim = ndim_of(node.args[0])
+    dims = () if ndim == 0 else norm_dims(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"), ndim)
+    c = node.kwargs.get("correction", 1)
+    keepdim = bool(node.kwargs.get("keepdim", False))
+    (vdt, vshape), (mdt, mshape) = ctx.metas(node)
+    x = ctx.value(node.args[0])
+    var_v = ctx.emit("var", [x], (vdt, vshape), dims=dims, keepdim=keepdim, correction=1.0 if c is None else float(c))
+    return [var_v, ctx.emit("mean", [x], (mdt, mshape), dims=dims, keepdim=keepdim)]

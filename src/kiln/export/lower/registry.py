@@ -62,6 +62,7 @@ class LowerContext:
         self.env: dict[torch.fx.Node, Any] = {}
         self.source = ""
         self._scalars: dict[tuple, int] = {}
+        self.constant_data: dict[int, torch.Tensor] = {}
 
     # ---- values ----
     def new_value(self, name: str, dtype: DType, shape: tuple, kind: ValueKind = ValueKind.TEMP, ref: int = -1) -> int:
@@ -71,7 +72,9 @@ class LowerContext:
     def constant(self, tensor: torch.Tensor, name: str) -> int:
         t = tensor.detach().contiguous()
         ref = self._constant(t, name)
-        return self.new_value(name, kiln_dtype(t.dtype), tuple(t.shape), ValueKind.CONSTANT, ref)
+        v = self.new_value(name, kiln_dtype(t.dtype), tuple(t.shape), ValueKind.CONSTANT, ref)
+        self.constant_data[v] = t  # export-time data, for ops whose result shape depends on it (consteval.py)
+        return v
 
     def scalar(self, value: Any, dtype: DType) -> int:
         """A 0-d constant of dtype, shared by all uses of the same number in this method."""
@@ -85,6 +88,8 @@ class LowerContext:
         """The kiln value of a tensor argument, or a number as a 0-d constant of `dtype` (cast if given)."""
         if isinstance(arg, torch.fx.Node):
             v = self.env.get(arg)
+            if v is None and isinstance(arg.meta.get("val"), (int, torch.SymInt)):
+                return self.sym_scalar(arg.meta["val"], DType.int64 if dtype is None else dtype)
             if not isinstance(v, int):
                 raise Unsupported(f"argument {arg.name} is not a tensor value")
             return self.cast(v, dtype) if dtype is not None else v
@@ -93,6 +98,15 @@ class LowerContext:
                 raise Unsupported(f"number {arg!r} used where a tensor is needed and no dtype is known")
             return self.scalar(arg, dtype)
         raise Unsupported(f"argument of type {type(arg).__name__} cannot be a tensor")
+
+    def sym_scalar(self, size: int | torch.SymInt, dtype: DType) -> int:
+        """A size (x.shape[0], x.numel()) used as a tensor: a 0-d value of dtype. A symbolic size becomes an arange
+        of length one from the size's expression, so the runtime computes it from the bound symbols."""
+        dim = self.symbols.dim(size)
+        if isinstance(dim, int):
+            return self.scalar(dim, dtype)
+        v = self.emit("arange", [], (DType.int64, (1,)), start=dim, end=f"({dim}) + 1", step=1, dtype=DType.int64)
+        return self.cast(self.reshape(v, ()), dtype)
 
     def optional(self, arg: Any, dtype: DType | None = None) -> int:
         return NO_VALUE if arg is None else self.value(arg, dtype)

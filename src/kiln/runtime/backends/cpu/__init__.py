@@ -14,7 +14,12 @@ import kiln.runtime.backends.cpu.index
 import kiln.runtime.backends.cpu.linalg
 import kiln.runtime.backends.cpu.norm
 import kiln.runtime.backends.cpu.reduce
-import kiln.runtime.backends.cpu.shape  # noqa: F401 - importing the kernel families registers them
+import kiln.runtime.backends.cpu.resize
+import kiln.runtime.backends.cpu.scan
+import kiln.runtime.backends.cpu.scatter
+import kiln.runtime.backends.cpu.shape
+import kiln.runtime.backends.cpu.sort
+import kiln.runtime.backends.cpu.strided  # noqa: F401 - importing the kernel families registers them
 from kiln.ir.graph import StateBuffer
 from kiln.runtime.backends.base import Backend
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS

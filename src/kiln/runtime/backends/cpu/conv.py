@@ -224,3 +224,23 @@ def avg_pool(x: np.ndarray, kernel, stride, padding, ceil_mode: bool, count_incl
         c = np.minimum(starts + k, hi) - np.maximum(starts, lo)
         counts = np.multiply.outer(counts, c) if i else c.astype(np.float64)
     return (total / counts).astype(dtype, copy=False)
+
+
+@kernel("adaptive_pool")
+def adaptive_pool(x: np.ndarray, output_size, mode: str) -> np.ndarray:
+    """Separable: an N-d box mean (or max) is the 1-d one along each axis in turn. Output index o of an axis of
+    size I pools [floor(o*I/O), ceil((o+1)*I/O)), PyTorch's rule; averages accumulate in float32 for half inputs."""
+    dtype = x.dtype
+    (out,) = upcast(x) if mode == "avg" else (x,)
+    nsp = len(output_size)
+    reduce = np.mean if mode == "avg" else np.max
+    for i, o_size in enumerate(output_size):
+        axis = x.ndim - nsp + i
+        size = out.shape[axis]
+        parts = []
+        for o in range(o_size):
+            start, end = (o * size) // o_size, -((-(o + 1) * size) // o_size)
+            window = out[(slice(None),) * axis + (slice(start, end),)]
+            parts.append(reduce(window, axis=axis, keepdims=True))
+        out = np.concatenate(parts, axis=axis)
+    return out.astype(dtype, copy=False)

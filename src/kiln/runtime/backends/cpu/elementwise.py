@@ -125,3 +125,50 @@ def div(a: np.ndarray, b: np.ndarray, rounding_mode: str) -> np.ndarray:
 @kernel("where")
 def where(cond: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(cond, a, b)
+
+
+# ---- math functions (A1) ----
+def _erfc(x: np.ndarray) -> np.ndarray:
+    """erfc(x) = erfc(|x|) for x >= 0, 2 - erfc(|x|) below: no cancellation in the right tail."""
+    flat = x.reshape(-1)
+    e = _erfc_of_abs(flat, np.float64)
+    np.subtract(2, e, out=e, where=flat < 0)
+    return np.where(np.isnan(flat), flat, e).astype(x.dtype, copy=False).reshape(x.shape)
+
+
+_ERFINV_CENTRAL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+                   -0.00417768164, 0.246640727, 1.50140941)
+_ERFINV_TAIL = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+                0.00943887047, 1.00167406, 2.83297682)
+
+
+def _erfinv(x: np.ndarray) -> np.ndarray:
+    """Giles' single-precision approximation ("Approximating the erfinv function", 2010; relative error below 4e-7),
+    evaluated in float64; +-inf at +-1 and NaN outside [-1, 1] as PyTorch gives them."""
+    xd = x.astype(np.float64)
+    w = -np.log((1 - xd) * (1 + xd))
+    central = w < 5
+    wc, wt = w - 2.5, np.sqrt(np.where(central, 5.0, w)) - 3
+    pc, pt = np.full_like(xd, _ERFINV_CENTRAL[0]), np.full_like(xd, _ERFINV_TAIL[0])
+    for cc, ct in zip(_ERFINV_CENTRAL[1:], _ERFINV_TAIL[1:], strict=True):
+        pc = pc * wc + cc
+        pt = pt * wt + ct
+    out = np.where(central, pc, pt) * xd
+    out = np.where(np.abs(xd) == 1, np.copysign(np.inf, xd), out)
+    return out.astype(x.dtype, copy=False)
+
+
+_MATH = {"acos": np.arccos, "asin": np.arcsin, "atan": np.arctan, "acosh": np.arccosh, "asinh": np.arcsinh,
+         "atanh": np.arctanh, "cosh": np.cosh, "sinh": np.sinh, "tan": np.tan, "log10": np.log10, "log2": np.log2,
+         "exp2": np.exp2, "erfinv": _erfinv, "erfc": _erfc}
+for _name, _fn in _MATH.items():
+    CPU_KERNELS.add(_name, in_float32(_fn))
+CPU_KERNELS.add("isinf", np.isinf)
+
+
+@kernel("elu")
+@in_float32
+def elu(x: np.ndarray, alpha: float, scale: float, input_scale: float) -> np.ndarray:
+    t = x.dtype.type
+    neg = np.expm1(np.minimum(x, t(0)) * t(input_scale)) * t(alpha * scale)
+    return np.where(x > 0, x * t(scale), neg)

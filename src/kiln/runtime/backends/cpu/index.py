@@ -30,9 +30,14 @@ def gather(x: np.ndarray, index: np.ndarray, dim: int) -> np.ndarray:
 
 
 def _index_tuple(ndim: int, dims, indices) -> tuple:
-    key: list = [slice(None)] * ndim
-    for d, idx in zip(dims, indices):
-        key[d] = idx
+    """A NumPy key: the index at each of dims, full slices elsewhere; a bool mask covers mask.ndim dims."""
+    at = dict(zip(dims, indices))
+    key: list = []
+    d = 0
+    while d < ndim:
+        idx = at.get(d)
+        key.append(slice(None) if idx is None else idx)
+        d += idx.ndim if idx is not None and idx.dtype == np.bool_ else 1
     return tuple(key)
 
 

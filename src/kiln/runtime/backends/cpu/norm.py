@@ -52,3 +52,22 @@ def batch_norm(x: np.ndarray, weight, bias, mean, var, eps: float) -> np.ndarray
     out = x * scale.reshape(shape)
     out += shift.reshape(shape)
     return out.astype(dtype, copy=False)
+
+
+@kernel("group_norm")
+def group_norm(x: np.ndarray, weight=None, bias=None, *, groups: int, eps: float) -> np.ndarray:
+    """Statistics in float32 (float64 for float64 inputs) per (sample, group), as PyTorch's CPU kernel."""
+    dtype = x.dtype
+    (xf, weight, bias) = upcast(x, weight, bias)
+    n, c = x.shape[:2]
+    g = xf.reshape(n, groups, int(np.prod(x.shape[1:])) // groups)
+    mean = g.mean(axis=2, keepdims=True) if g.shape[2] else np.zeros((n, groups, 1), xf.dtype)
+    centered = g - mean
+    var = np.mean(centered * centered, axis=2, keepdims=True) if g.shape[2] else mean
+    out = (centered / np.sqrt(var + xf.dtype.type(eps))).reshape(x.shape)
+    channel = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        out = out * weight.reshape(channel)
+    if bias is not None:
+        out = out + bias.reshape(channel)
+    return out.astype(dtype, copy=False)

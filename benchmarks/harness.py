@@ -1,0 +1,89 @@
+"""The benchmark harness: thread settings that every contestant shares, and comparison tables with ratios.
+
+The timing core (warm-up, interleaved round-robin repeats, medians, peak memory) is `kiln.runtime.bench`, which
+`kiln bench` uses too; this module adds what only peer comparisons need. Call `configure_threads` before NumPy,
+torch or ONNX Runtime are imported: BLAS libraries read their thread count from the environment once, at load.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                    "NUMEXPR_NUM_THREADS")
+
+
+def configure_threads(threads: int) -> None:
+    """Give NumPy's BLAS, OpenMP (torch) and the rest the same thread count, through the environment."""
+    late = [m for m in ("numpy", "torch", "onnxruntime") if m in sys.modules]
+    if late:
+        raise RuntimeError(f"configure_threads must run before importing {late}: their thread pools are sized at load")
+    for var in THREAD_VARIABLES:
+        os.environ[var] = str(threads)
+
+
+def thread_report() -> str:
+    """One line with every thread setting in force, so a results table says how it was measured."""
+    parts = [f"{v}={os.environ.get(v, 'unset')}" for v in THREAD_VARIABLES[:3]]
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        parts.append(f"torch.get_num_threads()={torch.get_num_threads()}")
+    return " ".join(parts)
+
+
+def machine_report() -> dict[str, str]:
+    """CPU model, core count and memory (Linux /proc), OS and Python: the machine line of a results table."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+            mem = f"{kib / (1 << 20):.1f} GiB"
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "memory": mem, "os": platform.platform(),
+            "python": platform.python_version()}
+
+
+@dataclass
+class Row:
+    """One model's result in a comparison: median seconds per contestant, and notes (accuracy, skips)."""
+
+    model: str
+    medians: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def comparison_table(rows: Sequence[Row], contestants: Sequence[str], subject: str,
+                     baselines: Sequence[str], markdown: bool = False) -> str:
+    """Medians (ms) per model and contestant, then `subject`/baseline ratios; '-' where one did not run."""
+    header = ["model"] + [f"{c} ms" for c in contestants] + [f"{subject}/{b}" for b in baselines]
+    body = []
+    for r in rows:
+        cells = [r.model] + [f"{r.medians[c] * 1e3:.2f}" if c in r.medians else "-" for c in contestants]
+        for b in baselines:
+            ok = subject in r.medians and b in r.medians
+            cells.append(f"{r.medians[subject] / r.medians[b]:.2f}" if ok else "-")
+        body.append(cells)
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    from kiln.runtime.bench import format_table
+
+    return format_table(body, header)
+
+
+__all__ = ["Row", "comparison_table", "configure_threads", "machine_report", "thread_report"]

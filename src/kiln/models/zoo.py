@@ -1,0 +1,114 @@
+"""Tiny random-weight transformers models, one per architecture family, for export tests and benchmarks.
+
+Each builder seeds torch and returns an eval-mode model small enough to export in a few seconds (hidden 32, two
+layers, vocabulary 128). initializer_range is 0.2-0.3 rather than transformers' 0.02 so that logits are peaked:
+greedy choices are then not near-ties and a numerical error would show as a changed token (the decoders use 0.3,
+which gives every family a top-2 logit gap of at least 0.01 over the test prompt's 16 greedy steps). The
+sliding-window families get a window (4) shorter than the prompts the tests use, so the window changes the result.
+
+The wrappers at the end give encoder models a plain tensor-in, tensors-out `forward` for `kiln.export`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+MAX_POSITIONS = 64
+SLIDING_WINDOW = 4
+
+_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+_LLAMA_LIKE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": MAX_POSITIONS, "vocab_size": VOCAB,
+               "initializer_range": 0.3, **_TOKENS}
+
+DECODERS: dict[str, Callable[[], tuple[type, type, dict]]] = {
+    "llama": lambda: (tf.LlamaConfig, tf.LlamaForCausalLM, _LLAMA_LIKE),
+    "qwen2": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, _LLAMA_LIKE),
+    "qwen3": lambda: (tf.Qwen3Config, tf.Qwen3ForCausalLM, {**_LLAMA_LIKE, "head_dim": 16}),
+    "gemma": lambda: (tf.GemmaConfig, tf.GemmaForCausalLM, {**_LLAMA_LIKE, "head_dim": 8}),
+    # soft-capped attention (eager attention in transformers) and final logits; alternating sliding/full layers
+    "gemma2": lambda: (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                       {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": SLIDING_WINDOW}),
+    # q/k norms, two rotary bases (local for sliding layers); one sliding and one full layer
+    "gemma3": lambda: (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                       {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": SLIDING_WINDOW,
+                        "layer_types": ["sliding_attention", "full_attention"]}),
+    # every layer sliding-window
+    "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, {**_LLAMA_LIKE, "sliding_window": SLIDING_WINDOW}),
+    # fused qkv and gate_up projections
+    "phi3": lambda: (tf.Phi3Config, tf.Phi3ForCausalLM, _LLAMA_LIKE),
+    # learned positions, Conv1D (addmm) projections, tanh GELU, LayerNorm with bias, tied embeddings
+    "gpt2": lambda: (tf.GPT2Config, tf.GPT2LMHeadModel,
+                     {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": MAX_POSITIONS, "vocab_size": VOCAB,
+                      "initializer_range": 0.3, **_TOKENS}),
+}
+"""family -> (config class, model class, config kwargs); lazy so that a missing class fails only its family."""
+
+
+def tiny_decoder(family: str, seed: int = 0) -> tf.PreTrainedModel:
+    """A random-weight causal LM of `family` (a key of DECODERS), float32, eval mode."""
+    config_cls, model_cls, kwargs = DECODERS[family]()
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**kwargs)).eval()
+
+
+def tiny_vit(seed: int = 0) -> tf.ViTForImageClassification:
+    """ViT classifier on 32x32 RGB images in 8x8 patches (16 patches + CLS), 10 classes."""
+    torch.manual_seed(seed)
+    config = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                          image_size=32, patch_size=8, num_channels=3, num_labels=10, initializer_range=0.2)
+    return tf.ViTForImageClassification(config).eval()
+
+
+def tiny_whisper(seed: int = 0) -> tf.WhisperForConditionalGeneration:
+    """Whisper with 16 mel bins and 16 encoder positions (input features [1, 16, 32]), 2+2 layers."""
+    torch.manual_seed(seed)
+    config = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
+                              encoder_attention_heads=4, decoder_attention_heads=4, d_model=32, encoder_ffn_dim=64,
+                              decoder_ffn_dim=64, max_source_positions=16, max_target_positions=32, init_std=0.2,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    return tf.WhisperForConditionalGeneration(config).eval()
+
+
+class ViTOutputs(torch.nn.Module):
+    """pixel_values [B, 3, H, W] -> (logits [B, labels], last_hidden_state [B, patches + 1, hidden])."""
+
+    def __init__(self, model: tf.ViTForImageClassification):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.vit(pixel_values=pixel_values).last_hidden_state  # after the final layernorm
+        return self.model.classifier(hidden[:, 0, :]), hidden  # what ViTForImageClassification does: CLS token
+
+
+class WhisperEncoder(torch.nn.Module):
+    """input_features [B, n_mels, 2 * max_source_positions] -> encoder hidden states [B, positions, d_model]."""
+
+    def __init__(self, model: tf.WhisperForConditionalGeneration):
+        super().__init__()
+        self.encoder = model.get_encoder()
+
+    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_features=input_features).last_hidden_state
+
+
+class WhisperDecoder(torch.nn.Module):
+    """(decoder input ids [B, T], encoder hidden states [B, S, d_model]) -> logits [B, T, vocab], without a cache:
+    every call attends over the whole token prefix it is given."""
+
+    def __init__(self, model: tf.WhisperForConditionalGeneration):
+        super().__init__()
+        self.decoder = model.model.decoder
+        self.proj_out = model.proj_out
+
+    def forward(self, input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(input_ids=input_ids, encoder_hidden_states=encoder_hidden_states, use_cache=False)
+        return self.proj_out(out.last_hidden_state)
+
+
+__all__ = ["DECODERS", "ViTOutputs", "WhisperDecoder", "WhisperEncoder", "tiny_decoder", "tiny_vit", "tiny_whisper"]

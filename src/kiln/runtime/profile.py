@@ -1,0 +1,81 @@
+"""Per-op timing of a session: where a model's time goes, kernel by kernel. Torch-free.
+
+`OpProfiler.attach(session)` swaps the session's kernel table for timed wrappers (and drops its cached plans, which
+hold the kernels they were built with), so the next runs record, for each kiln op and for each (op, input shapes),
+the number of calls and the total time. The wrappers cost a few microseconds a call, so profile to rank ops, and
+time the model without the profiler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.runtime.bench import format_table
+
+
+@dataclass
+class OpTime:
+    calls: int = 0
+    seconds: float = 0.0
+
+
+def _shape_key(args: tuple[Any, ...]) -> str:
+    shapes = [f"{getattr(a, 'dtype', '')}{list(a.shape)}" for a in args if hasattr(a, "shape")]
+    return " ".join(shapes)
+
+
+class OpProfiler:
+    """Accumulates kernel time by op name and by op and input shapes over every run of the attached sessions."""
+
+    def __init__(self) -> None:
+        self.by_op: dict[str, OpTime] = defaultdict(OpTime)
+        self.by_site: dict[tuple[str, str], OpTime] = defaultdict(OpTime)
+
+    def attach(self, session: Any) -> OpProfiler:
+        """Time every kernel `session` runs from now on; returns self."""
+        original = session.backend.kernels
+        session.backend.kernels = {name: self._wrap(name, fn) for name, fn in original.items()}
+        session._plans.clear()  # plans built before hold the unwrapped kernels
+        return self
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            dt = time.perf_counter() - t0
+            op = self.by_op[name]
+            op.calls += 1
+            op.seconds += dt
+            site = self.by_site[(name, _shape_key(args))]
+            site.calls += 1
+            site.seconds += dt
+            return result
+        timed.__name__ = getattr(fn, "__name__", name)
+        return timed
+
+    def reset(self) -> None:
+        self.by_op.clear()
+        self.by_site.clear()
+
+    @property
+    def total(self) -> float:
+        return sum(t.seconds for t in self.by_op.values())
+
+    def table(self, top: int = 15, runs: int = 1, sites: bool = False) -> str:
+        """The `top` ops (or op+shape sites) by total time, as time per run (over `runs` runs) and share of all."""
+        items = self.by_site.items() if sites else self.by_op.items()
+        ranked = sorted(items, key=lambda kv: kv[1].seconds, reverse=True)[:top]
+        total = self.total or 1.0
+        rows = []
+        for key, t in ranked:
+            name = f"{key[0]} {key[1]}" if sites else key
+            rows.append([name, str(t.calls // max(runs, 1)), f"{t.seconds / runs * 1e3:.3f}",
+                         f"{100 * t.seconds / total:.1f}%"])
+        header = ["op and input shapes" if sites else "op", "calls/run", "ms/run", "share"]
+        return format_table(rows, header)
+
+
+__all__ = ["OpProfiler", "OpTime"]
