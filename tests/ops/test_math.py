@@ -81,3 +81,25 @@ CASES += [Case("isinf_0d", torch.isinf, (In(()),)), Case("isinf_empty", torch.is
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_math(case: Case, backend: str) -> None:
     check(case, backend)
+
+
+COMPOSED = [
+    Case("fmax", torch.fmax, (In((8,), fill="special"), In((8,)))),
+    Case("fmin", torch.fmin, (In((8,)), In((8,), fill="special"))),
+    Case("fmax_both_nan", lambda a: torch.fmax(a, a), (In((8,), fill="special"),)),
+    Case("fmin_int", torch.fmin, (In((6,), torch.int64, "int"), In((6,), torch.int64, "int"))),
+    Case("fmax_f16", torch.fmax, (In((4, 5), torch.float16), In((5,), torch.float16))),
+    Case("hypot", torch.hypot, (In((4, 5)), In((5,)))),
+    Case("hypot_large", lambda a, b: torch.hypot(a * 1e30, b * 1e30), (In((6,)), In((6,)))),
+    Case("hypot_special", torch.hypot, (In((8,), fill="special"), In((8,)))),
+    Case("hypot_bf16", torch.hypot, (In((3, 4), torch.bfloat16), In((3, 4), torch.bfloat16))),
+    Case("copysign", torch.copysign, (In((4, 5)), In((4, 5)))),
+    Case("copysign_zero", lambda a: torch.copysign(a, torch.tensor([0.0, -0.0, 1.0, -2.0])), (In((3, 4)),)),
+    Case("copysign_scalar", lambda a: torch.copysign(a, -1.0), (In((5,)),)),
+    Case("copysign_int_promotes", torch.copysign, (In((5,), torch.int64, "int"), In((5,)))),
+]
+
+
+@pytest.mark.parametrize("case", COMPOSED, ids=str)
+def test_composed_math(case: Case, backend: str) -> None:
+    check(case, backend)

@@ -208,3 +208,57 @@ def div_scalar_mode(ctx: LowerContext, node: torch.fx.Node) -> int:
     mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
     return ctx.emit("div", [ctx.value(node.args[0], dtype), ctx.value(node.args[1], dtype)], (dtype, shape),
                     rounding_mode=mode or "none")
+
+
+def _binary_inputs(ctx: LowerContext, node: torch.fx.Node) -> tuple[int, int, DType, tuple]:
+    dtype, shape = ctx.meta(node)
+    return ctx.value(node.args[0], dtype), ctx.value(node.args[1], dtype), dtype, shape
+
+
+@lowering(aten.fmax.default, aten.fmin.default)
+def fmax_fmin(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """max/min that ignore a NaN operand: NaN only when both are NaN."""
+    a, b, dtype, shape = _binary_inputs(ctx, node)
+    op = "maximum" if node.target == aten.fmax.default else "minimum"
+    both = ctx.emit(op, [a, b], (dtype, shape))
+    if not dtype.is_float:
+        return both
+    a_nan = ctx.emit("isnan", [a], (DType.bool, ctx.shape(a)))
+    b_nan = ctx.emit("isnan", [b], (DType.bool, ctx.shape(b)))
+    out = ctx.emit("where", [a_nan, b, both], (dtype, shape))
+    return ctx.emit("where", [b_nan, a, out], (dtype, shape))
+
+
+@lowering(aten.hypot.default)
+def hypot(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """sqrt(a^2 + b^2) as big * sqrt(1 + (small / big)^2), so squares of large values do not overflow."""
+    a, b, dtype, shape = _binary_inputs(ctx, node)
+    abs_a = ctx.emit("abs", [a], (dtype, ctx.shape(a)))
+    abs_b = ctx.emit("abs", [b], (dtype, ctx.shape(b)))
+    big = ctx.emit("maximum", [abs_a, abs_b], (dtype, shape))
+    small = ctx.emit("minimum", [abs_a, abs_b], (dtype, shape))
+    zero = ctx.scalar(0.0, dtype)
+    is_zero = ctx.emit("eq", [big, zero], (DType.bool, shape))
+    ratio = ctx.emit("div", [small, ctx.emit("where", [is_zero, ctx.scalar(1.0, dtype), big], (dtype, shape))],
+                     (dtype, shape))
+    root = ctx.emit("sqrt", [ctx.emit("add", [ctx.scalar(1.0, dtype), ctx.emit("mul", [ratio, ratio], (dtype, shape))],
+                                      (dtype, shape))], (dtype, shape))
+    out = ctx.emit("mul", [big, root], (dtype, shape))
+    is_inf = ctx.emit("isinf", [big], (DType.bool, shape))  # hypot(inf, nan) is inf
+    return ctx.emit("where", [is_inf, big, out], (dtype, shape))
+
+
+@lowering(aten.copysign.Tensor, aten.copysign.Scalar)
+def copysign(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """|a| with the sign of b, -0.0 included (1/b is -inf); the sign bit of a NaN b is not read (taken as +)."""
+    a, b, dtype, shape = _binary_inputs(ctx, node)
+    zero = ctx.scalar(0.0, dtype)
+    negative = ctx.emit("lt", [b, zero], (DType.bool, ctx.shape(b)))
+    b_zero = ctx.emit("eq", [b, zero], (DType.bool, ctx.shape(b)))
+    neg_zero = ctx.emit("logical_and", [b_zero, ctx.emit("lt", [ctx.emit("reciprocal", [b], (dtype, ctx.shape(b))),
+                                                                zero], (DType.bool, ctx.shape(b)))],
+                        (DType.bool, ctx.shape(b)))
+    sign_bit = ctx.emit("logical_or", [negative, neg_zero], (DType.bool, ctx.shape(b)))
+    magnitude = ctx.emit("abs", [a], (dtype, ctx.shape(a)))
+    return ctx.emit("where", [sign_bit, ctx.emit("neg", [magnitude], (dtype, ctx.shape(a))), magnitude],
+                    (dtype, shape))
