@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli.common import CliError, load_program, parse_assignments, shape_text
+from kiln.cli.common import CliError, add_program_arguments, load_program, parse_assignments, shape_text
 from kiln.cli.run_cmd import load_inputs, pick_method, random_inputs
 from kiln.runtime.bench import Contestant, format_bytes, format_ms, measure_memory, run_interleaved
 
@@ -30,11 +30,7 @@ examples:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="the .kiln file")
-    p.add_argument("--method", help="the method to time (default: forward, or the only method)")
-    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
-    p.add_argument("-i", "--input", action="extend", nargs="+", default=[], metavar="NPY", dest="inputs",
-                   help="an input .npy file; repeat (or list several) in the method's input order")
+    add_program_arguments(p, "time")
     p.add_argument("--dim", action="append", metavar="SYMBOL=N", help="size of a symbolic dimension for random inputs")
     p.add_argument("--seed", type=int, default=0, help="seed for random inputs (default: 0)")
     p.add_argument("--int-high", type=int, default=10, metavar="N",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -17,6 +18,15 @@ class CliError(Exception):
 
 def error(command: str, message: str) -> None:
     print(f"kiln {command}: error: {message}", file=sys.stderr)
+
+
+def add_program_arguments(p: argparse.ArgumentParser, verb: str) -> None:
+    """The arguments every command that runs a method shares: the file, the method, the backend, .npy inputs."""
+    p.add_argument("model", help="the .kiln file")
+    p.add_argument("--method", help=f"the method to {verb} (default: forward, or the only method)")
+    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
+    p.add_argument("-i", "--input", action="extend", nargs="+", default=[], metavar="NPY", dest="inputs",
+                   help="an input .npy file; repeat (or list several) in the method's input order")
 
 
 def load_program(path: str | os.PathLike) -> Program:

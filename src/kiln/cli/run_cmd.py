@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.cli.common import CliError, load_program, parse_assignments, preview, shape_text
+from kiln.cli.common import CliError, add_program_arguments, load_program, parse_assignments, preview, shape_text
 from kiln.ir.graph import Value
 from kiln.ir.symbolic import resolve_shape
 from kiln.runtime import Program
@@ -35,11 +35,7 @@ examples:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="the .kiln file")
-    p.add_argument("--method", help="the method to run (default: forward, or the only method)")
-    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
-    p.add_argument("-i", "--input", action="extend", nargs="+", default=[], metavar="NPY", dest="inputs",
-                   help="an input .npy file; repeat (or list several) in the method's input order")
+    add_program_arguments(p, "run")
     p.add_argument("--random", action="store_true", help="make seeded random inputs from the input specs")
     p.add_argument("--dim", action="append", metavar="SYMBOL=N", help="size of a symbolic dimension for --random")
     p.add_argument("--seed", type=int, default=0, help="seed for --random (default: 0)")
