@@ -22,7 +22,10 @@ TOL = 1e-5
 # MobileNetV3-small 2.6e-6, -large 1.7e-6 (1e-5 holds); ResNet-18 7.4e-6 (1e-5 holds with too thin a margin to
 # survive another BLAS, so 1e-4); ResNet-50 1.4e-4, where eager itself is 1.3e-4 away from a float64 run of the same
 # model, so 5e-4.
-TOL_BY_MODEL = {"resnet18": 1e-4, "resnet50": 5e-4}
+# Since export folds each batch norm into its convolution's weights (passes/fold_batch_norm.py), kiln rounds
+# W * gamma / sqrt(var + eps) once where eager normalizes after the conv: MobileNetV3-large needed 3.1e-5 at seed 1,
+# batch 1, so the MobileNets get 1e-4 too.
+TOL_BY_MODEL = {"resnet18": 1e-4, "resnet50": 5e-4, "mobilenet_v3_small": 1e-4, "mobilenet_v3_large": 1e-4}
 
 
 def randomized(model: nn.Module, seed: int, resolution: int = 64) -> nn.Module:

@@ -25,6 +25,7 @@ from kiln.export.builder import ProgramBuilder
 from kiln.export.capture import bound, capture, user_dim_names
 from kiln.export.method import Failures, lower_method, mutated_buffers
 from kiln.export.passes.dce import eliminate_dead_code
+from kiln.export.passes.fold_batch_norm import fold_batch_norm
 from kiln.export.plan import plan_memory
 
 
@@ -101,6 +102,7 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         names = user_dim_names(spec.dynamic_shapes, placeholders)
         method = lower_method(name, ep, builder, state_names, names, failures)
         if method is not None:
+            fold_batch_norm(method, builder)
             eliminate_dead_code(method)
             plan_memory(method)
             builder.add_method(method)

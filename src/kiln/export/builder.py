@@ -58,6 +58,11 @@ class ProgramBuilder:
             self.constants.append(Constant(name, key[1], key[2], blob))
         return index
 
+    def constant_array(self, index: int) -> np.ndarray:
+        """A constant's contents as a read-only NumPy array (for passes that compute new constants from old)."""
+        c = self.constants[index]
+        return np.frombuffer(self._blob_data[c.blob], dtype=c.dtype.numpy).reshape(c.shape)
+
     def state(self, name: str, tensor: torch.Tensor) -> int:
         """Index of the state buffer called `name`, created on first use with `tensor` as its initial value."""
         index = self._state_index.get(name)
