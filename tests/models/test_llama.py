@@ -14,6 +14,7 @@ from kiln.errors import InputError
 from kiln.models.llm import StaticCacheLM, export_llama
 from kiln.runtime.generate import greedy_generate, prefill
 from tests.conftest import to_numpy
+from tests.models.greedy_reference import greedy_reference
 
 MAX_CONTEXT = 64
 CHUNK = 8
@@ -57,15 +58,8 @@ def test_methods_share_the_kv_cache(program):
 
 
 def test_greedy_tokens_match_transformers_generate(llama, program, prompt, backend):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-        # every greedy choice wins by far more than the numerical error, so equal tokens are the right expectation
-        logits = llama(ref).logits[0, len(prompt) - 1:-1]
-    top2 = logits.topk(2, dim=-1).values
-    assert float((top2[:, 0] - top2[:, 1]).min()) > 100 * LOGITS_ATOL
-    tokens = greedy_generate(program.session(backend), prompt, NEW_TOKENS)
-    assert tokens == ref[0, len(prompt):].tolist()
+    ref = greedy_reference(llama, prompt, NEW_TOKENS, LOGITS_ATOL)
+    assert greedy_generate(program.session(backend), prompt, NEW_TOKENS) == ref
 
 
 def test_logits_match_eager(llama, program, prompt, backend):
