@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kiln.cli import main
+from kiln.ir import ops
 
 FACTORIES = textwrap.dedent('''
     import torch
@@ -102,7 +103,7 @@ def test_export_prints_progress_and_summary(exported):
 def test_inspect_text(exported):
     code, out, _ = cli("inspect", exported[0])
     assert code == 0
-    for expected in ("format version 1, op set version 1", "origin: test", "method forward:",
+    for expected in (f"format version 1, op set version {ops.OPSET_VERSION}", "origin: test", "method forward:",
                      "x: float32[2, seq, 8]", "float32[2, seq, 4]", "symbols: seq in [1, 64]",
                      "updates state: calls", "1  linear", "calls: float32[1], 4 B, initially zeros",
                      "constants: 3"):

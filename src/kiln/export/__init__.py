@@ -26,6 +26,8 @@ from kiln.export.capture import bound, capture, user_dim_names
 from kiln.export.method import Failures, lower_method, mutated_buffers
 from kiln.export.passes.dce import eliminate_dead_code
 from kiln.export.passes.fold_batch_norm import fold_batch_norm
+from kiln.export.passes.fuse_attention import absorb_repeat_kv
+from kiln.export.passes.fuse_conv import fuse_conv
 from kiln.export.plan import plan_memory
 
 
@@ -103,6 +105,8 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         method = lower_method(name, ep, builder, state_names, names, failures)
         if method is not None:
             fold_batch_norm(method, builder)
+            fuse_conv(method)
+            absorb_repeat_kv(method)
             eliminate_dead_code(method)
             plan_memory(method)
             builder.add_method(method)

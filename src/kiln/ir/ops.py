@@ -19,7 +19,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 1
+OPSET_VERSION = 2
+"""History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
+activation_max)."""
 
 
 class AttrType(enum.IntEnum):
@@ -160,8 +162,13 @@ define("linear", "x weight bias?",
 # ---- convolution and pooling (N spatial dims, channels first) ----
 define("conv", "x weight bias?", A("stride", T.INTS), A("padding", T.INTS), A("dilation", T.INTS),
        A("groups", T.INT, 1), A("transposed", T.BOOL, False), A("output_padding", T.INTS, ()),
+       A("padding_end", T.INTS, ()), A("activation", T.STRING, "none"), A("activation_min", T.FLOAT, None),
+       A("activation_max", T.FLOAT, None),
        doc="N-d convolution (cross-correlation) or, when transposed, its adjoint, as aten.convolution. "
-           "x [N, C, *spatial]; weight [O, C/groups, *k] (transposed: [C, O/groups, *k]).")
+           "x [N, C, *spatial]; weight [O, C/groups, *k] (transposed: [C, O/groups, *k]). padding is zeros "
+           "before each spatial dim; padding_end, when given (not transposed), the zeros after it (else equal "
+           "to padding). activation is applied to the result, bias included: none, clamp (to [activation_min, "
+           "activation_max], an absent bound not applied, NaN kept) or hardswish.")
 define("max_pool", "x", A("kernel", T.INTS), A("stride", T.INTS), A("padding", T.INTS),
        A("dilation", T.INTS), A("ceil_mode", T.BOOL, False),
        doc="N-d max pooling over the trailing len(kernel) dims; padding is -inf; windows starting in the "

@@ -8,27 +8,24 @@ to the weight dtype, so results differ from eager only by that rounding.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import torch
 
 from kiln.export.builder import ProgramBuilder
 from kiln.export.lower.registry import TORCH_OF
+from kiln.export.passes.usage import Usage, is_constant
 from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 
 
 def fold_batch_norm(method: Method, builder: ProgramBuilder) -> int:
     """Rewrite every foldable conv -> batch_norm pair in place; returns how many were folded."""
-    producer = {o: node for node in method.nodes for o in node.outputs}
-    readers = Counter(i for node in method.nodes for i in node.inputs if i != NO_VALUE)
-    kept = set(method.outputs) | {u.value for u in method.state_updates}
+    usage = Usage.of(method)
     folded: set[int] = set()
     for bn in method.nodes:
         if bn.op != "batch_norm":
             continue
-        conv = producer.get(bn.inputs[0])
-        if not _foldable(method, conv, bn, readers, kept):
+        conv = usage.producer.get(bn.inputs[0])
+        if not _foldable(method, conv, bn, usage):
             continue
         _fold(method, builder, conv, bn)
         folded.add(id(bn))
@@ -36,19 +33,14 @@ def fold_batch_norm(method: Method, builder: ProgramBuilder) -> int:
     return len(folded)
 
 
-def _is_constant(method: Method, v: int) -> bool:
-    return v == NO_VALUE or method.values[v].kind == ValueKind.CONSTANT
-
-
-def _foldable(method: Method, conv: Node | None, bn: Node, readers: Counter, kept: set[int]) -> bool:
+def _foldable(method: Method, conv: Node | None, bn: Node, usage: Usage) -> bool:
     if conv is None or conv.op != "conv" or conv.attrs.get("transposed", False):
         return False
-    out = conv.outputs[0]
-    if readers[out] != 1 or out in kept:
+    if conv.attrs.get("activation", "none") != "none" or not usage.only_reader_may_absorb(conv.outputs[0]):
         return False  # someone else reads the un-normalized conv output
     weight = conv.inputs[1]
     bias = conv.inputs[2] if len(conv.inputs) > 2 else NO_VALUE
-    if weight == NO_VALUE or not all(_is_constant(method, v) for v in (weight, bias, *bn.inputs[1:])):
+    if weight == NO_VALUE or not all(is_constant(method, v) for v in (weight, bias, *bn.inputs[1:])):
         return False
     return method.values[weight].dtype.is_float
 

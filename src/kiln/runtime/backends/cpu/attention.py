@@ -14,18 +14,31 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, c
          scale: float | None) -> np.ndarray:
     dtype = q.dtype
     q, k, v, mask = upcast(q, k, v, mask)
+    L, S = q.shape[-2], k.shape[-2]
+    out_shape = q.shape[:-1] + v.shape[-1:]
+    groups = 1
     if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        groups = q.shape[-3] // k.shape[-3]
-        k, v = np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)
+        # GQA without repeating k/v: q heads [.., Hkv * g, L, E] viewed as [.., Hkv, g * L, E], one matmul per kv
+        # head for its whole group of q heads (the mask follows the same grouping)
+        heads, groups = k.shape[-3], q.shape[-3] // k.shape[-3]
+        q = q.reshape(q.shape[:-3] + (heads, groups * L, q.shape[-1]))
+        if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:  # a mask per q head: regroup it too
+            mask = np.broadcast_to(mask, mask.shape[:-3] + (heads * groups, L, S))
+            mask = mask.reshape(mask.shape[:-3] + (heads, groups * L, S))
+        elif mask is not None:  # one mask for all heads: its rows repeat once per q head of a group
+            mask = np.broadcast_to(mask, mask.shape[:-2] + (L, S))
+            mask = np.concatenate([mask] * groups, axis=-2)
     if scale is None:
         scale = 1 / math.sqrt(q.shape[-1])
-    scores = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(scale)
-    L, S = q.shape[-2], k.shape[-2]
+    scores = np.matmul(q, np.swapaxes(k, -1, -2))
+    scores *= scores.dtype.type(scale)
     if causal:
-        scores = np.where(np.tril(np.ones((L, S), dtype=bool)), scores, -np.inf)
+        keep = np.tril(np.ones((L, S), dtype=bool))
+        scores = np.where(np.tile(keep, (groups, 1)), scores, -np.inf)
     if mask is not None:
         scores = np.where(mask, scores, -np.inf) if mask.dtype == np.bool_ else scores + mask
-    scores = scores - np.max(scores, axis=-1, keepdims=True)
+    scores -= np.max(scores, axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= np.sum(scores, axis=-1, keepdims=True)
-    return np.matmul(scores, v).astype(dtype, copy=False)
+    return np.matmul(scores, v).reshape(out_shape).astype(dtype, copy=False)
+

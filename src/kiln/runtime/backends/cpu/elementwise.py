@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS, in_float32, kernel
 
 
@@ -45,6 +46,11 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return np.copysign(e, flat, out=e).astype(x.dtype, copy=False).reshape(x.shape)
 
 
+def _relu(x: np.ndarray) -> np.ndarray:
+    y = native.clamp(x, 0.0, None) if x.dtype == np.float32 else None
+    return np.maximum(x, x.dtype.type(0)) if y is None else y
+
+
 def _hardsigmoid(x: np.ndarray) -> np.ndarray:
     return np.clip(x + 3, 0, 6) / 6
 
@@ -52,13 +58,24 @@ def _hardsigmoid(x: np.ndarray) -> np.ndarray:
 _UNARY = {
     "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
     "rsqrt": lambda x: 1 / np.sqrt(x), "reciprocal": lambda x: 1 / x, "sigmoid": _sigmoid, "tanh": np.tanh,
-    "relu": lambda x: np.maximum(x, x.dtype.type(0)), "erf": _erf, "sin": np.sin, "cos": np.cos,
+    "relu": lambda x: _relu(x), "erf": _erf, "sin": np.sin, "cos": np.cos,
     "floor": np.floor, "ceil": np.ceil, "round": np.round, "sign": np.sign, "silu": lambda x: x * _sigmoid(x),
     "hardswish": lambda x: x * _hardsigmoid(x), "hardsigmoid": _hardsigmoid, "log1p": np.log1p,
     "expm1": np.expm1, "trunc": np.trunc,
 }
+
+
+def _compiled_first(name: str, fallback):
+    """The compiled helper for float32 (one pass over memory instead of NumPy's several), else `fallback`."""
+    def run(x: np.ndarray) -> np.ndarray:
+        y = native.unary(name, x)
+        return fallback(x) if y is None else y
+    run.__name__ = name
+    return run
+
+
 for _name, _fn in _UNARY.items():
-    CPU_KERNELS.add(_name, in_float32(_fn))
+    CPU_KERNELS.add(_name, in_float32(_compiled_first(_name, _fn) if _name in native.UNARY else _fn))
 
 CPU_KERNELS.add("logical_not", np.logical_not)
 CPU_KERNELS.add("bitwise_not", np.invert)
@@ -68,6 +85,9 @@ CPU_KERNELS.add("isnan", np.isnan)
 @kernel("gelu")
 @in_float32
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
+    y = native.unary("gelu_tanh" if approximate == "tanh" else "gelu_erf", x)
+    if y is not None:
+        return y
     if approximate == "tanh":
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
     # 1 + erf(x/sqrt(2)) is erfc(|x|/sqrt(2)) for x < 0 and 2 - erfc(...) otherwise: taken from erfc directly, the
@@ -87,7 +107,11 @@ def leaky_relu(x: np.ndarray, negative_slope: float) -> np.ndarray:
 
 @kernel("clamp")
 def clamp(x: np.ndarray, min: float | None, max: float | None) -> np.ndarray:
-    """np.maximum/np.minimum propagate NaN as torch.clamp does, in one pass each."""
+    """np.maximum/np.minimum propagate NaN as torch.clamp does, in one pass each (the compiled helper: one pass)."""
+    if x.dtype == np.float32 and (min is not None or max is not None):
+        y = native.clamp(x, min, max)
+        if y is not None:
+            return y
     out = x if min is None else np.maximum(x, x.dtype.type(min))
     out = out if max is None else np.minimum(out, x.dtype.type(max))
     return out if out is not x else x.copy()

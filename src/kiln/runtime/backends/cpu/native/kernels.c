@@ -1,0 +1,257 @@
+/* kiln's compiled CPU helpers: float32 kernels where NumPy's per-call overhead or its extra passes over memory
+ * dominate (depthwise convolution on small maps, composite activations, im2col without a padded copy).
+ *
+ * Plain C99, no intrinsics: the loops are written so the compiler vectorizes them (contiguous inner loops,
+ * no aliasing through `restrict`). Every function is a leaf over caller-owned, C-contiguous buffers; the
+ * caller checks dtypes, shapes and contiguity. Built on first use by native/__init__.py and cached.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+/* ---------------------------------------------------------------------------------------------------------
+ * exp for float32, vectorizable: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error
+ * about 2e-7, within float32 rounding of libm's expf), 2^k by building the exponent bits. Inputs are clamped
+ * to the finite range; NaN is restored by the callers that can see one.
+ */
+static inline float exp_f32(float x) {
+    const float xc = x > 88.3762626647949f ? 88.3762626647949f : (x < -87.3365447505531f ? -87.3365447505531f : x);
+    const float kf = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)kf + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    const float e = p * scale;
+    /* past the finite range: inf and 0 exactly, as libm gives (so sigmoid(-inf) is 0 and silu(-inf) NaN) */
+    return x > 88.7228390520683f ? __builtin_inff() : (x < -103.972077083992f ? 0.0f : e);
+}
+
+/* erfc(|x|) by the Chebyshev fit of Numerical Recipes (fractional error below 1.2e-7). */
+static inline float erfc_abs_f32(float x) {
+    float z = x < 0.0f ? -x : x;
+    float t = 1.0f / (1.0f + 0.5f * z);
+    float p = 0.17087277f;
+    p = p * t - 0.82215223f;
+    p = p * t + 1.48851587f;
+    p = p * t - 1.13520398f;
+    p = p * t + 0.27886807f;
+    p = p * t - 0.18628806f;
+    p = p * t + 0.09678418f;
+    p = p * t + 0.37409196f;
+    p = p * t + 1.00002368f;
+    p = p * t - 1.26551223f;
+    return t * exp_f32(p - z * z);
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Unary activations, y = f(x) over n elements (y may be x). NaN in, NaN out, as PyTorch gives.
+ */
+#define UNARY(name, expr)                                                      \
+    void kiln_##name##_f32(const float *restrict x, float *y, i64 n) {         \
+        for (i64 i = 0; i < n; i++) {                                          \
+            float v = x[i];                                                    \
+            float r = (expr);                                                  \
+            y[i] = v != v ? v : r;                                             \
+        }                                                                      \
+    }
+
+static inline float sigmoid_f32(float v) { return 1.0f / (1.0f + exp_f32(-v)); }
+static inline float hardsigmoid_f32(float v) {
+    float h = (v + 3.0f) * (1.0f / 6.0f);
+    h = h < 0.0f ? 0.0f : h;
+    return h > 1.0f ? 1.0f : h;
+}
+/* gelu(x) = x/2 (1 + erf(x/sqrt2)); 1 + erf(u) = erfc(|u|) for u < 0 and 2 - erfc(|u|) otherwise, so the left
+ * tail has no cancellation. */
+static inline float gelu_erf_f32(float v) {
+    float e = erfc_abs_f32(v * 0.70710678118654752f);
+    return 0.5f * v * (v >= 0.0f ? 2.0f - e : e);
+}
+/* tanh(u) = 1 - 2 / (exp(2u) + 1): exact at both saturated ends, no inf/inf. */
+static inline float tanh_f32(float u) { return 1.0f - 2.0f / (exp_f32(2.0f * u) + 1.0f); }
+static inline float gelu_tanh_f32(float v) {
+    return 0.5f * v * (1.0f + tanh_f32(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+}
+static inline float erf_f32(float v) {
+    float e = 1.0f - erfc_abs_f32(v);
+    return v < 0.0f ? -e : e;
+}
+
+UNARY(sigmoid, sigmoid_f32(v))
+UNARY(silu, v * sigmoid_f32(v))
+UNARY(hardsigmoid, hardsigmoid_f32(v))
+UNARY(hardswish, v * hardsigmoid_f32(v))
+UNARY(gelu_erf, gelu_erf_f32(v))
+UNARY(gelu_tanh, gelu_tanh_f32(v))
+UNARY(erf, erf_f32(v))
+
+/* Clamp to [lo, hi] (pass -inf/inf for an absent bound); NaN stays NaN. y may be x. */
+void kiln_clamp_f32(const float *x, float *y, i64 n, float lo, float hi) {
+    for (i64 i = 0; i < n; i++) {
+        float v = x[i];
+        v = v < lo ? lo : v;
+        y[i] = v > hi ? hi : v;
+    }
+}
+
+/* A convolution's fused activation over one run of outputs: 0 none, 1 clamp to [lo, hi], 2 hardswish. */
+static void activate(float *y, i64 n, int act, float lo, float hi) {
+    if (act == 1)
+        kiln_clamp_f32(y, y, n, lo, hi);
+    else if (act == 2)
+        kiln_hardswish_f32(y, y, n);
+}
+
+void kiln_activate_f32(float *y, i64 n, i64 act, float lo, float hi) { activate(y, n, (int)act, lo, hi); }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Depthwise 2-d convolution (groups == in channels == out channels), NCHW float32.
+ *
+ * Each channel plane is zero-padded and split by stride phase into scratch (padded position j*s + f lands in phase
+ * f at index j), so a strided convolution is stride 1 inside a phase. The output is computed "wide", at the
+ * phase pitch qw instead of ow, so every kernel tap is one multiply-add over a contiguous run of oh*qw floats:
+ * long vector loops even on 7x7 maps. The extra columns are dropped when the plane is written out; the bias
+ * starts the sum and the fused activation runs on the plane while it is in cache.
+ */
+#define DW_BLOCK 32 /* two vectors of 16 floats */
+
+/* GCC/Clang vector extensions, not intrinsics: the compiler maps them to the widest units -march=native has. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, for unaligned loads and stores */
+static inline v16 splat16(float v) { return (v16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+
+void kiln_dwconv2d_f32(const float *restrict x, const float *restrict w, const float *restrict bias,
+                       float *restrict y, i64 planes, i64 channels, i64 h, i64 wd, i64 kh, i64 kw, i64 sh, i64 sw,
+                       i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow, i64 act, float lo, float hi) {
+    const i64 ph_rows = (oh - 1) * sh + (kh - 1) * dh + 1; /* padded extent actually read */
+    const i64 ph_cols = (ow - 1) * sw + (kw - 1) * dw + 1;
+    const i64 qh = (ph_rows + sh - 1) / sh, qw = (ph_cols + sw - 1) / sw;
+    const i64 m = oh * qw;
+    const i64 nphase = sh * sw;
+    const i64 mb = (m + DW_BLOCK - 1) / DW_BLOCK * DW_BLOCK; /* outputs computed, in whole blocks */
+    const i64 plen = qh * qw + qw + DW_BLOCK; /* slack: the last block may read past qh*qw, into zeros */
+    float *scratch = (float *)calloc((size_t)(nphase * plen + mb), sizeof(float));
+    if (!scratch) return;
+    float *wide = scratch + nphase * plen;
+    i64 *tap_off = (i64 *)malloc((size_t)(kh * kw) * sizeof(i64));
+    if (!tap_off) { free(scratch); return; }
+    for (i64 i = 0; i < kh; i++)
+        for (i64 j = 0; j < kw; j++) {
+            i64 pi = i * dh, pj = j * dw;
+            tap_off[i * kw + j] = ((pi % sh) * sw + (pj % sw)) * plen + (pi / sh) * qw + (pj / sw);
+        }
+    for (i64 p = 0; p < planes; p++) {
+        const i64 ch = p % channels;
+        const float *xp = x + p * h * wd;
+        /* scatter the plane into its phases: rows and columns outside x are zero */
+        for (i64 r = 0; r < ph_rows; r++) {
+            const i64 src_r = r - pt;
+            const float *srow = xp + src_r * wd;
+            for (i64 f = 0; f < sw; f++) {
+                float *dst = scratch + ((r % sh) * sw + f) * plen + (r / sh) * qw;
+                const i64 n_cols = (ph_cols - f + sw - 1) / sw;
+                if (src_r < 0 || src_r >= h) {
+                    memset(dst, 0, (size_t)n_cols * sizeof(float));
+                    continue;
+                }
+                /* phase column j reads x column j*sw + f - pl: inside x for j in [lo, hi) */
+                i64 lo = pl - f > 0 ? (pl - f + sw - 1) / sw : 0;
+                i64 hi = (wd + pl - f + sw - 1) / sw;
+                hi = hi < n_cols ? hi : n_cols;
+                lo = lo < hi ? lo : hi;
+                for (i64 j = 0; j < lo; j++) dst[j] = 0.0f;
+                const float *s = srow + f - pl;
+                if (sw == 1)
+                    memcpy(dst + lo, s + lo, (size_t)(hi - lo) * sizeof(float));
+                else
+                    for (i64 j = lo; j < hi; j++) dst[j] = s[j * sw];
+                for (i64 j = hi; j < n_cols; j++) dst[j] = 0.0f;
+            }
+        }
+        const float *wc = w + ch * kh * kw;
+        const float b = bias ? bias[ch] : 0.0f;
+        /* DW_BLOCK outputs stay in registers across all taps: one store per output instead of one per tap */
+        for (i64 k0 = 0; k0 < m; k0 += DW_BLOCK) {
+            v16 acc0 = splat16(b), acc1 = acc0;
+            for (i64 t = 0; t < kh * kw; t++) {
+                const v16 wv = splat16(wc[t]);
+                const float *src = scratch + tap_off[t] + k0;
+                acc0 += wv * *(const v16u *)src;
+                acc1 += wv * *(const v16u *)(src + 16);
+            }
+            *(v16u *)(wide + k0) = acc0;
+            *(v16u *)(wide + k0 + 16) = acc1;
+        }
+        float *yp = y + p * oh * ow;
+        for (i64 r = 0; r < oh; r++) memcpy(yp + r * ow, wide + r * qw, (size_t)ow * sizeof(float));
+        activate(yp, oh * ow, (int)act, lo, hi); /* while the plane is in cache */
+    }
+    free(tap_off);
+    free(scratch);
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * im2col for 2-d convolution, one image: cols[c][i][j][oh*ow] = x[c][oh*sh + i*dh - pt][ow*sw + j*dw - pl], zero
+ * outside x. No padded copy of the input; the inner loop copies a contiguous run when sw == 1.
+ */
+void kiln_im2col2d_f32(const float *restrict x, float *restrict cols, i64 c, i64 h, i64 wd, i64 kh, i64 kw, i64 sh,
+                       i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow) {
+    for (i64 ch = 0; ch < c; ch++) {
+        const float *xc = x + ch * h * wd;
+        for (i64 i = 0; i < kh; i++)
+            for (i64 j = 0; j < kw; j++) {
+                float *dst = cols + ((ch * kh + i) * kw + j) * oh * ow;
+                /* output columns [lo, hi) read inside the row; the rest are zero */
+                const i64 off = j * dw - pl;
+                i64 lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
+                i64 hi = (wd - off + sw - 1) / sw;
+                if (hi > ow) hi = ow;
+                if (lo > hi) lo = hi;
+                for (i64 r = 0; r < oh; r++) {
+                    const i64 src_r = r * sh + i * dh - pt;
+                    float *d = dst + r * ow;
+                    if (src_r < 0 || src_r >= h) {
+                        memset(d, 0, (size_t)ow * sizeof(float));
+                        continue;
+                    }
+                    const float *s = xc + src_r * wd + off;
+                    for (i64 o = 0; o < lo; o++) d[o] = 0.0f;
+                    if (sw == 1)
+                        memcpy(d + lo, s + lo, (size_t)(hi - lo) * sizeof(float));
+                    else
+                        for (i64 o = lo; o < hi; o++) d[o] = s[o * sw];
+                    for (i64 o = hi; o < ow; o++) d[o] = 0.0f;
+                }
+            }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * dst[r][c] = src[c][r] (+ bias[c]): src is [cols, rows], dst [rows, cols], both row-major. The linear kernel
+ * multiplies W @ x^T (which OpenBLAS runs at MKL's speed for any batch, unlike x @ W^T) and comes back to
+ * row-major here, adding the bias on the way. Tiles of 32x32 keep both sides' cache lines in use.
+ */
+void kiln_transpose_bias_f32(const float *restrict src, const float *restrict bias, float *restrict dst, i64 rows,
+                             i64 cols) {
+    enum { TILE = 32 };
+    for (i64 c0 = 0; c0 < cols; c0 += TILE) {
+        const i64 c1 = c0 + TILE < cols ? c0 + TILE : cols;
+        for (i64 r0 = 0; r0 < rows; r0 += TILE) {
+            const i64 r1 = r0 + TILE < rows ? r0 + TILE : rows;
+            for (i64 r = r0; r < r1; r++) {
+                float *d = dst + r * cols;
+                for (i64 c = c0; c < c1; c++) d[c] = src[c * rows + r] + (bias ? bias[c] : 0.0f);
+            }
+        }
+    }
+}

@@ -1,0 +1,178 @@
+"""The compiled CPU helpers: equal to PyTorch (and so to the NumPy kernels) over a grid of geometries, and a clean
+fallback to NumPy when they are turned off or cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.runtime.backends.cpu import conv as conv_kernels
+from kiln.runtime.backends.cpu import native
+from kiln.runtime.backends.cpu.registry import CPU_KERNELS
+
+lib = native.library()
+ACTIVATIONS = {"none": (("none", None, None), lambda t: t), "relu6": (("clamp", 0.0, 6.0), F.relu6),
+               "hardswish": (("hardswish", None, None), F.hardswish)}
+needs_native = pytest.mark.skipif(lib is None, reason="no C compiler here: the compiled helpers are not built")
+
+
+def _conv_cases():
+    """(name, in channels, out channels, groups, size, kernel, stride, padding, dilation, batch)."""
+    rng = np.random.default_rng(7)
+    yield "mobilenet_dw_5x5", 24, 24, 24, (14, 14), (5, 5), (1, 1), (2, 2), (1, 1), 1
+    yield "dw_stride2_odd", 8, 8, 8, (13, 11), (3, 3), (2, 2), (1, 1), (1, 1), 2
+    yield "dw_stride3_dilated", 5, 5, 5, (17, 19), (3, 5), (3, 2), (2, 3), (2, 1), 1
+    yield "dw_no_padding", 6, 6, 6, (9, 9), (7, 7), (1, 1), (0, 0), (1, 1), 1
+    yield "dw_big_padding", 4, 4, 4, (5, 6), (3, 3), (1, 2), (3, 4), (1, 1), 1
+    yield "dw_1x1", 4, 4, 4, (5, 5), (1, 1), (2, 2), (0, 0), (1, 1), 1
+    yield "dense_3x3", 6, 10, 1, (12, 12), (3, 3), (1, 1), (1, 1), (1, 1), 2
+    yield "dense_7x7_s2", 3, 8, 1, (23, 23), (7, 7), (2, 2), (3, 3), (1, 1), 1
+    yield "grouped_dilated", 8, 6, 2, (10, 9), (3, 2), (1, 2), (2, 1), (2, 3), 1
+    yield "dense_1x1_padded", 4, 5, 1, (6, 6), (1, 1), (1, 1), (1, 1), (1, 1), 1
+    yield "dw_same_asymmetric", 6, 6, 6, (14, 14), (5, 5), (2, 2), ((1, 2), (2, 1)), (1, 1), 1  # (before, after)
+    yield "dense_asymmetric", 3, 4, 1, (9, 8), (3, 3), (2, 2), ((0, 1), (1, 0)), (1, 1), 1
+    for i in range(6):  # random geometries: every combination path gets exercised
+        k = tuple(int(v) for v in rng.integers(1, 6, 2))
+        s = tuple(int(v) for v in rng.integers(1, 4, 2))
+        d = tuple(int(v) for v in rng.integers(1, 3, 2))
+        p = tuple(int(v) for v in rng.integers(0, 4, 2))
+        size = tuple(int(v) + (kk - 1) * dd + 1 for v, kk, dd in zip(rng.integers(1, 12, 2), k, d))
+        c = int(rng.integers(1, 7))
+        yield f"random_dw_{i}", c, c, c, size, k, s, p, d, int(rng.integers(1, 3))
+        yield f"random_dense_{i}", c, 3, 1, size, k, s, p, d, 1
+
+
+@needs_native
+@pytest.mark.parametrize("case", list(_conv_cases()), ids=lambda c: c[0])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ["none", "relu6", "hardswish"])
+def test_compiled_conv2d_matches_torch(case, with_bias, activation):
+    _, c, o, groups, size, k, s, p, d, n = case
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, *size), dtype=np.float32)
+    w = rng.standard_normal((o, c // groups, *k), dtype=np.float32)
+    b = rng.standard_normal(o, dtype=np.float32) if with_bias else None
+    before, after = zip(*p) if isinstance(p[0], tuple) else (p, p)
+    got = conv_kernels._conv2d_compiled(x, w, b, s, before, after, d, groups, ACTIVATIONS[activation][0])
+    xt = F.pad(torch.from_numpy(x), (before[1], after[1], before[0], after[0]))
+    want = F.conv2d(xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), s, 0, d, groups)
+    want = ACTIVATIONS[activation][1](want).numpy()
+    if k == (1, 1) and not any(before + after) and groups == 1:
+        assert got is None  # left to the plain GEMM path
+        return
+    assert got is not None and got.shape == want.shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(np.prod(k) * c / groups))
+
+
+@needs_native
+def test_compiled_conv2d_declines_what_it_cannot_take():
+    x = np.ones((1, 2, 5, 5), np.float32)
+    w = np.ones((2, 1, 3, 3), np.float32)
+    none = ("none", None, None)
+    compiled = conv_kernels._conv2d_compiled
+    assert compiled(x.astype(np.float64), w.astype(np.float64), None, (1, 1), (1, 1), (1, 1), (1, 1), 2, none) is None
+    assert compiled(x[..., 0], w[..., 0], None, (1,), (1,), (1,), (1,), 2, none) is None  # 1-d
+    assert compiled(x, w, None, (1, 1), (0, 0), (0, 0), (4, 4), 2, none) is None  # empty output
+    noncontig = np.ones((1, 2, 5, 10), np.float32)[..., ::2]
+    got = compiled(noncontig, w, None, (1, 1), (1, 1), (1, 1), (1, 1), 2, none)
+    np.testing.assert_allclose(got, F.conv2d(torch.from_numpy(np.ascontiguousarray(noncontig)), torch.from_numpy(w),
+                                             None, 1, 1, 1, 2).numpy(), rtol=1e-6)
+
+
+_TORCH_UNARY = {
+    "sigmoid": torch.sigmoid, "silu": F.silu, "hardsigmoid": F.hardsigmoid, "hardswish": F.hardswish,
+    "gelu_erf": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "erf": torch.erf,
+}
+
+
+@needs_native
+@pytest.mark.parametrize("name", native.UNARY)
+def test_compiled_unary_matches_torch(name):
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(5000, dtype=np.float32) * 4, np.linspace(-120, 120, 2001, dtype=np.float32),
+                        np.array([0.0, -0.0, np.nan, 1e-30, -1e-30, 3e38, -3e38], np.float32)])
+    got = native.unary(name, x)
+    want = _TORCH_UNARY[name](torch.from_numpy(x)).numpy()
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-6, atol=1e-6)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    strided = x[:7000].reshape(2, -1)[:, ::3]  # non-contiguous
+    np.testing.assert_array_equal(native.unary(name, strided), native.unary(name, strided.copy()))
+    assert native.unary(name, np.float32(0.5).reshape(())).shape == ()
+    assert native.unary(name, x.astype(np.float64)) is None
+
+
+def test_every_compiled_function_is_declared():
+    source = native.SOURCE.read_text()
+    declared = set(native.SIGNATURES)
+    defined = {f"kiln_{m}_f32" for m in native.UNARY}
+    defined |= {line.split("(")[0].split()[-1] for line in source.splitlines() if line.startswith("void kiln_")}
+    assert declared == defined
+
+
+def _probe(env_update: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
+    code = ("import numpy as np; from kiln.runtime.backends.cpu import native;"
+            "from kiln.runtime.backends.cpu.registry import CPU_KERNELS;"
+            "print('lib', native.library() is not None);"
+            "x = np.linspace(-3, 3, 7, dtype=np.float32);"
+            "print('gelu', CPU_KERNELS.kernels['gelu'](x, 'none').round(5).tolist())")
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path), **env_update}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("env", [{"KILN_NATIVE": "0"}, {"CC": "false", "PATH": "/nonexistent"}],
+                         ids=["turned_off", "no_compiler"])
+def test_numpy_fallback_without_the_helpers(env, tmp_path):
+    result = _probe(env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "lib False" in result.stdout
+    want = F.gelu(torch.linspace(-3, 3, 7)).numpy().round(5).tolist()
+    assert f"gelu {want}" in result.stdout
+
+
+@needs_native
+def test_failed_build_falls_back_with_a_warning(tmp_path):
+    fake_cc = tmp_path / "cc"
+    fake_cc.write_text("#!/bin/sh\necho 'fake compiler: error' >&2\nexit 1\n")
+    fake_cc.chmod(0o755)
+    result = _probe({"CC": str(fake_cc)}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "lib False" in result.stdout
+    assert "helpers are unavailable" in result.stderr and "fake compiler" in result.stderr
+
+
+@needs_native
+def test_build_is_cached_per_source(tmp_path):
+    first = _probe({}, tmp_path)
+    assert "lib True" in first.stdout, first.stderr
+    built = sorted((tmp_path / "native").glob("kernels-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    assert "lib True" in _probe({}, tmp_path).stdout
+    assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert not list((tmp_path / "native").glob("*.tmp*"))
+
+
+def test_kernels_run_without_the_helpers(monkeypatch):
+    """The NumPy fallback of each accelerated kernel, in this process (the op suite runs the compiled path)."""
+    monkeypatch.setattr(native, "library", lambda: None)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 4, 9, 9), dtype=np.float32)
+    w = rng.standard_normal((4, 1, 3, 3), dtype=np.float32)
+    for padding_end, activation, reference in (((1, 1), ("none", None, None), lambda t: t),
+                                               ((2, 0), ("clamp", 0.0, 6.0), F.relu6),
+                                               ((0, 2), ("hardswish", None, None), F.hardswish)):
+        got = CPU_KERNELS.kernels["conv"](x, w, None, (2, 2), (1, 1), (1, 1), 4, False, (), padding_end, *activation)
+        xt = F.pad(torch.from_numpy(x), (1, padding_end[1], 1, padding_end[0]))
+        want = reference(F.conv2d(xt, torch.from_numpy(w), None, 2, 0, 1, 4)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(CPU_KERNELS.kernels["clamp"](x, -0.5, 0.5), np.clip(x, -0.5, 0.5))
+    for name, ref in (("sigmoid", torch.sigmoid), ("silu", F.silu), ("hardswish", F.hardswish)):
+        np.testing.assert_allclose(CPU_KERNELS.kernels[name](x), ref(torch.from_numpy(x)).numpy(), rtol=1e-5,
+                                   atol=1e-6)
