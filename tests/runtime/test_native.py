@@ -32,6 +32,9 @@ def _conv_cases():
     yield "dw_big_padding", 4, 4, 4, (5, 6), (3, 3), (1, 2), (3, 4), (1, 1), 1
     yield "dw_1x1", 4, 4, 4, (5, 5), (1, 1), (2, 2), (0, 0), (1, 1), 1
     yield "dense_3x3", 6, 10, 1, (12, 12), (3, 3), (1, 1), (1, 1), (1, 1), 2
+    yield "winograd", 16, 24, 1, (15, 14), (3, 3), (1, 1), (1, 1), (1, 1), 2  # odd size: cropped tiles
+    yield "winograd_asymmetric", 8, 8, 1, (16, 16), (3, 3), (1, 1), ((0, 1), (2, 0)), (1, 1), 1
+    yield "winograd_no_padding", 12, 9, 1, (20, 17), (3, 3), (1, 1), (0, 0), (1, 1), 1
     yield "dense_7x7_s2", 3, 8, 1, (23, 23), (7, 7), (2, 2), (3, 3), (1, 1), 1
     yield "grouped_dilated", 8, 6, 2, (10, 9), (3, 2), (1, 2), (2, 1), (2, 3), 1
     yield "dense_1x1_padded", 4, 5, 1, (6, 6), (1, 1), (1, 1), (1, 1), (1, 1), 1
@@ -68,6 +71,21 @@ def test_compiled_conv2d_matches_torch(case, with_bias, activation):
         return
     assert got is not None and got.shape == want.shape and got.flags.c_contiguous
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(np.prod(k) * c / groups))
+
+
+@needs_native
+def test_winograd_weights_are_transformed_once_per_array():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 8, 16, 16), dtype=np.float32)
+    w = rng.standard_normal((8, 8, 3, 3), dtype=np.float32)
+    args = (None, (1, 1), (1, 1), (1, 1), (1, 1), 1, ("none", None, None))
+    first = conv_kernels._conv2d_compiled(x, w, *args)
+    cached = conv_kernels._winograd_weights[id(w)][1]
+    np.testing.assert_array_equal(conv_kernels._conv2d_compiled(x, w, *args), first)
+    assert conv_kernels._winograd_weights[id(w)][1] is cached
+    key = id(w)
+    del w
+    assert key not in conv_kernels._winograd_weights  # dropped with its weight
 
 
 @needs_native
@@ -176,3 +194,17 @@ def test_kernels_run_without_the_helpers(monkeypatch):
     for name, ref in (("sigmoid", torch.sigmoid), ("silu", F.silu), ("hardswish", F.hardswish)):
         np.testing.assert_allclose(CPU_KERNELS.kernels[name](x), ref(torch.from_numpy(x)).numpy(), rtol=1e-5,
                                    atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("kernel,stride,padding,dilation,ceil_mode", [
+    ((3, 3), (2, 2), (1, 1), (1, 1), False), ((2, 3), (2, 1), (0, 1), (1, 1), True),
+    ((3, 2), (3, 2), (1, 0), (2, 1), True), ((1, 1), (1, 1), (0, 0), (1, 1), False)])
+def test_compiled_max_pool_matches_torch(kernel, stride, padding, dilation, ceil_mode):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 11, 10), dtype=np.float32)
+    x[0, 0, 2, 3] = np.nan
+    x[1, 2, 5:7, 4] = -np.inf
+    got = CPU_KERNELS.kernels["max_pool"](x, kernel, stride, padding, dilation, ceil_mode)
+    want = F.max_pool2d(torch.from_numpy(x), kernel, stride, padding, dilation, ceil_mode).numpy()
+    np.testing.assert_array_equal(got, want)

@@ -45,8 +45,11 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_clamp_f32": (_ptr, _ptr, _i64, ctypes.c_float, ctypes.c_float),
     "kiln_activate_f32": (_ptr, _i64, _i64, ctypes.c_float, ctypes.c_float),
     "kiln_dwconv2d_f32": (_ptr, _ptr, _ptr, _ptr) + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float),
-    "kiln_im2col2d_f32": (_ptr, _ptr) + (_i64,) * 13,
+    "kiln_im2col2d_f32": (_ptr, _ptr) + (_i64,) * 14,
     "kiln_transpose_bias_f32": (_ptr, _ptr, _ptr, _i64, _i64),
+    "kiln_maxpool2d_f32": (_ptr, _ptr) + (_i64,) * 13,
+    "kiln_winograd23_input_f32": (_ptr, _ptr) + (_i64,) * 8,
+    "kiln_winograd23_output_f32": (_ptr, _ptr, _ptr) + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float),
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 

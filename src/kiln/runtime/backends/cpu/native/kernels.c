@@ -201,11 +201,14 @@ void kiln_dwconv2d_f32(const float *restrict x, const float *restrict w, const f
 }
 
 /* ---------------------------------------------------------------------------------------------------------
- * im2col for 2-d convolution, one image: cols[c][i][j][oh*ow] = x[c][oh*sh + i*dh - pt][ow*sw + j*dw - pl], zero
- * outside x. No padded copy of the input; the inner loop copies a contiguous run when sw == 1.
+ * im2col for 2-d convolution, one image, output rows [r_begin, r_end):
+ * cols[c][i][j][(r - r_begin) * ow + q] = x[c][r*sh + i*dh - pt][q*sw + j*dw - pl], zero outside x. No padded copy
+ * of the input; the inner loop copies a contiguous run when sw == 1. A band of rows at a time lets the caller keep
+ * the patch matrix in cache between writing it and the GEMM reading it.
  */
 void kiln_im2col2d_f32(const float *restrict x, float *restrict cols, i64 c, i64 h, i64 wd, i64 kh, i64 kw, i64 sh,
-                       i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow) {
+                       i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 r_begin, i64 r_end, i64 ow) {
+    const i64 oh = r_end - r_begin;
     for (i64 ch = 0; ch < c; ch++) {
         const float *xc = x + ch * h * wd;
         for (i64 i = 0; i < kh; i++)
@@ -218,7 +221,7 @@ void kiln_im2col2d_f32(const float *restrict x, float *restrict cols, i64 c, i64
                 if (hi > ow) hi = ow;
                 if (lo > hi) lo = hi;
                 for (i64 r = 0; r < oh; r++) {
-                    const i64 src_r = r * sh + i * dh - pt;
+                    const i64 src_r = (r + r_begin) * sh + i * dh - pt;
                     float *d = dst + r * ow;
                     if (src_r < 0 || src_r >= h) {
                         memset(d, 0, (size_t)ow * sizeof(float));
@@ -251,6 +254,128 @@ void kiln_transpose_bias_f32(const float *restrict src, const float *restrict bi
             for (i64 r = r0; r < r1; r++) {
                 float *d = dst + r * cols;
                 for (i64 c = c0; c < c1; c++) d[c] = src[c * rows + r] + (bias ? bias[c] : 0.0f);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Winograd F(2x2, 3x3) for 3x3, stride-1 convolutions: each 2x2 output tile costs 16 multiplies per (in, out)
+ * channel pair instead of 36, done as 16 GEMMs [O, C] x [C, tiles] by BLAS between the two transforms below.
+ * The weight transform U = G g G^T is done once per weight, in NumPy (conv.py).
+ *
+ * Input transform: v[k][c][tile] = (B^T d B)[k] for each 4x4 input patch d starting at (2 ti - pt, 2 tj - pl),
+ * zero outside x; tiles of all images side by side (tile = (b * th + ti) * tw + tj).
+ */
+void kiln_winograd23_input_f32(const float *restrict x, float *restrict v, i64 n, i64 c, i64 h, i64 w, i64 pt,
+                               i64 pl, i64 th, i64 tw) {
+    const i64 ntiles = n * th * tw;
+    /* a row of tiles is transformed into `row` ([16][tw]) and then copied out as 16 contiguous runs: writing the
+     * 16 positions of each tile directly hits addresses c * ntiles floats apart, which thrashes the cache sets */
+    float *row = (float *)malloc((size_t)(16 * tw) * sizeof(float));
+    if (!row) return;
+    for (i64 b = 0; b < n; b++)
+        for (i64 ch = 0; ch < c; ch++) {
+            const float *plane = x + (b * c + ch) * h * w;
+            float *vc = v + ch * ntiles + b * th * tw;
+            for (i64 ti = 0; ti < th; ti++) {
+                for (i64 tj = 0; tj < tw; tj++) {
+                    const i64 r0 = 2 * ti - pt, c0 = 2 * tj - pl;
+                    float d[4][4];
+                    if (r0 >= 0 && c0 >= 0 && r0 + 4 <= h && c0 + 4 <= w) {
+                        for (int r = 0; r < 4; r++)
+                            for (int s = 0; s < 4; s++) d[r][s] = plane[(r0 + r) * w + c0 + s];
+                    } else {
+                        for (int r = 0; r < 4; r++)
+                            for (int s = 0; s < 4; s++) {
+                                const i64 rr = r0 + r, cc = c0 + s;
+                                d[r][s] = (rr >= 0 && rr < h && cc >= 0 && cc < w) ? plane[rr * w + cc] : 0.0f;
+                            }
+                    }
+                    float t[4][4]; /* B^T d */
+                    for (int s = 0; s < 4; s++) {
+                        t[0][s] = d[0][s] - d[2][s];
+                        t[1][s] = d[1][s] + d[2][s];
+                        t[2][s] = d[2][s] - d[1][s];
+                        t[3][s] = d[1][s] - d[3][s];
+                    }
+                    for (int r = 0; r < 4; r++) { /* (B^T d) B */
+                        row[(r * 4 + 0) * tw + tj] = t[r][0] - t[r][2];
+                        row[(r * 4 + 1) * tw + tj] = t[r][1] + t[r][2];
+                        row[(r * 4 + 2) * tw + tj] = t[r][2] - t[r][1];
+                        row[(r * 4 + 3) * tw + tj] = t[r][1] - t[r][3];
+                    }
+                }
+                for (int k = 0; k < 16; k++)
+                    memcpy(vc + k * c * ntiles + ti * tw, row + k * tw, (size_t)tw * sizeof(float));
+            }
+        }
+    free(row);
+}
+
+/* Output transform: y = A^T m A for each tile's 16 GEMM results m[k][o][tile], cropped to [oh, ow], plus the
+ * bias, then the fused activation on each finished plane. */
+void kiln_winograd23_output_f32(const float *restrict m, const float *restrict bias, float *restrict y, i64 n, i64 o,
+                                i64 oh, i64 ow, i64 th, i64 tw, i64 act, float lo, float hi) {
+    const i64 ntiles = n * th * tw;
+    float *row = (float *)malloc((size_t)(16 * tw) * sizeof(float)); /* one row of tiles, gathered contiguously */
+    if (!row) return;
+    for (i64 b = 0; b < n; b++)
+        for (i64 oc = 0; oc < o; oc++) {
+            const float *mo = m + oc * ntiles + b * th * tw;
+            float *plane = y + (b * o + oc) * oh * ow;
+            const float bv = bias ? bias[oc] : 0.0f;
+            for (i64 ti = 0; ti < th; ti++) {
+                for (int k = 0; k < 16; k++)
+                    memcpy(row + k * tw, mo + k * o * ntiles + ti * tw, (size_t)tw * sizeof(float));
+                for (i64 tj = 0; tj < tw; tj++) {
+                    float q[4][4];
+                    for (int k = 0; k < 16; k++) q[k / 4][k % 4] = row[k * tw + tj];
+                    float t[2][4]; /* A^T q */
+                    for (int s = 0; s < 4; s++) {
+                        t[0][s] = q[0][s] + q[1][s] + q[2][s];
+                        t[1][s] = q[1][s] - q[2][s] - q[3][s];
+                    }
+                    for (int r = 0; r < 2; r++) {
+                        const i64 rr = 2 * ti + r;
+                        if (rr >= oh) break;
+                        plane[rr * ow + 2 * tj] = t[r][0] + t[r][1] + t[r][2] + bv;
+                        if (2 * tj + 1 < ow) plane[rr * ow + 2 * tj + 1] = t[r][1] - t[r][2] - t[r][3] + bv;
+                    }
+                }
+            }
+            activate(plane, oh * ow, (int)act, lo, hi);
+        }
+    free(row);
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * 2-d max pooling over planes of [h, w]: positions outside x (padding, ceil_mode's extra) never win, NaN wins as
+ * in PyTorch. Output geometry (oh, ow) comes from the caller, which applies PyTorch's ceil_mode rules.
+ */
+void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh,
+                        i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow) {
+    for (i64 p = 0; p < planes; p++) {
+        const float *xp = x + p * h * w;
+        float *yp = y + p * oh * ow;
+        for (i64 r = 0; r < oh; r++) {
+            float *yr = yp + r * ow;
+            for (i64 c = 0; c < ow; c++) yr[c] = -__builtin_inff();
+            for (i64 i = 0; i < kh; i++) {
+                const i64 rr = r * sh - pt + i * dh;
+                if (rr < 0 || rr >= h) continue;
+                const float *xr = xp + rr * w;
+                for (i64 j = 0; j < kw; j++) {
+                    /* one tap across the output row: columns c with 0 <= c * sw + off < w */
+                    const i64 off = j * dw - pl;
+                    const i64 lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
+                    i64 hi = (w - off + sw - 1) / sw;
+                    hi = hi < ow ? hi : ow;
+                    for (i64 c = lo; c < hi; c++) {
+                        const float v = xr[c * sw + off];
+                        yr[c] = (v > yr[c] || v != v) ? v : yr[c]; /* once NaN, stays NaN */
+                    }
+                }
             }
         }
     }
