@@ -56,28 +56,31 @@ def conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, stride, pad
             out = _conv_transposed(x, weight, stride, padding, dilation, groups, output_padding)
         else:
             out = _conv_forward(x, weight, stride, padding, padding_end, dilation, groups)
-        if bias is not None:
-            out += bias.reshape((1, -1) + (1,) * (out.ndim - 2))
-        _activate(out, *act)
+        _epilogue(out, bias, *act)
     return out.astype(dtype, copy=False) if dtype in LOW_PRECISION else out
 
 
-def _activate(out: np.ndarray, activation: str, lo: float | None, hi: float | None) -> None:
-    """Apply a convolution's fused activation to its (freshly allocated) output, in place."""
-    if activation == "none":
-        return
+def _epilogue(out: np.ndarray, bias: np.ndarray | None, activation: str, lo: float | None,
+              hi: float | None) -> None:
+    """Add the bias per channel and apply the fused activation to a (freshly allocated) conv output, in place: one
+    compiled pass for float32, NumPy passes otherwise."""
     lib = native.library()
-    if lib is not None and out.dtype == np.float32 and out.flags.c_contiguous:
-        lib.kiln_activate_f32(out.ctypes.data, out.size, native.ACTIVATION_CODES[activation],
-                              -np.inf if lo is None else lo, np.inf if hi is None else hi)
-    elif activation == "clamp":
+    if lib is not None and out.dtype == np.float32 and out.flags.c_contiguous and native.float32_contiguous(bias):
+        size = int(np.prod(out.shape[2:]))
+        lib.kiln_bias_activate_f32(out.ctypes.data, native.address(bias), out.shape[0] * out.shape[1], out.shape[1],
+                                   size, native.ACTIVATION_CODES[activation], -np.inf if lo is None else lo,
+                                   np.inf if hi is None else hi)
+        return
+    if bias is not None:
+        out += bias.reshape((1, -1) + (1,) * (out.ndim - 2))
+    if activation == "clamp":
         if lo is not None:
             np.maximum(out, out.dtype.type(lo), out=out)
         if hi is not None:
             np.minimum(out, out.dtype.type(hi), out=out)
     elif activation == "hardswish":
         out *= np.clip(out + 3, 0, 6) / 6
-    else:
+    elif activation != "none":
         raise ValueError(f"unknown conv activation {activation!r}")
 
 
@@ -126,9 +129,7 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
             target = out[b, :, r0 * ow:r1 * ow].reshape(groups, o // groups, length)
             np.matmul(w_groups, part.reshape(groups, k, length), out=target)
     out = out.reshape(n, o, oh, ow)
-    if bias is not None:
-        out += bias.reshape(1, -1, 1, 1)
-    _activate(out, *act)
+    _epilogue(out, bias, *act)
     return out
 
 

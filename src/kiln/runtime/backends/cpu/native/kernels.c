@@ -112,7 +112,19 @@ static void activate(float *y, i64 n, int act, float lo, float hi) {
         kiln_hardswish_f32(y, y, n);
 }
 
-void kiln_activate_f32(float *y, i64 n, i64 act, float lo, float hi) { activate(y, n, (int)act, lo, hi); }
+/* A convolution's epilogue over [planes = batch * channels][size]: bias per channel (may be NULL), then the
+ * activation, in one pass while each plane is in cache. */
+void kiln_bias_activate_f32(float *y, const float *bias, i64 planes, i64 channels, i64 size, i64 act, float lo,
+                            float hi) {
+    for (i64 p = 0; p < planes; p++) {
+        float *yp = y + p * size;
+        if (bias) {
+            const float b = bias[p % channels];
+            for (i64 i = 0; i < size; i++) yp[i] += b;
+        }
+        activate(yp, size, (int)act, lo, hi);
+    }
+}
 
 /* ---------------------------------------------------------------------------------------------------------
  * Depthwise 2-d convolution (groups == in channels == out channels), NCHW float32.
