@@ -54,7 +54,8 @@ def valid(tmp_path_factory) -> dict:
     program, data = builder.build()
     raw = path.read_bytes()
     kiln.load(raw).session().run("forward", np.ones((4, 8), np.float32))  # the starting point is valid
-    return {"program": program, "data": data, "raw": raw, "path": path, "header": Header.unpack(raw)[1]}
+    return {"program": program, "data": data, "raw": raw, "path": path, "header": Header.unpack(raw)[1],
+            "builder": builder}
 
 
 def assert_rejected(source, phrase: str | None = None, **load_options) -> ProgramFormatError:
@@ -160,10 +161,14 @@ def test_constant_flips_fail_the_constant_checksum(valid):
 
 
 def test_padding_after_the_metadata_must_be_zero(valid):
-    raw, h = valid["raw"], valid["header"]
-    gap = range(h.meta_offset + h.meta_size, h.const_offset)
-    if not gap:
-        pytest.skip("this file's metadata ends on a 64-byte boundary: no padding to corrupt")
+    builder = valid["builder"]
+    for length in range(64):  # a metadata entry of the right length leaves padding before the constants
+        builder.metadata["padding_probe"] = "x" * length
+        raw = builder.to_bytes()
+        h = Header.unpack(raw)[1]
+        gap = range(h.meta_offset + h.meta_size, h.const_offset)
+        if gap:
+            break
     for offset in (gap[0], gap[-1]):
         assert_rejected(flipped(raw, offset), "padding")
 

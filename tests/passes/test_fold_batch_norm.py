@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-import kiln
 from kiln.models import vision
+from tests.passes.common import export_checked, ops
 
 
 def _calibrated(model: nn.Module) -> nn.Module:
@@ -20,21 +19,6 @@ def _calibrated(model: nn.Module) -> nn.Module:
             m.weight.data.copy_(torch.randn(m.num_features, generator=gen))
             m.bias.data.copy_(torch.randn(m.num_features, generator=gen))
     return model.eval()
-
-
-def _ops(program) -> list[str]:
-    return [n.op for n in program.ir.methods["forward"].nodes]
-
-
-def _check(model: nn.Module, x: torch.Tensor, tol: float = 1e-5):
-    program = kiln.export(model, (x,)).load()
-    out = program.session(validate=True).run("forward", x.numpy())
-    with torch.no_grad():
-        ref = model(x)
-    ref = ref if isinstance(ref, tuple) else (ref,)
-    for o, r in zip(out, ref, strict=True):
-        np.testing.assert_allclose(o, r.numpy(), rtol=tol, atol=tol)
-    return program
 
 
 class ConvBN(nn.Module):
@@ -50,8 +34,8 @@ class ConvBN(nn.Module):
 def test_folds_conv_with_and_without_bias() -> None:
     x = torch.randn(2, 4, 6, 6)
     for bias, groups in ((True, 1), (False, 1), (False, 4)):
-        program = _check(_calibrated(ConvBN(bias, groups)), x)
-        assert "batch_norm" not in _ops(program) and _ops(program).count("conv") == 1
+        program = export_checked(_calibrated(ConvBN(bias, groups)), (x,))
+        assert "batch_norm" not in ops(program) and ops(program).count("conv") == 1
 
 
 class SharedConvOutput(nn.Module):
@@ -89,11 +73,11 @@ class InputBN(nn.Module):
 def test_declines_when_the_fold_would_be_wrong() -> None:
     x = torch.randn(1, 4, 6, 6)
     for model in (SharedConvOutput(), TransposedConvBN(), InputBN()):
-        program = _check(_calibrated(model), x)
-        assert "batch_norm" in _ops(program), type(model).__name__
+        program = export_checked(_calibrated(model), (x,))
+        assert "batch_norm" in ops(program), type(model).__name__
 
 
 def test_fires_on_real_model_graphs() -> None:
     model = _calibrated(vision.resnet18(num_classes=10))
-    program = _check(model, torch.randn(1, 3, 32, 32), tol=1e-4)
-    assert "batch_norm" not in _ops(program)
+    program = export_checked(model, (torch.randn(1, 3, 32, 32),), tol=1e-4)
+    assert "batch_norm" not in ops(program)

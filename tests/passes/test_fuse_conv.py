@@ -3,33 +3,13 @@ outputs unchanged."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln
 from kiln.models import vision
-
-
-def _export(model: nn.Module, x: torch.Tensor, tol: float = 1e-5):
-    program = kiln.export(model.eval(), (x,)).load()
-    out = program.session(validate=True).run("forward", x.numpy())
-    with torch.no_grad():
-        ref = model(x)
-    ref = ref if isinstance(ref, tuple) else (ref,)
-    for o, r in zip(out, ref, strict=True):
-        np.testing.assert_allclose(o, r.numpy(), rtol=tol, atol=tol)
-    return program
-
-
-def _convs(program) -> list:
-    return [n for n in program.ir.methods["forward"].nodes if n.op == "conv"]
-
-
-def _ops(program) -> list[str]:
-    return [n.op for n in program.ir.methods["forward"].nodes]
+from tests.passes.common import export_checked, nodes, ops
 
 
 class SamePadConv(nn.Module):
@@ -49,9 +29,9 @@ class SamePadConv(nn.Module):
 @pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU6(), nn.Hardtanh(-1.0, 2.0), nn.Hardswish()],
                          ids=["relu", "relu6", "hardtanh", "hardswish"])
 def test_fuses_pads_and_activations(act: nn.Module) -> None:
-    program = _export(SamePadConv(act), torch.randn(2, 4, 15, 14))
-    assert _ops(program) == ["conv", "conv"]
-    dw, conv = _convs(program)
+    program = export_checked(SamePadConv(act), (torch.randn(2, 4, 15, 14),))
+    assert ops(program) == ["conv", "conv"]
+    dw, conv = nodes(program, "conv")
     assert (dw.attrs["padding"], dw.attrs["padding_end"]) == ((2, 1), (1, 2))
     assert (conv.attrs["padding"], conv.attrs["padding_end"]) == ((0, 0), (1, 1))
     assert dw.attrs["activation"] == conv.attrs["activation"] != "none"
@@ -86,25 +66,26 @@ class UnfusablePads(nn.Module):
 
 
 def test_declines_when_fusion_would_be_wrong() -> None:
-    program = _export(SharedOutputs(), torch.randn(1, 3, 6, 6))
-    assert _ops(program).count("pad") == 1 and "relu" in _ops(program)
-    assert all(c.attrs.get("activation", "none") == "none" for c in _convs(program))
+    program = export_checked(SharedOutputs(), (torch.randn(1, 3, 6, 6),))
+    assert ops(program).count("pad") == 1 and "relu" in ops(program)
+    assert all(c.attrs.get("activation", "none") == "none" for c in nodes(program, "conv"))
 
-    program = _export(UnfusablePads(), torch.randn(1, 4, 6, 6))
-    assert _ops(program).count("pad") == 3 and "relu" in _ops(program)
-    assert all(not c.attrs.get("padding_end") for c in _convs(program))
+    program = export_checked(UnfusablePads(), (torch.randn(1, 4, 6, 6),))
+    assert ops(program).count("pad") == 3 and "relu" in ops(program)
+    assert all(not c.attrs.get("padding_end") for c in nodes(program, "conv"))
 
 
 def test_fires_on_real_model_graphs() -> None:
-    program = _export(vision.mobilenet_v3_small(num_classes=10), torch.randn(1, 3, 64, 64), tol=1e-4)
-    assert "hardswish" in _ops(program)  # the squeeze-excitation and classifier ones have no conv to join
-    assert sum(c.attrs.get("activation") == "hardswish" for c in _convs(program)) >= 10
-    assert sum(c.attrs.get("activation") == "clamp" for c in _convs(program)) >= 5
+    program = export_checked(vision.mobilenet_v3_small(num_classes=10), (torch.randn(1, 3, 64, 64),), tol=1e-4)
+    assert "hardswish" in ops(program)  # the squeeze-excitation and classifier ones have no conv to join
+    assert sum(c.attrs.get("activation") == "hardswish" for c in nodes(program, "conv")) >= 10
+    assert sum(c.attrs.get("activation") == "clamp" for c in nodes(program, "conv")) >= 5
 
 
 def test_fires_on_efficientnet_lite0() -> None:
     pytest.importorskip("efficientnet_lite_pytorch")
     model = vision.efficientnet_lite0(pretrained=False)
-    program = _export(model, torch.randn(1, 3, 64, 64), tol=1e-4)
-    assert "pad" not in _ops(program) and "clamp" not in _ops(program)
-    assert any(c.attrs.get("padding_end") and c.attrs["padding_end"] != c.attrs["padding"] for c in _convs(program))
+    program = export_checked(model, (torch.randn(1, 3, 64, 64),), tol=1e-4)
+    assert "pad" not in ops(program) and "clamp" not in ops(program)
+    convs = nodes(program, "conv")
+    assert any(c.attrs.get("padding_end") and c.attrs["padding_end"] != c.attrs["padding"] for c in convs)

@@ -6,6 +6,7 @@ The only command that needs torch; it imports kiln.export (and so torch) inside 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import warnings
 from pathlib import Path
@@ -55,6 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the module has one, else forward)")
     p.add_argument("--meta", action="append", metavar="KEY=VALUE",
                    help="a metadata entry to store in the file (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print what each graph pass rewrote and the node counts (as `kiln inspect --passes`)")
     p.set_defaults(handler=run)
 
 
@@ -111,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     builder.save(args.output)
     print_summary(args.output)
+    if args.verbose:
+        from kiln.cli.inspect_cmd import render_passes
+        from kiln.ir.graph import PASS_STATS_KEY
+
+        print(render_passes(json.loads(builder.metadata[PASS_STATS_KEY])))
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

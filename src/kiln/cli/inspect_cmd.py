@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections import Counter
 from typing import Any
 
 from kiln.cli.common import compact_json, human_bytes, load_program, shape_text
-from kiln.ir.graph import Value
+from kiln.ir.graph import PASS_STATS_KEY, Value
 from kiln.ir.symbolic import UNBOUNDED
 from kiln.runtime import Program
 
@@ -21,6 +22,7 @@ The file is fully validated on the way (checksums included), so `kiln inspect` a
 EPILOG = """\
 examples:
   kiln inspect model.kiln
+  kiln inspect model.kiln --passes      # what each export graph pass removed or fused
   kiln inspect model.kiln --json | python -c "import json,sys; print(json.load(sys.stdin)['methods'][0]['ops'])"
 """
 
@@ -30,13 +32,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="the .kiln file")
     p.add_argument("--json", action="store_true", help="print the same information as one JSON object")
+    p.add_argument("--passes", action="store_true",
+                   help="print, per method, each graph pass of the export with how many nodes it rewrote and the "
+                        "node count after it (from the file's metadata)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    info = describe(load_program(args.model))
+    program = load_program(args.model)
+    if args.passes:
+        raw = program.ir.metadata.get(PASS_STATS_KEY)
+        if raw is None:
+            print(f"{args.model}: no pass statistics (exported by a kiln without them)")
+            return 0
+        stats = json.loads(raw)
+        print(compact_json(stats) if args.json else render_passes(stats))
+        return 0
+    info = describe(program)
     print(compact_json(info) if args.json else render(info))
     return 0
+
+
+def render_passes(stats: dict[str, dict]) -> str:
+    """Each method's pass statistics as a table: pass, rewrites, nodes after it."""
+    lines = []
+    for method, s in stats.items():
+        final = s["passes"][-1][2] if s["passes"] else s["nodes"]
+        drop = 100 * (1 - final / s["nodes"]) if s["nodes"] else 0.0
+        lines.append(f"method {method}: {s['nodes']} nodes as lowered, {final} after passes (-{drop:.0f}%)")
+        lines.append(f"  {'pass':<24} {'rewrites':>8} {'nodes after':>11}")
+        lines += [f"  {name:<24} {changed:>8} {after:>11}" for name, changed, after in s["passes"]]
+    return "\n".join(lines)
 
 
 def _value(v: Value) -> dict[str, Any]:
@@ -92,9 +118,10 @@ def render(info: dict[str, Any]) -> str:
     """The text view of `describe`'s data."""
     lines = [f"{info['path'] or '<bytes>'}: {human_bytes(info['file_bytes'])}, format version "
              f"{info['format_version']}, op set version {info['opset_version']}"]
-    if info["metadata"]:
+    shown = {k: v for k, v in info["metadata"].items() if k != PASS_STATS_KEY}
+    if shown:
         lines.append("metadata:")
-        lines += [f"  {k}: {v}" for k, v in info["metadata"].items()]
+        lines += [f"  {k}: {v}" for k, v in shown.items()]
     for m in info["methods"]:
         lines.append(f"method {m['name']}: {m['nodes']} nodes")
         lines.append("  inputs:")

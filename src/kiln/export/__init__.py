@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +24,9 @@ from kiln.errors import UnsupportedOpsError
 from kiln.export.builder import ProgramBuilder
 from kiln.export.capture import bound, capture, user_dim_names
 from kiln.export.method import Failures, lower_method, mutated_buffers
-from kiln.export.passes.dce import eliminate_dead_code
-from kiln.export.passes.fold_batch_norm import fold_batch_norm
-from kiln.export.passes.fuse_attention import absorb_repeat_kv
-from kiln.export.passes.fuse_conv import fuse_conv
+from kiln.export.passes import PIPELINE, encode_stats, run_passes
 from kiln.export.plan import plan_memory
+from kiln.ir.graph import PASS_STATS_KEY
 
 
 @dataclass
@@ -59,7 +57,7 @@ def _normalize(methods: dict[str, Any]) -> dict[str, Method]:
 
 def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_shapes: Any = None,
            methods: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
-           progress: Callable[[str], None] | None = None) -> ProgramBuilder:
+           progress: Callable[[str], None] | None = None, skip_passes: Collection[str] = ()) -> ProgramBuilder:
     """Export `module` to a kiln program (call `.save(path)` on the result).
 
     example_args: inputs for `forward` (a tuple). dynamic_shapes: as torch.export takes it (torch.export.Dim per
@@ -67,9 +65,14 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     `(args, dynamic_shapes)` tuple); a method traces the module function of the same name when there is one, else
     forward. Buffers that any method mutates become state buffers shared by all methods.
     metadata: string entries stored in the file, added to the module's own `kiln_metadata` dict if it has one.
+    skip_passes: names of graph passes (kiln.export.passes.PIPELINE) not to run, e.g. {"fold_constants"} to keep
+    every op in the graph for a backend's op tests.
 
     Raises UnsupportedOpsError listing every op that cannot be lowered, before anything is written.
     """
+    unknown = set(skip_passes) - {p.name for p in PIPELINE}
+    if unknown:
+        raise ValueError(f"unknown passes {sorted(unknown)}; the passes are {[p.name for p in PIPELINE]}")
     if (example_args is None) == (methods is None):
         raise TypeError("give either example_args (for forward) or methods={name: Method(...)}")
     if methods is None:
@@ -97,6 +100,7 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     state_names = set().union(*(mutated_buffers(ep) for ep in captured.values()))
     builder = ProgramBuilder()
     failures = Failures()
+    pass_stats: dict[str, dict] = {}
     for name, ep in captured.items():
         spec = specs[name]
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(ep.graph_signature.user_inputs):] \
@@ -104,18 +108,16 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         names = user_dim_names(spec.dynamic_shapes, placeholders)
         method = lower_method(name, ep, builder, state_names, names, failures)
         if method is not None:
-            fold_batch_norm(method, builder)
-            fuse_conv(method)
-            absorb_repeat_kv(method)
-            eliminate_dead_code(method)
+            stats = pass_stats[name] = run_passes(method, builder, skip_passes)
             plan_memory(method)
             builder.add_method(method)
-            say(f"lowered {name}: {len(method.nodes)} nodes")
+            say(f"lowered {name}: {stats['nodes']} nodes, {len(method.nodes)} after passes")
     if failures.groups:
         raise UnsupportedOpsError(failures.ops())
     from kiln import __version__
 
-    builder.metadata.update({"producer": "kiln", "kiln_version": __version__, "torch_version": torch.__version__})
+    builder.metadata.update({"producer": "kiln", "kiln_version": __version__, "torch_version": torch.__version__,
+                             PASS_STATS_KEY: encode_stats(pass_stats)})
     # a model can carry the metadata its users need (e.g. kiln.vision.* preprocessing); explicit entries win
     builder.metadata.update(getattr(module, "kiln_metadata", None) or {})
     builder.metadata.update(metadata or {})

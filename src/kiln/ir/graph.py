@@ -15,6 +15,9 @@ from kiln.ir.symbolic import Dim, Symbol, format_shape
 NO_VALUE = -1
 """Index standing for an absent optional input."""
 
+PASS_STATS_KEY = "kiln.passes"
+"""Program metadata entry where the exporter records what its graph passes did (JSON; `kiln inspect --passes`)."""
+
 
 class ValueKind(enum.IntEnum):
     """Where a value comes from; the integer is its code in the file."""

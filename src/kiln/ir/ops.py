@@ -21,7 +21,7 @@ from typing import Any
 
 OPSET_VERSION = 2
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
-activation_max)."""
+activation_max); index_put, index_copy and slice_scatter gained in_place."""
 
 
 class AttrType(enum.IntEnum):
@@ -212,13 +212,18 @@ define("embedding", "weight indices", doc="weight[indices]: rows of a [V, D] tab
 define("index", "x *indices", A("dims", T.INTS),
        doc="Advanced indexing: x[..., idx0, ..., idx1, ...] with int index tensors at dims (sorted, broadcast "
            "together), as aten.index.Tensor with None for the dims not listed.")
-define("index_put", "x values *indices", A("dims", T.INTS), A("accumulate", T.BOOL, False),
+_IN_PLACE = A("in_place", T.BOOL, False)
+_IN_PLACE_DOC = (" in_place: x is a state buffer that nothing reads after this node, and the result replaces it; a "
+                 "backend may write into x's memory and return it instead of copying (the KV-cache update).")
+define("index_put", "x values *indices", A("dims", T.INTS), A("accumulate", T.BOOL, False), _IN_PLACE,
        doc="Copy of x with x[indices at dims] = values (or += when accumulate), as aten.index_put. An index may "
-           "be a bool mask, covering mask.ndim dims from its dim (values then broadcast to the selected elements).")
-define("index_copy", "x index source", A("dim", T.INT),
-       doc="Copy of x with x.select(dim, index[i]) = source.select(dim, i).")
+           "be a bool mask, covering mask.ndim dims from its dim (values then broadcast to the selected elements)."
+           + _IN_PLACE_DOC)
+define("index_copy", "x index source", A("dim", T.INT), _IN_PLACE,
+       doc="Copy of x with x.select(dim, index[i]) = source.select(dim, i)." + _IN_PLACE_DOC)
 define("slice_scatter", "x source", A("dim", T.INT), A("start", T.SYMINT), A("end", T.SYMINT),
-       A("step", T.INT, 1), doc="Copy of x with the slice (as in `slice`) replaced by source.")
+       A("step", T.INT, 1), _IN_PLACE, doc="Copy of x with the slice (as in `slice`) replaced by source."
+                                            + _IN_PLACE_DOC)
 define("scatter", "x index source", A("dim", T.INT), A("reduce", T.STRING, "none"),
        doc="Copy of x with out[index[i][j]][j] = source[i][j] for dim 0 (and so on); reduce: none, add.")
 

@@ -170,7 +170,7 @@ class Session:
             if kernel is None:
                 raise KilnError(f"the {self.backend.name} backend has no kernel for op {node.op!r}" + _where(node))
             try:
-                attrs = _resolve_attrs(ops.OPS[node.op], node.attrs, env)
+                attrs = resolve_attrs(ops.OPS[node.op], node.attrs, env)
             except (KeyError, ExprError) as e:
                 raise InputError(f"node {node.op!r}: cannot resolve its attributes for {env}: "
                                  f"{type(e).__name__}: {e}" + _where(node)) from None
@@ -178,7 +178,8 @@ class Session:
         return _Plan(steps, env)
 
 
-def _resolve_attrs(opdef: ops.OpDef, attrs: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+def resolve_attrs(opdef: ops.OpDef, attrs: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
+    """A node's attributes as its kernel takes them: defaults filled in, symbolic sizes resolved under `env`."""
     out = {}
     for adef in opdef.attrs:
         value = attrs.get(adef.name, None if adef.default is REQUIRED else adef.default)

@@ -1,1 +1,71 @@
-"""Graph passes over kiln methods, one module each. Each keeps the method's outputs unchanged."""
+"""Graph passes over kiln methods, one module each, run in the order of PIPELINE.
+
+Each pass rewrites a method in place and returns how many rewrites it made; none changes what the method
+computes. `run_passes` records, per pass, that count and the live node count after it (dead code is dropped
+between passes so the counts mean something); the export stores these statistics in the program's metadata
+(`kiln.passes`), where `kiln inspect --passes` and `kiln export -v` show them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from kiln.export.builder import ProgramBuilder
+from kiln.export.passes.cse import eliminate_common_subexpressions
+from kiln.export.passes.dce import eliminate_dead_code
+from kiln.export.passes.fold_batch_norm import fold_batch_norm
+from kiln.export.passes.fold_constants import fold_constants
+from kiln.export.passes.fuse_attention import absorb_repeat_kv
+from kiln.export.passes.fuse_conv import fuse_conv
+from kiln.export.passes.fuse_norm import fuse_rms_norm
+from kiln.export.passes.in_place import mark_in_place_state_writes
+from kiln.export.passes.simplify import collapse_chains, remove_noops
+from kiln.ir.graph import Method
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[Method, ProgramBuilder], int]
+    doc: str
+
+
+def _method_only(fn: Callable[[Method], int | dict]) -> Callable[[Method, ProgramBuilder], int]:
+    def run(method: Method, builder: ProgramBuilder) -> int:
+        result = fn(method)
+        return sum(result.values()) if isinstance(result, dict) else result
+    return run
+
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass("remove_noops", _method_only(remove_noops), "identity reshapes/permutes/expands/casts/slices, copies"),
+    Pass("collapse_chains", _method_only(collapse_chains), "reshape/permute/expand/exact-cast chains"),
+    Pass("fold_constants", fold_constants, "weight-only subgraphs computed at export"),
+    Pass("cse", _method_only(eliminate_common_subexpressions), "repeated computations merged"),
+    Pass("fold_batch_norm", fold_batch_norm, "inference batch norm folded into the conv before it"),
+    Pass("fuse_conv", _method_only(fuse_conv), "zero pads and activations fused into convolutions"),
+    Pass("absorb_repeat_kv", _method_only(absorb_repeat_kv), "GQA key/value repetition absorbed by sdpa"),
+    Pass("fuse_rms_norm", fuse_rms_norm, "hand-written RMSNorm as one rms_norm node"),
+    Pass("remove_noops_after", _method_only(remove_noops), "no-ops the fusions exposed"),
+    Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),
+)
+
+
+def run_passes(method: Method, builder: ProgramBuilder, skip: Collection[str] = ()) -> dict:
+    """Run PIPELINE (but the passes named in `skip`) on `method`; returns {"nodes": count as lowered, "passes":
+    [[name, rewrites, nodes after], ...]}."""
+    eliminate_dead_code(method)
+    stats = {"nodes": len(method.nodes), "passes": []}
+    for p in PIPELINE:
+        if p.name in skip:
+            continue
+        changed = p.run(method, builder)
+        eliminate_dead_code(method)
+        stats["passes"].append([p.name, changed, len(method.nodes)])
+    return stats
+
+
+def encode_stats(stats: dict[str, dict]) -> str:
+    return json.dumps(stats, separators=(",", ":"))

@@ -9,12 +9,10 @@ to the weight dtype, so results differ from eager only by that rounding.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kiln.export.builder import ProgramBuilder
-from kiln.export.lower.registry import TORCH_OF
-from kiln.export.passes.usage import Usage, is_constant
-from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
+from kiln.export.passes.usage import Usage, add_constant, is_constant
+from kiln.ir.graph import NO_VALUE, Method, Node, Value
 
 
 def fold_batch_norm(method: Method, builder: ProgramBuilder) -> int:
@@ -51,10 +49,7 @@ def _array(method: Method, builder: ProgramBuilder, v: int) -> np.ndarray | None
 
 def _add_constant(method: Method, builder: ProgramBuilder, data: np.ndarray, like: Value, name: str) -> int:
     """A new constant value of `like`'s dtype, rounded once from the float64 result."""
-    tensor = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float64)).to(TORCH_OF[like.dtype])
-    ref = builder.constant(tensor, name)
-    method.values.append(Value(name, like.dtype, tuple(tensor.shape), ValueKind.CONSTANT, ref))
-    return len(method.values) - 1
+    return add_constant(method, builder, np.asarray(data, dtype=np.float64), like.dtype, name)
 
 
 def _fold(method: Method, builder: ProgramBuilder, conv: Node, bn: Node) -> None:

@@ -1,11 +1,17 @@
-"""Who produces and who reads each value of a method: what every rewriting pass checks before it fuses."""
+"""Who produces and who reads each value of a method, and the small edits every rewriting pass makes."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
 
-from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
+import numpy as np
+import torch
+
+from kiln.export.builder import ProgramBuilder
+from kiln.export.lower.registry import TORCH_OF
+from kiln.ir.dtypes import DType
+from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 
 
 @dataclass
@@ -25,7 +31,39 @@ class Usage:
         its producer away."""
         return self.readers[value] == 1 and value not in self.kept
 
+    def producer_of(self, value: int, op: str) -> Node | None:
+        """The node computing `value` if it is an `op` node."""
+        node = self.producer.get(value)
+        return node if node is not None and node.op == op else None
+
 
 def is_constant(method: Method, v: int) -> bool:
     """An absent optional input counts as constant."""
     return v == NO_VALUE or method.values[v].kind == ValueKind.CONSTANT
+
+
+def replace_uses(method: Method, old: int, new: int) -> None:
+    """Every node reading `old` reads `new` instead (the caller makes sure `old` is not a method output)."""
+    for node in method.nodes:
+        if old in node.inputs:
+            node.inputs = [new if i == old else i for i in node.inputs]
+
+
+def add_constant(method: Method, builder: ProgramBuilder, data: np.ndarray, dtype: DType, name: str) -> int:
+    """A new constant value holding `data` rounded once to `dtype` (content-deduplicated by the builder)."""
+    data = np.array(data, copy=True)
+    if data.dtype == DType.bfloat16.numpy:  # torch cannot take ml_dtypes' bfloat16: pass the bits
+        tensor = torch.from_numpy(data.view(np.uint16)).view(torch.bfloat16).to(TORCH_OF[dtype])
+    else:
+        tensor = torch.from_numpy(data).to(TORCH_OF[dtype])
+    ref = builder.constant(tensor, name)
+    method.values.append(Value(name, dtype, tuple(tensor.shape), ValueKind.CONSTANT, ref))
+    return len(method.values) - 1
+
+
+def constant_value(method: Method, builder: ProgramBuilder, v: int) -> np.ndarray | None:
+    """The contents of constant value `v`, or None when it is not a constant."""
+    value = method.values[v] if v != NO_VALUE else None
+    if value is None or value.kind != ValueKind.CONSTANT:
+        return None
+    return builder.constant_array(value.ref)

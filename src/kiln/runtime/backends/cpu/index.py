@@ -46,9 +46,16 @@ def index(x: np.ndarray, *indices: np.ndarray, dims) -> np.ndarray:
     return x[_index_tuple(x.ndim, dims, indices)]
 
 
+def _target(x: np.ndarray, in_place: bool) -> np.ndarray:
+    """Where a write goes: into x itself when the program marked it in_place (a state buffer nothing else reads)
+    and x owns writable memory (a session's state array does after its first step), else into a copy."""
+    return x if in_place and x.flags.writeable and x.flags.owndata else x.copy()
+
+
 @kernel("index_put")
-def index_put(x: np.ndarray, values: np.ndarray, *indices: np.ndarray, dims, accumulate: bool) -> np.ndarray:
-    out = x.copy()
+def index_put(x: np.ndarray, values: np.ndarray, *indices: np.ndarray, dims, accumulate: bool,
+              in_place: bool) -> np.ndarray:
+    out = _target(x, in_place)
     key = _index_tuple(x.ndim, dims, indices)
     if accumulate:
         np.add.at(out, key, values)
@@ -58,15 +65,16 @@ def index_put(x: np.ndarray, values: np.ndarray, *indices: np.ndarray, dims, acc
 
 
 @kernel("index_copy")
-def index_copy(x: np.ndarray, index: np.ndarray, source: np.ndarray, dim: int) -> np.ndarray:
-    out = x.copy()
+def index_copy(x: np.ndarray, index: np.ndarray, source: np.ndarray, dim: int, in_place: bool) -> np.ndarray:
+    out = _target(x, in_place)
     out[(slice(None),) * dim + (index,)] = source
     return out
 
 
 @kernel("slice_scatter")
-def slice_scatter(x: np.ndarray, source: np.ndarray, dim: int, start: int, end: int, step: int) -> np.ndarray:
-    out = x.copy()
+def slice_scatter(x: np.ndarray, source: np.ndarray, dim: int, start: int, end: int, step: int,
+                  in_place: bool) -> np.ndarray:
+    out = _target(x, in_place)
     out[(slice(None),) * dim + (slice(start, end, step),)] = source
     return out
 
