@@ -108,3 +108,33 @@ class BigBroadcast(nn.Module):
 def test_constant_folding_does_not_inflate_the_file() -> None:
     program = export_checked(BigBroadcast(), (torch.randn(4, 4),))
     assert sum(b.nbytes for b in program.ir.blobs) < 1 << 20
+
+
+class AddmmLayers(nn.Module):
+    """GPT-2's Conv1D form (addmm with a [in, out] weight) and a bare matmul by a weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 6))
+        self.b1 = nn.Parameter(torch.randn(6))
+        self.w2 = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x):
+        h = torch.addmm(self.b1, x.reshape(-1, 8), self.w1).reshape(x.shape[0], x.shape[1], 6)
+        return torch.relu(h) @ self.w2
+
+
+def test_matmul_by_a_weight_becomes_linear() -> None:
+    program = export_checked(AddmmLayers(), (torch.randn(2, 3, 8),))
+    assert ops(program).count("linear") == 2 and "matmul" not in ops(program) and "add" not in ops(program)
+    first = nodes(program, "linear")[0]
+    assert program.ir.methods["forward"].values[first.inputs[1]].shape == (6, 8)  # [out, in], like nn.Linear
+
+
+def test_gpt2_conv1d_layers_become_linear() -> None:
+    from kiln.models.llm import export_llama
+    from kiln.models.zoo import tiny_decoder
+
+    program = export_llama(tiny_decoder("gpt2"), 16, 4).load()
+    decode = ops(program, "decode")
+    assert "matmul" not in decode and decode.count("linear") >= 8  # 2 layers x (qkv, proj, fc, proj) + head

@@ -42,6 +42,7 @@ example (model.py):
 
   kiln export model.py:make -o net.kiln
   kiln export mypackage.models:make_decoder -o decoder.kiln --method prefill --method decode
+  kiln export model.py:make -o net-int4.kiln --quantize int4 --group-size 64
 """
 
 
@@ -56,6 +57,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the module has one, else forward)")
     p.add_argument("--meta", action="append", metavar="KEY=VALUE",
                    help="a metadata entry to store in the file (repeatable)")
+    p.add_argument("--quantize", choices=("int8", "int4", "bf16", "fp16"),
+                   help="store linear and embedding weights quantized: weight-only int8 (per output channel unless "
+                        "--group-size) or int4 (groups of --group-size, default 64), or as bf16/fp16")
+    p.add_argument("--group-size", type=int, metavar="N",
+                   help="int8/int4: quantize in groups of N consecutive weights of a row (32, 64, 128, ...)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="int8/int4: a symmetric range per group (no zero point) instead of the default min/max "
+                        "range with a zero point")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print what each graph pass rewrote and the node counts (as `kiln inspect --passes`)")
     p.set_defaults(handler=run)
@@ -94,9 +103,24 @@ def _methods(result: Any, spec: str, chosen: list[str] | None) -> tuple[Any, dic
     return module, {name: Method(tuple(args), result[2] if len(result) == 3 else None)}
 
 
+def _quantize_option(args: argparse.Namespace):
+    """The --quantize/--group-size/--asymmetric options as a kiln.export.Quantize (None: no quantization)."""
+    if args.quantize is None:
+        if args.group_size is not None or args.symmetric:
+            raise CliError("--group-size and --symmetric go with --quantize int8 or int4")
+        return None
+    from kiln.export.quantize import Quantize
+
+    try:
+        return Quantize(args.quantize, args.group_size, args.symmetric)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     metadata = parse_assignments(args.meta, "metadata", "--meta")
+    quantize = _quantize_option(args)
     print(f"loading {args.spec}", flush=True)
     factory, directory = spec_mod.resolve(args.spec)
     import kiln.export  # torch: only this command pays for it
@@ -108,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         result = factory()
         module, methods = _methods(result, args.spec, args.method)
         print(f"capturing and lowering {', '.join(methods)} ({type(module).__name__})")
-        builder = kiln.export.export(module, methods=methods, metadata=metadata,
+        builder = kiln.export.export(module, methods=methods, metadata=metadata, quantize=quantize,
                                      progress=lambda message: print(f"  {message}", flush=True))
     print(f"writing {args.output}", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,9 @@ from kiln.errors import UnsupportedOpsError
 from kiln.export.builder import ProgramBuilder
 from kiln.export.capture import bound, capture, user_dim_names
 from kiln.export.method import Failures, lower_method, mutated_buffers
-from kiln.export.passes import PIPELINE, encode_stats, run_passes
+from kiln.export.passes import PIPELINE, PassOptions, encode_stats, run_passes
 from kiln.export.plan import plan_memory
+from kiln.export.quantize import Quantize
 from kiln.ir.graph import PASS_STATS_KEY
 
 
@@ -57,7 +58,8 @@ def _normalize(methods: dict[str, Any]) -> dict[str, Method]:
 
 def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_shapes: Any = None,
            methods: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
-           progress: Callable[[str], None] | None = None, skip_passes: Collection[str] = ()) -> ProgramBuilder:
+           progress: Callable[[str], None] | None = None, skip_passes: Collection[str] = (),
+           quantize: Quantize | str | None = None) -> ProgramBuilder:
     """Export `module` to a kiln program (call `.save(path)` on the result).
 
     example_args: inputs for `forward` (a tuple). dynamic_shapes: as torch.export takes it (torch.export.Dim per
@@ -67,9 +69,13 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     metadata: string entries stored in the file, added to the module's own `kiln_metadata` dict if it has one.
     skip_passes: names of graph passes (kiln.export.passes.PIPELINE) not to run, e.g. {"fold_constants"} to keep
     every op in the graph for a backend's op tests.
+    quantize: store linear and embedding weights quantized: a `kiln.export.Quantize("int4", group_size=64,
+    symmetric=True)` or just its mode ("int8", "int4", "bf16", "fp16"); see kiln.export.quantize.
 
     Raises UnsupportedOpsError listing every op that cannot be lowered, before anything is written.
     """
+    if isinstance(quantize, str):
+        quantize = Quantize(quantize)
     unknown = set(skip_passes) - {p.name for p in PIPELINE}
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)}; the passes are {[p.name for p in PIPELINE]}")
@@ -108,7 +114,7 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         names = user_dim_names(spec.dynamic_shapes, placeholders)
         method = lower_method(name, ep, builder, state_names, names, failures)
         if method is not None:
-            stats = pass_stats[name] = run_passes(method, builder, skip_passes)
+            stats = pass_stats[name] = run_passes(method, builder, skip_passes, PassOptions(quantize))
             plan_memory(method)
             builder.add_method(method)
             say(f"lowered {name}: {stats['nodes']} nodes, {len(method.nodes)} after passes")

@@ -21,7 +21,8 @@ from typing import Any
 
 OPSET_VERSION = 2
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
-activation_max); index_put, index_copy and slice_scatter gained in_place."""
+activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
+quantized_embedding (weight-only int8/int4) were added."""
 
 
 class AttrType(enum.IntEnum):
@@ -159,6 +160,14 @@ define("matmul", "a b", doc="Matrix product with PyTorch/NumPy matmul semantics 
 define("linear", "x weight bias?",
        doc="x @ weight.T + bias; weight is [out, in]; x is [..., in]. The weight is never transposed in the file.")
 
+_QUANT_DOC = ("The weight W [N, K] is stored weight-only quantized in groups of `group_size` consecutive elements of a "
+              "row (group_size == K: one group per row, i.e. per output channel): W[n, k] = (q[n, k] - zero[n, g]) "
+              "* scale[n, g] with g = k // group_size; scale (float) and zero (float, optional) are [N, K / "
+              "group_size]. bits 8: q is int8 [N, K], an absent zero means 0. bits 4: q is uint8 [N, K / 2], "
+              "element 2j in the low nibble and 2j + 1 in the high one, values 0..15; an absent zero means 8.")
+define("quantized_linear", "x q scale zero? bias?", A("bits", T.INT), A("group_size", T.INT),
+       doc="linear (x @ W.T + bias) with a quantized weight. " + _QUANT_DOC + " Output dtype: scale's.")
+
 # ---- convolution and pooling (N spatial dims, channels first) ----
 define("conv", "x weight bias?", A("stride", T.INTS), A("padding", T.INTS), A("dilation", T.INTS),
        A("groups", T.INT, 1), A("transposed", T.BOOL, False), A("output_padding", T.INTS, ()),
@@ -209,6 +218,9 @@ define("triu", "x", A("diagonal", T.INT, 0), doc="Zero elements below the diagon
 define("index_select", "x index", A("dim", T.INT), doc="x gathered along dim at the 1-d int index.")
 define("gather", "x index", A("dim", T.INT), doc="out[i][j][k] = x[i][index[i][j][k]][k] for dim 1, and so on.")
 define("embedding", "weight indices", doc="weight[indices]: rows of a [V, D] table, out shape indices.shape + [D].")
+define("quantized_embedding", "q scale zero? indices", A("bits", T.INT), A("group_size", T.INT),
+       doc="embedding of the rows of a quantized [V, D] table W (quantized as in quantized_linear, N = V, K = D): "
+           "W[indices], dequantized, in scale's dtype.")
 define("index", "x *indices", A("dims", T.INTS),
        doc="Advanced indexing: x[..., idx0, ..., idx1, ...] with int index tensors at dims (sorted, broadcast "
            "together), as aten.index.Tensor with None for the dims not listed.")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kiln.export.builder import ProgramBuilder
+from kiln.export.passes.canonicalize_linear import canonicalize_linear
 from kiln.export.passes.cse import eliminate_common_subexpressions
 from kiln.export.passes.dce import eliminate_dead_code
 from kiln.export.passes.fold_batch_norm import fold_batch_norm
@@ -24,36 +26,59 @@ from kiln.export.passes.in_place import mark_in_place_state_writes
 from kiln.export.passes.simplify import collapse_chains, remove_noops
 from kiln.ir.graph import Method
 
+if TYPE_CHECKING:
+    from kiln.export.quantize import Quantize
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """What the user asked of the export that passes act on."""
+
+    quantize: Quantize | None = None
+
 
 @dataclass(frozen=True)
 class Pass:
     name: str
-    run: Callable[[Method, ProgramBuilder], int]
+    run: Callable[[Method, ProgramBuilder, PassOptions], int]
     doc: str
 
 
-def _method_only(fn: Callable[[Method], int | dict]) -> Callable[[Method, ProgramBuilder], int]:
-    def run(method: Method, builder: ProgramBuilder) -> int:
+def _method_only(fn: Callable[[Method], int | dict]) -> Callable[[Method, ProgramBuilder, PassOptions], int]:
+    def run(method: Method, builder: ProgramBuilder, options: PassOptions) -> int:
         result = fn(method)
         return sum(result.values()) if isinstance(result, dict) else result
     return run
 
 
+def _with_builder(fn: Callable[[Method, ProgramBuilder], int]) -> Callable[[Method, ProgramBuilder, PassOptions], int]:
+    return lambda method, builder, options: fn(method, builder)
+
+
+def _quantize(method: Method, builder: ProgramBuilder, options: PassOptions) -> int:
+    from kiln.export.quantize import quantize_weights  # (quantize imports passes.usage: no import cycle)
+
+    return 0 if options.quantize is None else quantize_weights(method, builder, options.quantize)
+
+
 PIPELINE: tuple[Pass, ...] = (
     Pass("remove_noops", _method_only(remove_noops), "identity reshapes/permutes/expands/casts/slices, copies"),
     Pass("collapse_chains", _method_only(collapse_chains), "reshape/permute/expand/exact-cast chains"),
-    Pass("fold_constants", fold_constants, "weight-only subgraphs computed at export"),
+    Pass("fold_constants", _with_builder(fold_constants), "weight-only subgraphs computed at export"),
     Pass("cse", _method_only(eliminate_common_subexpressions), "repeated computations merged"),
-    Pass("fold_batch_norm", fold_batch_norm, "inference batch norm folded into the conv before it"),
+    Pass("canonicalize_linear", _with_builder(canonicalize_linear), "matmul by a constant weight (+ bias) as linear"),
+    Pass("fold_batch_norm", _with_builder(fold_batch_norm), "inference batch norm folded into the conv before it"),
     Pass("fuse_conv", _method_only(fuse_conv), "zero pads and activations fused into convolutions"),
     Pass("absorb_repeat_kv", _method_only(absorb_repeat_kv), "GQA key/value repetition absorbed by sdpa"),
-    Pass("fuse_rms_norm", fuse_rms_norm, "hand-written RMSNorm as one rms_norm node"),
+    Pass("fuse_rms_norm", _with_builder(fuse_rms_norm), "hand-written RMSNorm as one rms_norm node"),
+    Pass("quantize_weights", _quantize, "linear/embedding weights quantized as the export asked (quantize=)"),
     Pass("remove_noops_after", _method_only(remove_noops), "no-ops the fusions exposed"),
     Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),
 )
 
 
-def run_passes(method: Method, builder: ProgramBuilder, skip: Collection[str] = ()) -> dict:
+def run_passes(method: Method, builder: ProgramBuilder, skip: Collection[str] = (),
+               options: PassOptions = PassOptions()) -> dict:
     """Run PIPELINE (but the passes named in `skip`) on `method`; returns {"nodes": count as lowered, "passes":
     [[name, rewrites, nodes after], ...]}."""
     eliminate_dead_code(method)
@@ -61,7 +86,7 @@ def run_passes(method: Method, builder: ProgramBuilder, skip: Collection[str] = 
     for p in PIPELINE:
         if p.name in skip:
             continue
-        changed = p.run(method, builder)
+        changed = p.run(method, builder, options)
         eliminate_dead_code(method)
         stats["passes"].append([p.name, changed, len(method.nodes)])
     return stats

@@ -13,6 +13,7 @@ import kiln.runtime.backends.cpu.elementwise
 import kiln.runtime.backends.cpu.index
 import kiln.runtime.backends.cpu.linalg
 import kiln.runtime.backends.cpu.norm
+import kiln.runtime.backends.cpu.quant
 import kiln.runtime.backends.cpu.reduce
 import kiln.runtime.backends.cpu.resize
 import kiln.runtime.backends.cpu.scan

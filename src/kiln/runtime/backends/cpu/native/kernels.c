@@ -140,6 +140,11 @@ void kiln_bias_activate_f32(float *y, const float *bias, i64 planes, i64 channel
 /* GCC/Clang vector extensions, not intrinsics: the compiler maps them to the widest units -march=native has. */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, for unaligned loads and stores */
+typedef unsigned char v16u8u __attribute__((vector_size(16), aligned(1))); /* 16 uint8, unaligned */
+typedef int v16i32 __attribute__((vector_size(64)));
+/* unsigned bytes to floats through 32-bit integers (GCC 12 scalarizes a direct char-to-float conversion, and
+ * any signed one: int8 weights are read as q + 128, unsigned, and 128 is subtracted in float) */
+static inline v16 to_float16u(v16u8u b) { return __builtin_convertvector(__builtin_convertvector(b, v16i32), v16); }
 static inline v16 splat16(float v) { return (v16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
 void kiln_dwconv2d_f32(const float *restrict x, const float *restrict w, const float *restrict bias,
@@ -391,4 +396,96 @@ void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, 
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Weight-only quantized linear for few rows (decode, small batches): out[r][n] = sum_k x[r][k] W[n][k] + bias[n]
+ * with W[n][k] = (q[n][k] - zero[n][g]) * scale[n][g], g = k / group (the op set's quantized_linear). Each
+ * weight row is read once, as int8 or packed int4, and converted in registers; per group the zero point comes
+ * out of the sum: scale * (sum_k x q - zero * sum_k x). xs holds, per row, x split into even and odd elements
+ * (so int4's low and high nibbles meet contiguous x) and the per-group sums of x; the caller allocates it:
+ * m * (k + k / group) floats.
+ */
+void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
+                      const float *restrict zero, const float *restrict bias, float *restrict out, float *restrict xs,
+                      i64 m, i64 n, i64 k, i64 bits, i64 group) {
+    const i64 ngroups = k / group;
+    const float zdefault = bits == 4 ? 8.0f : 0.0f;
+    for (i64 r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float *xe = xs + r * (k + ngroups), *xo = xe + k / 2, *xsum = xe + k;
+        if (bits == 4)
+            for (i64 j = 0; j < k / 2; j++) {
+                xe[j] = xr[2 * j];
+                xo[j] = xr[2 * j + 1];
+            }
+        for (i64 g = 0; g < ngroups; g++) {
+            float s = 0.0f;
+            for (i64 j = 0; j < group; j++) s += xr[g * group + j];
+            xsum[g] = s;
+        }
+    }
+    for (i64 o = 0; o < n; o++) {
+        const float *so = scale + o * ngroups;
+        const float *zo = zero ? zero + o * ngroups : 0;
+        for (i64 r = 0; r < m; r++) {
+            const float *xr = x + r * k;
+            const float *xe = xs + r * (k + ngroups), *xo = xe + k / 2, *xsum = xe + k;
+            v16 total = splat16(0.0f); /* sum over groups of scale * (x . q), one horizontal sum at the end */
+            float tail = 0.0f;
+            for (i64 g = 0; g < ngroups; g++) {
+                v16 dot = splat16(0.0f);
+                float rest = 0.0f;
+                float z = zo ? zo[g] : zdefault;
+                if (bits == 8) {
+                    const unsigned char *qg = (const unsigned char *)qv + o * k + g * group;
+                    const float *xg = xr + g * group;
+                    const v16u8u flip = (v16u8u){128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128,
+                                                 128, 128, 128};
+                    i64 j = 0;
+                    for (; j + 16 <= group; j += 16)
+                        dot += *(const v16u *)(xg + j) * (to_float16u(*(const v16u8u *)(qg + j) ^ flip) - 128.0f);
+                    for (; j < group; j++) rest += xg[j] * (float)(signed char)qg[j];
+                } else {
+                    const unsigned char *qg = (const unsigned char *)qv + o * (k / 2) + g * (group / 2);
+                    const float *eg = xe + g * (group / 2), *og = xo + g * (group / 2);
+                    i64 j = 0;
+                    for (; j + 16 <= group / 2; j += 16) {
+                        const v16u8u b = *(const v16u8u *)(qg + j);
+                        dot += *(const v16u *)(eg + j) * to_float16u(b & 15) +
+                               *(const v16u *)(og + j) * to_float16u(b >> 4);
+                    }
+                    for (; j < group / 2; j++) rest += eg[j] * (float)(qg[j] & 15) + og[j] * (float)(qg[j] >> 4);
+                }
+                total += splat16(so[g]) * dot;
+                tail += so[g] * (rest - z * xsum[g]);
+            }
+            float acc = tail;
+            for (int lane = 0; lane < 16; lane++) acc += total[lane];
+            out[r * n + o] = acc + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+
+/* Dequantize rows [0, rows) of a quantized weight into float32 w [rows, k] (for many-row inputs, which then use
+ * BLAS on a band of dequantized rows at a time). q, scale and zero point at the band's first row. */
+void kiln_dequantize_f32(const void *restrict qv, const float *restrict scale, const float *restrict zero,
+                         float *restrict w, i64 rows, i64 k, i64 bits, i64 group) {
+    const i64 ngroups = k / group;
+    const float zdefault = bits == 4 ? 8.0f : 0.0f;
+    for (i64 o = 0; o < rows; o++)
+        for (i64 g = 0; g < ngroups; g++) {
+            const float s = scale[o * ngroups + g], z = zero ? zero[o * ngroups + g] : zdefault;
+            float *wg = w + o * k + g * group;
+            if (bits == 8) {
+                const signed char *qg = (const signed char *)qv + o * k + g * group;
+                for (i64 j = 0; j < group; j++) wg[j] = ((float)qg[j] - z) * s;
+            } else {
+                const unsigned char *qg = (const unsigned char *)qv + o * (k / 2) + g * (group / 2);
+                for (i64 j = 0; j < group / 2; j++) {
+                    wg[2 * j] = ((float)(qg[j] & 15) - z) * s;
+                    wg[2 * j + 1] = ((float)(qg[j] >> 4) - z) * s;
+                }
+            }
+        }
 }

@@ -1,0 +1,83 @@
+"""Weight-only quantized linear and embedding (int8 per channel or group, int4 in groups; the op set's
+quantized_linear / quantized_embedding).
+
+Few rows (a decode step): the compiled kernel reads each quantized weight row once and converts it in registers,
+so the step reads 4x (int8) or 8x (int4) fewer weight bytes than float32. Many rows (prefill, encoders): bands of
+weight rows are dequantized to float32 and multiplied with BLAS, so a prefill costs about what float32 does
+without ever holding the whole float32 weight. `dequantize` is the NumPy reference for both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.backends.cpu import native
+from kiln.runtime.backends.cpu.registry import kernel, upcast
+
+FEW_ROWS = 8
+"""Up to this many input rows the compiled row-streaming kernel runs; above, dequantized bands + BLAS."""
+
+_BAND_BYTES = 1 << 20
+"""Float32 bytes of dequantized weight per band (fits in L2 next to the input rows)."""
+
+
+def unpack(q: np.ndarray, bits: int) -> np.ndarray:
+    """The quantized values as one integer per weight element ([N, K])."""
+    if bits == 8:
+        return q
+    out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = q & 15
+    out[..., 1::2] = q >> 4
+    return out
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+    """W = (q - zero) * scale per group, as float32 ([N, K]); the op set's definition, in NumPy."""
+    values = unpack(q, bits).astype(np.float32)
+    rows, k = values.shape
+    z = np.float32(8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float32)[..., None]
+    grouped = values.reshape(rows, k // group_size, group_size)
+    return ((grouped - z) * scale.astype(np.float32)[..., None]).reshape(rows, k)
+
+
+@kernel("quantized_linear")
+def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
+                     bias: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+    dtype = scale.dtype
+    x, scale, zero, bias = upcast(x, scale, zero, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
+    rows, n = x2.shape[0], q.shape[0]
+    lib = native.library()
+    compiled = lib is not None and native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous
+    if compiled and rows <= FEW_ROWS:
+        out = np.empty((rows, n), dtype=np.float32)
+        work = np.empty(rows * (k + k // group_size), dtype=np.float32)
+        lib.kiln_qlinear_f32(x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
+                             native.address(bias), out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size)
+    else:
+        out = np.empty((rows, n), dtype=np.float32)
+        band = max(1, _BAND_BYTES // (4 * k))
+        weight = np.empty((min(band, n), k), dtype=np.float32)
+        for n0 in range(0, n, band):
+            n1 = min(n, n0 + band)
+            w = weight[:n1 - n0]
+            if compiled:
+                lib.kiln_dequantize_f32(q[n0:n1].ctypes.data, scale[n0:n1].ctypes.data,
+                                        native.address(None if zero is None else zero[n0:n1]), w.ctypes.data,
+                                        n1 - n0, k, bits, group_size)
+            else:
+                w[...] = dequantize(q[n0:n1], scale[n0:n1], None if zero is None else zero[n0:n1], bits, group_size)
+            np.matmul(x2, w.T, out=out[:, n0:n1])
+        if bias is not None:
+            out += bias
+    return out.reshape(*lead, n).astype(dtype, copy=False)
+
+
+@kernel("quantized_embedding")
+def quantized_embedding(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, indices: np.ndarray, bits: int,
+                        group_size: int) -> np.ndarray:
+    """Only the looked-up rows are dequantized."""
+    flat = indices.reshape(-1)
+    rows = dequantize(q[flat], scale[flat], None if zero is None else zero[flat], bits, group_size)
+    return rows.reshape(indices.shape + rows.shape[-1:]).astype(scale.dtype, copy=False)

@@ -1,0 +1,137 @@
+"""Weight quantization: the quantizer's error bounds, the kernels against the NumPy reference (compiled and
+fallback paths), the export pass (tied weights stored once, what it declines) and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.export.quantize import Quantize, quantize_rows
+from kiln.runtime.backends.cpu import native, quant
+from tests.test_cli import cli
+
+CONFIGS = [(8, 384, True), (8, 64, False), (4, 64, True), (4, 32, False), (4, 128, True), (8, 40, True)]
+"""(bits, group_size, symmetric); group 40 leaves tails the compiled kernel's 16-wide loop does not cover."""
+
+
+def _weight(n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, (n, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits,group,symmetric", CONFIGS)
+def test_quantize_then_dequantize_is_within_half_a_step(bits, group, symmetric) -> None:
+    w = _weight(24, 3 * group if group != 384 else 384)
+    q, scale, zero = quantize_rows(w, bits, group, symmetric)
+    assert q.dtype == (np.int8 if bits == 8 else np.uint8)
+    assert q.shape == (w.shape[0], w.shape[1] // (1 if bits == 8 else 2))
+    back = quant.dequantize(q, scale.astype(np.float32), None if zero is None else zero.astype(np.float32), bits,
+                            group)
+    step = np.repeat(scale, group, axis=1)
+    assert np.all(np.abs(back - w) <= 0.5 * step + 1e-6 * np.abs(w))
+
+
+@pytest.mark.parametrize("bits,group,symmetric", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_quantized_linear_matches_reference(bits, group, symmetric, rows, compiled, monkeypatch) -> None:
+    if compiled and native.library() is None:
+        pytest.skip("no C compiler: the compiled helpers are not built")
+    if not compiled:
+        monkeypatch.setattr(native, "library", lambda: None)
+    k = 3 * group if group != 384 else 384
+    w = _weight(37, k)
+    q, scale, zero = quantize_rows(w, bits, group, symmetric)
+    scale = scale.astype(np.float32)
+    zero = None if zero is None else zero.astype(np.float32)
+    bias = np.random.default_rng(1).standard_normal(37).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32)
+    want = x.astype(np.float64) @ quant.dequantize(q, scale, zero, bits, group).T.astype(np.float64) + bias
+    got = quant.quantized_linear(x.reshape(1, rows, k), q, scale, zero, bias, bits, group)
+    assert got.shape == (1, rows, 37) and got.dtype == np.float32
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("bits,group,symmetric", CONFIGS[:4])
+def test_quantized_embedding_matches_reference(bits, group, symmetric) -> None:
+    w = _weight(50, 2 * group if group != 384 else 384)
+    q, scale, zero = quantize_rows(w, bits, group, symmetric)
+    scale = scale.astype(np.float32)
+    zero = None if zero is None else zero.astype(np.float32)
+    idx = np.array([[3, 0, 49], [7, 7, 1]])
+    got = quant.quantized_embedding(q, scale, zero, idx, bits, group)
+    np.testing.assert_array_equal(got, quant.dequantize(q, scale, zero, bits, group)[idx])
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(96, 64)
+        self.mid = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 96, bias=False)
+        self.head.weight = self.embed.weight
+        self.odd = nn.Linear(64, 6)
+
+    def forward(self, tokens):
+        h = torch.relu(self.mid(self.embed(tokens)))
+        return self.head(h), self.odd(h)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16", "fp16"])
+def test_export_quantizes_and_stores_tied_weights_once(mode) -> None:
+    model = TiedLM().eval()
+    tokens = torch.randint(0, 96, (2, 5))
+    program = kiln.export(model, (tokens,), quantize=mode).load()
+    ops = [n.op for n in program.ir.methods["forward"].nodes]
+    if mode in ("int8", "int4"):
+        assert ops.count("quantized_linear") == 3 and ops.count("quantized_embedding") == 1
+        names = [c.name for c in program.ir.constants]
+        assert sum(n.endswith(".q") for n in names) == 3  # embed (= head), mid, odd: the tied table once
+    else:
+        assert "cast" in ops and ops.count("linear") == 3
+    got = program.session(validate=True).run("forward", tokens.numpy())
+    with torch.no_grad():
+        want = model(tokens)
+    tol = {"int8": 0.02, "int4": 0.2, "bf16": 0.02, "fp16": 0.002}[mode]
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(g - w.numpy()).max() <= tol * np.abs(w.numpy()).max()
+    plain = kiln.export(model, (tokens,)).to_bytes()
+    assert program.header.file_size < len(plain) * {"int8": 0.4, "int4": 0.3, "bf16": 0.6, "fp16": 0.6}[mode]
+
+
+def test_quantize_declines_weights_it_cannot_group() -> None:
+    model = nn.Linear(9, 4)  # K = 9: int4 packs pairs, and no even group divides 9
+    program = kiln.export(model, (torch.randn(1, 9),), quantize=Quantize("int4", group_size=4)).load()
+    assert [n.op for n in program.ir.methods["forward"].nodes] == ["linear"]
+    assert Quantize("int4", group_size=128).group_for(576) == 96  # the largest even divisor below 128
+    assert Quantize("int8").group_for(576) == 576 and Quantize("int4").group_for(576) == 64
+
+
+def test_quantize_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        Quantize("int3")
+    with pytest.raises(ValueError, match="even number"):
+        Quantize("int4", group_size=33)
+    with pytest.raises(ValueError, match="no group size"):
+        Quantize("bf16", group_size=64)
+    assert not Quantize("int8").symmetric  # asymmetric by default (measured better, see kiln.export.quantize)
+
+
+def test_cli_quantize(tmp_path) -> None:
+    factory = tmp_path / "f.py"
+    factory.write_text("import torch\n"
+                       "def make():\n"
+                       "    torch.manual_seed(0)\n"
+                       "    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), "
+                       "torch.nn.Linear(128, 8)), (torch.randn(2, 64),)\n")
+    code, out, err = cli("export", f"{factory}:make", "-o", tmp_path / "q.kiln", "--quantize", "int4",
+                         "--group-size", "32", "--symmetric")
+    assert code == 0, err
+    ops = [n.op for n in kiln.load(tmp_path / "q.kiln").ir.methods["forward"].nodes]
+    assert ops.count("quantized_linear") == 2
+    code, _, err = cli("export", f"{factory}:make", "-o", tmp_path / "bad.kiln", "--group-size", "32")
+    assert code == 2 and "--quantize" in err
