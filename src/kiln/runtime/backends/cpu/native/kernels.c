@@ -443,18 +443,27 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
                     const v16u8u flip = (v16u8u){128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128,
                                                  128, 128, 128};
                     i64 j = 0;
+                    v16 dot2 = splat16(0.0f); /* two accumulators: one FMA chain would wait on its own latency */
+                    for (; j + 32 <= group; j += 32) {
+                        dot += *(const v16u *)(xg + j) * (to_float16u(*(const v16u8u *)(qg + j) ^ flip) - 128.0f);
+                        dot2 += *(const v16u *)(xg + j + 16) *
+                                (to_float16u(*(const v16u8u *)(qg + j + 16) ^ flip) - 128.0f);
+                    }
                     for (; j + 16 <= group; j += 16)
                         dot += *(const v16u *)(xg + j) * (to_float16u(*(const v16u8u *)(qg + j) ^ flip) - 128.0f);
+                    dot += dot2;
                     for (; j < group; j++) rest += xg[j] * (float)(signed char)qg[j];
                 } else {
                     const unsigned char *qg = (const unsigned char *)qv + o * (k / 2) + g * (group / 2);
                     const float *eg = xe + g * (group / 2), *og = xo + g * (group / 2);
                     i64 j = 0;
+                    v16 dot2 = splat16(0.0f);
                     for (; j + 16 <= group / 2; j += 16) {
                         const v16u8u b = *(const v16u8u *)(qg + j);
-                        dot += *(const v16u *)(eg + j) * to_float16u(b & 15) +
-                               *(const v16u *)(og + j) * to_float16u(b >> 4);
+                        dot += *(const v16u *)(eg + j) * to_float16u(b & 15);
+                        dot2 += *(const v16u *)(og + j) * to_float16u(b >> 4);
                     }
+                    dot += dot2;
                     for (; j < group / 2; j++) rest += eg[j] * (float)(qg[j] & 15) + og[j] * (float)(qg[j] >> 4);
                 }
                 total += splat16(so[g]) * dot;
