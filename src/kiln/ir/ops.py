@@ -22,7 +22,7 @@ from typing import Any
 OPSET_VERSION = 2
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
-quantized_embedding (weight-only int8/int4) were added."""
+quantized_embedding (weight-only int8/int4) and rope were added."""
 
 
 class AttrType(enum.IntEnum):
@@ -195,6 +195,9 @@ define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 
 # ---- attention ----
+define("rope", "x cos sin",
+       doc="Rotary position embedding, rotate-half form: x * cos + rotate_half(x) * sin with rotate_half(x) = "
+           "cat(-x[..., D/2:], x[..., :D/2]) over the last dim D; cos and sin broadcast against x.")
 define("sdpa", "q k v mask?", A("causal", T.BOOL, False), A("scale", T.FLOAT, None),
        doc="softmax(q @ k^T * scale + mask) @ v over [..., L, E] / [..., S, E]; scale absent: 1/sqrt(E). "
            "causal masks j > i (top-left aligned); a bool mask keeps True; a float mask is added. "

@@ -42,3 +42,12 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, c
     scores /= np.sum(scores, axis=-1, keepdims=True)
     return np.matmul(scores, v).reshape(out_shape).astype(dtype, copy=False)
 
+
+
+@kernel("rope")
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x * cos
+    out += rotated * sin
+    return out.astype(x.dtype, copy=False)
