@@ -38,7 +38,7 @@ def test_statistics_are_stored_per_method_and_pass(llama_file) -> None:
         assert counts == sorted(counts, reverse=True)  # no pass adds nodes
         fired = {name: changed for name, changed, _ in s["passes"]}
         assert fired["cse"] > 0 and fired["absorb_repeat_kv"] == 6 and fired["fuse_rms_norm"] == 7
-        assert fired["in_place_state_writes"] == 6 and fired["fuse_rope"] == 6
+        assert fired["in_place_state_writes"] == 6 and fired["fuse_rope"] == 6 and fired["fuse_gated_mlp"] == 3
     decode = stats["decode"]
     assert decode["passes"][-1][2] < 0.75 * decode["nodes"]  # the decode step loses over a quarter of its nodes
 

@@ -22,7 +22,7 @@ from typing import Any
 OPSET_VERSION = 2
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
-quantized_embedding (weight-only int8/int4) and rope were added."""
+quantized_embedding (weight-only int8/int4), rope and gated_activation were added."""
 
 
 class AttrType(enum.IntEnum):
@@ -116,6 +116,9 @@ for _name, _sem in UNARY.items():
 
 define("gelu", "x", A("approximate", T.STRING, "none"),
        doc="GELU: x * Phi(x) exactly ('none') or with the tanh approximation ('tanh').")
+define("gated_activation", "gate up", A("activation", T.STRING),
+       doc="act(gate) * up, the gated MLP of Llama-style models (SwiGLU, GeGLU); gate and up have one shape. "
+           "activation: silu, gelu (erf) or gelu_tanh.")
 define("leaky_relu", "x", A("negative_slope", T.FLOAT, 0.01), doc="x if x > 0 else negative_slope * x.")
 define("clamp", "x", A("min", T.FLOAT, None), A("max", T.FLOAT, None),
        doc="Clamp to [min, max]; an absent bound is not applied. NaN stays NaN.")

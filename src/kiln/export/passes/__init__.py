@@ -21,6 +21,7 @@ from kiln.export.passes.fold_batch_norm import fold_batch_norm
 from kiln.export.passes.fold_constants import fold_constants
 from kiln.export.passes.fuse_attention import absorb_repeat_kv
 from kiln.export.passes.fuse_conv import fuse_conv
+from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
 from kiln.export.passes.fuse_norm import fuse_rms_norm
 from kiln.export.passes.fuse_rope import fuse_rope
 from kiln.export.passes.in_place import mark_in_place_state_writes
@@ -73,6 +74,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("absorb_repeat_kv", _method_only(absorb_repeat_kv), "GQA key/value repetition absorbed by sdpa"),
     Pass("fuse_rms_norm", _with_builder(fuse_rms_norm), "hand-written RMSNorm as one rms_norm node"),
     Pass("fuse_rope", _method_only(fuse_rope), "rotate-half rotary embeddings as one rope node"),
+    Pass("fuse_gated_mlp", _method_only(fuse_gated_mlp), "act(gate) * up as one gated_activation node"),
     Pass("quantize_weights", _quantize, "linear/embedding weights quantized as the export asked (quantize=)"),
     Pass("remove_noops_after", _method_only(remove_noops), "no-ops the fusions exposed"),
     Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),

@@ -196,3 +196,15 @@ def elu(x: np.ndarray, alpha: float, scale: float, input_scale: float) -> np.nda
     t = x.dtype.type
     neg = np.expm1(np.minimum(x, t(0)) * t(input_scale)) * t(alpha * scale)
     return np.where(x > 0, x * t(scale), neg)
+
+
+@kernel("gated_activation")
+def gated_activation(gate: np.ndarray, up: np.ndarray, activation: str) -> np.ndarray:
+    """act(gate) * up with the product written into act's fresh output (no third array)."""
+    if activation == "silu":
+        out = CPU_KERNELS.kernels["silu"](gate)
+    else:
+        out = gelu(gate, "tanh" if activation == "gelu_tanh" else "none")
+    out = np.array(out, copy=not (isinstance(out, np.ndarray) and out.flags.writeable and out.base is None))
+    out *= up
+    return out
