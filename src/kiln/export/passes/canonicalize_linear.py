@@ -18,10 +18,6 @@ from kiln.ir.graph import NO_VALUE, Method
 def canonicalize_linear(method: Method, builder: ProgramBuilder) -> int:
     """Rewrite each matmul(x, constant [K, N]) (and a constant [N] bias added to it) in place; returns how many."""
     usage = Usage.of(method)
-    readers: dict[int, list] = {}
-    for node in method.nodes:
-        for i in node.inputs:
-            readers.setdefault(i, []).append(node)
     transposed: dict[int, int] = {}  # weight value -> its transposed constant (a weight used twice)
     count = 0
     for node in method.nodes:
@@ -35,8 +31,8 @@ def canonicalize_linear(method: Method, builder: ProgramBuilder) -> int:
             transposed[w] = add_constant(method, builder, np.ascontiguousarray(weight.T), method.values[w].dtype,
                                          f"{method.values[w].name}.t")
         bias = NO_VALUE
-        add = readers.get(node.outputs[0], [None])[0]
-        if add is not None and add.op == "add" and usage.only_reader_may_absorb(node.outputs[0]):
+        add = usage.sole_reader(node.outputs[0], "add")
+        if add is not None:
             other = add.inputs[1] if add.inputs[0] == node.outputs[0] else add.inputs[0]
             b = constant_value(method, builder, other)
             if b is not None and b.size == weight.shape[1] and b.shape[-1:] == (weight.shape[1],) and \

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from kiln.export.passes.usage import Usage
-from kiln.ir.graph import Method, Node
+from kiln.ir.graph import Method
 
 log = logging.getLogger("kiln.passes")
 
@@ -35,16 +35,11 @@ def absorb_repeat_kv(method: Method) -> int:
     return count
 
 
-def _producer(usage: Usage, value: int, op: str) -> Node | None:
-    node = usage.producer.get(value)
-    return node if node is not None and node.op == op else None
-
-
 def _repeat_kv_source(method: Method, usage: Usage, value: int) -> int | None:
     """The [.., Hkv, S, E] tensor that `value` repeats along heads, or None (with the reason logged)."""
-    merge = _producer(usage, value, "reshape")
-    expand = merge and _producer(usage, merge.inputs[0], "expand")
-    insert = expand and _producer(usage, expand.inputs[0], "reshape")
+    merge = usage.producer_of(value, "reshape")
+    expand = merge and usage.producer_of(merge.inputs[0], "expand")
+    insert = expand and usage.producer_of(expand.inputs[0], "reshape")
     if insert is None:
         return None
     shape = method.values

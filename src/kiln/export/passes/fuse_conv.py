@@ -35,14 +35,12 @@ def _plain_conv(node: Node | None) -> bool:
 
 def _fold_padding(method: Method) -> int:
     usage = Usage.of(method)
-    readers_of = {i: node for node in method.nodes for i in node.inputs}
     removed = set()
     for pad in method.nodes:
         if pad.op != "pad" or pad.attrs.get("mode", "constant") != "constant" or pad.attrs.get("value", 0.0) != 0:
             continue
-        conv = readers_of.get(pad.outputs[0])
-        if not _plain_conv(conv) or conv.inputs[0] != pad.outputs[0] \
-                or not usage.only_reader_may_absorb(pad.outputs[0]):
+        conv = usage.sole_reader(pad.outputs[0], "conv")
+        if not _plain_conv(conv) or conv.inputs[0] != pad.outputs[0]:
             continue
         nsp = len(conv.attrs["stride"])
         pads = list(pad.attrs["pads"])  # (before, after) pairs from the last dim backwards

@@ -40,20 +40,9 @@ def _other(node: Node, v: int) -> int:
 def fuse_rms_norm(method: Method, builder: ProgramBuilder) -> int:
     """Rewrite each matched RMSNorm in place into one rms_norm node; returns how many."""
     usage = Usage.of(method)
-    readers: dict[int, list[Node]] = {}
-    for node in method.nodes:
-        for i in node.inputs:
-            readers.setdefault(i, []).append(node)
-
-    def only_reader(v: int, op: str) -> Node | None:
-        nodes = readers.get(v, [])
-        if len(nodes) != 1 or v in usage.kept or nodes[0].op != op:
-            return None
-        return nodes[0]
-
     count = 0
     for rsqrt in [n for n in method.nodes if n.op == "rsqrt"]:
-        match = _match(method, builder, usage, only_reader, rsqrt)
+        match = _match(method, builder, usage, rsqrt)
         if match is None:
             continue
         x, weight, eps, last = match
@@ -66,7 +55,7 @@ def fuse_rms_norm(method: Method, builder: ProgramBuilder) -> int:
     return count
 
 
-def _match(method: Method, builder: ProgramBuilder, usage: Usage, only_reader, rsqrt: Node):
+def _match(method: Method, builder: ProgramBuilder, usage: Usage, rsqrt: Node):
     """(x, weight or NO_VALUE, eps, the node whose output is the norm's result) or None."""
     add = usage.producer_of(rsqrt.inputs[0], "add")
     mean = add and (usage.producer_of(add.inputs[0], "mean") or usage.producer_of(add.inputs[1], "mean"))
@@ -87,18 +76,18 @@ def _match(method: Method, builder: ProgramBuilder, usage: Usage, only_reader, r
         log.debug("rms_norm: mean over %s (keepdim %s) is not over the last dim", mean.attrs.get("dims"),
                   mean.attrs.get("keepdim"))
         return None
-    if any(only_reader(v, op) is None for v, op in ((square.outputs[0], "mean"), (mean.outputs[0], "add"),
+    if any(usage.sole_reader(v, op) is None for v, op in ((square.outputs[0], "mean"), (mean.outputs[0], "add"),
                                                     (add.outputs[0], "rsqrt"))):
         log.debug("rms_norm: an intermediate of the norm at %s is read elsewhere", rsqrt.source)
         return None
-    scale = only_reader(rsqrt.outputs[0], "mul")
+    scale = usage.sole_reader(rsqrt.outputs[0], "mul")
     if scale is None or _other(scale, rsqrt.outputs[0]) != xf:
         return None
     upcast = usage.producer_of(xf, "cast")
     x = upcast.inputs[0] if upcast is not None and method.values[xf].dtype == DType.float32 else xf
     last, weight = scale, NO_VALUE
     for op in ("cast", "mul", "cast"):
-        follower = only_reader(last.outputs[0], op)
+        follower = usage.sole_reader(last.outputs[0], op)
         if follower is None:
             continue
         if op == "mul":

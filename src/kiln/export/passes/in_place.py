@@ -33,7 +33,7 @@ def mark_in_place_state_writes(method: Method) -> int:
         if next_state.get(node.outputs[0]) != x.ref:
             log.debug("%s into state %s: its result is not that buffer's next state", node.op, x.name)
             continue
-        if usage.readers[node.inputs[0]] != 1 or node.inputs[0] in usage.kept:
+        if not usage.only_reader_may_absorb(node.inputs[0]):
             log.debug("%s into state %s: the old contents are read elsewhere", node.op, x.name)
             continue
         node.attrs["in_place"] = True

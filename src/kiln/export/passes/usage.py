@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,19 +16,30 @@ from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 @dataclass
 class Usage:
     producer: dict[int, Node]
-    readers: Counter
+    reader_nodes: dict[int, list[Node]]  # a node reading a value twice is listed twice
     kept: set[int]  # method outputs and state updates: their values must survive any rewrite
 
     @classmethod
     def of(cls, method: Method) -> Usage:
-        return cls({o: node for node in method.nodes for o in node.outputs},
-                   Counter(i for node in method.nodes for i in node.inputs if i != NO_VALUE),
+        reader_nodes: dict[int, list[Node]] = {}
+        for node in method.nodes:
+            for i in node.inputs:
+                if i != NO_VALUE:
+                    reader_nodes.setdefault(i, []).append(node)
+        return cls({o: node for node in method.nodes for o in node.outputs}, reader_nodes,
                    set(method.outputs) | {u.value for u in method.state_updates})
 
     def only_reader_may_absorb(self, value: int) -> bool:
         """Whether `value` is read by exactly one node and by nothing outside the graph, so that node may fuse
         its producer away."""
-        return self.readers[value] == 1 and value not in self.kept
+        return len(self.reader_nodes.get(value, ())) == 1 and value not in self.kept
+
+    def sole_reader(self, value: int, op: str) -> Node | None:
+        """The one node reading `value`, if it is an `op` node and nothing outside the graph reads `value`."""
+        nodes = self.reader_nodes.get(value, [])
+        if len(nodes) != 1 or value in self.kept or nodes[0].op != op:
+            return None
+        return nodes[0]
 
     def producer_of(self, value: int, op: str) -> Node | None:
         """The node computing `value` if it is an `op` node."""

@@ -68,8 +68,7 @@ def _epilogue(out: np.ndarray, bias: np.ndarray | None, activation: str, lo: flo
     if lib is not None and out.dtype == np.float32 and out.flags.c_contiguous and native.float32_contiguous(bias):
         size = int(np.prod(out.shape[2:]))
         lib.kiln_bias_activate_f32(out.ctypes.data, native.address(bias), out.shape[0] * out.shape[1], out.shape[1],
-                                   size, native.ACTIVATION_CODES[activation], -np.inf if lo is None else lo,
-                                   np.inf if hi is None else hi)
+                                   size, native.ACTIVATION_CODES[activation], *native.bounds(lo, hi))
         return
     if bias is not None:
         out += bias.reshape((1, -1) + (1,) * (out.ndim - 2))
@@ -106,7 +105,7 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
         out = np.empty((n, c, oh, ow), dtype=np.float32)
         lib.kiln_dwconv2d_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n * c, c, h,
                               w, kh, kw, *stride, *padding, *dilation, oh, ow, native.ACTIVATION_CODES[activation],
-                              -np.inf if lo is None else lo, np.inf if hi is None else hi)
+                              *native.bounds(lo, hi))
         return out
     if kh == kw == 1 and not any(padding) and not any(padding_end):
         return None  # already one GEMM on the (strided) input
@@ -172,8 +171,7 @@ def _winograd_3x3(lib, x, weight, bias, padding, oh, ow, act) -> np.ndarray:
     out = np.empty((n, o, oh, ow), dtype=np.float32)
     activation, lo, hi = act
     lib.kiln_winograd23_output_f32(m.ctypes.data, native.address(bias), out.ctypes.data, n, o, oh, ow, th, tw,
-                                   native.ACTIVATION_CODES[activation], -np.inf if lo is None else lo,
-                                   np.inf if hi is None else hi)
+                                   native.ACTIVATION_CODES[activation], *native.bounds(lo, hi))
     return out
 
 

@@ -200,11 +200,12 @@ def elu(x: np.ndarray, alpha: float, scale: float, input_scale: float) -> np.nda
 
 @kernel("gated_activation")
 def gated_activation(gate: np.ndarray, up: np.ndarray, activation: str) -> np.ndarray:
-    """act(gate) * up with the product written into act's fresh output (no third array)."""
+    """act(gate) * up with the product written into act's output (no third array): the activation kernels always
+    return new memory, never gate itself."""
     if activation == "silu":
         out = CPU_KERNELS.kernels["silu"](gate)
     else:
         out = gelu(gate, "tanh" if activation == "gelu_tanh" else "none")
-    out = np.array(out, copy=not (isinstance(out, np.ndarray) and out.flags.writeable and out.base is None))
+    out = np.asarray(out)  # (NumPy gives 0-d results as scalars)
     out *= up
     return out

@@ -50,13 +50,12 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     rows, n = x2.shape[0], q.shape[0]
     lib = native.library()
     compiled = lib is not None and native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous
+    out = np.empty((rows, n), dtype=np.float32)
     if compiled and rows <= FEW_ROWS:
-        out = np.empty((rows, n), dtype=np.float32)
         work = np.empty(rows * (k + k // group_size), dtype=np.float32)
         lib.kiln_qlinear_f32(x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
                              native.address(bias), out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size)
     else:
-        out = np.empty((rows, n), dtype=np.float32)
         band = max(1, _BAND_BYTES // (4 * k))
         weight = np.empty((min(band, n), k), dtype=np.float32)
         for n0 in range(0, n, band):

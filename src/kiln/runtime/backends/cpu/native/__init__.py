@@ -150,6 +150,11 @@ def address(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+def bounds(lo: float | None, hi: float | None) -> tuple[float, float]:
+    """A clamp's bounds as the compiled kernels take them: an absent bound is -inf / inf."""
+    return -np.inf if lo is None else lo, np.inf if hi is None else hi
+
+
 def clamp(x: np.ndarray, lo: float | None, hi: float | None, out: np.ndarray | None = None) -> np.ndarray | None:
     """x clamped to [lo, hi] (None: no bound) in one pass, into `out` if given (may be x); None when the helpers
     cannot take it."""
@@ -160,8 +165,7 @@ def clamp(x: np.ndarray, lo: float | None, hi: float | None, out: np.ndarray | N
     x = x if x.flags.c_contiguous else x.copy()
     y = np.empty_like(x) if out is None else out
     if x.size:
-        lib.kiln_clamp_f32(x.ctypes.data, y.ctypes.data, x.size, -np.inf if lo is None else lo,
-                           np.inf if hi is None else hi)
+        lib.kiln_clamp_f32(x.ctypes.data, y.ctypes.data, x.size, *bounds(lo, hi))
     return y
 
 
