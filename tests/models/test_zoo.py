@@ -95,6 +95,29 @@ def test_sliding_window_is_applied():
     assert float((windowed - full).abs().max()) > 1e-2
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_layers_keep_a_ring_written_in_place(family):
+    """Sliding layers cache window + chunk - 1 slots, not max_context, and the program writes them in place; the
+    greedy tokens above (prompt + 16 tokens = 26 positions in an 11-slot ring) cover wrapping around."""
+    model = tiny_decoder(family)
+    lm = StaticCacheLM(model, MAX_CONTEXT, CHUNK)
+    assert lm.ring_size == SLIDING_WINDOW + CHUNK - 1
+    sizes = [getattr(lm, f"key_cache_{i}").shape[2] for i in range(lm.num_layers)]
+    want = [lm.ring_size if kind == "sliding_attention" else MAX_CONTEXT
+            for kind in (getattr(model.config, "layer_types", None) or ["sliding_attention"] * lm.num_layers)]
+    assert sizes == want
+    program = export_llama(lm, MAX_CONTEXT, CHUNK).load()
+    for method in ("prefill", "decode"):
+        writes = [n for n in program.ir.methods[method].nodes if n.op in ("index_put", "index_copy")]
+        assert len(writes) == 2 * lm.num_layers and all(n.attrs.get("in_place") for n in writes), method
+
+
+def test_ring_prefill_refuses_chunks_longer_than_it_was_sized_for():
+    lm = StaticCacheLM(tiny_decoder("mistral"), MAX_CONTEXT, prefill_chunk=4)
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        lm.prefill(torch.tensor([PROMPT[:5]]), torch.arange(5))
+
+
 def test_static_cache_refuses_unknown_layer_types():
     model = tiny_decoder("qwen2")
     model.config.layer_types = ["chunked_attention", "full_attention"]

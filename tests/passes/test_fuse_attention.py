@@ -72,6 +72,35 @@ def test_declines_other_expansions() -> None:
     np.testing.assert_allclose(got, NotARepetition()(q, k, v).numpy(), rtol=1e-5, atol=1e-6)
 
 
+class Repetitions(nn.Module):
+    """The two other ways to spell a GQA repetition: repeat_interleave (a true repetition, absorbed) and repeat
+    (tiling: q head h reads kv head h % Hkv, not h // g, so it must stay a copy)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v):
+        if self.how == "repeat_interleave":
+            k, v = k.repeat_interleave(3, dim=1), torch.repeat_interleave(v, 3, dim=1)
+        else:
+            k, v = k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("how,absorbed", [("repeat_interleave", True), ("repeat", False)])
+def test_repeat_interleave_is_absorbed_but_tiling_is_not(how: str, absorbed: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 6, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen),
+               torch.randn(1, 2, 5, 8, generator=gen))
+    program = kiln.export(Repetitions(how), (q, k, v)).load()
+    sdpa = next(n for n in program.ir.methods["forward"].nodes if n.op == "sdpa")
+    heads = [program.ir.methods["forward"].values[i].shape[1] for i in sdpa.inputs[1:3]]
+    assert heads == ([2, 2] if absorbed else [6, 6])
+    got = program.session(validate=True).run("forward", q.numpy(), k.numpy(), v.numpy())[0]
+    np.testing.assert_allclose(got, Repetitions(how)(q, k, v).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_fires_on_hf_llama_decode() -> None:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,

@@ -41,3 +41,61 @@ def test_declines_other_rotations() -> None:
     q, _, cos, sin = _inputs()
     program = export_checked(NotRotateHalf(), (q, cos[:, None], sin[:, None]))
     assert "rope" not in ops(program) and len(nodes(program, "cat")) == 2
+
+
+class Interleaved(nn.Module):
+    """GPT-J's rotary embedding on [B, T, H, D], sin/cos [B, T, D/2] repeat-interleaved to D inside."""
+
+    def forward(self, x, sin, cos):
+        from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rotary
+
+        return gptj_rotary(x, sin, cos)
+
+
+def _interleaved_inputs(d: int = 8):
+    gen = torch.Generator().manual_seed(1)
+    x, angles = torch.randn(2, 5, 4, d, generator=gen), torch.randn(2, 5, d // 2, generator=gen)
+    return x, angles.sin(), angles.cos()
+
+
+def test_interleaved_becomes_rope() -> None:
+    program = export_checked(Interleaved(), _interleaved_inputs())
+    (rope,) = nodes(program, "rope")
+    assert rope.attrs == {"interleaved": True}
+    assert not {"neg", "cat", "slice", "mul", "add"} & set(ops(program))
+
+
+class NotInterleaved(nn.Module):
+    """Pairs rotated the other way, and the even half negated: neither is GPT-J's rotation."""
+
+    def forward(self, x, cos, sin):
+        inverse = torch.stack((x[..., 1::2], -x[..., ::2]), dim=-1).flatten(-2)
+        swapped = torch.stack((-x[..., ::2], x[..., 1::2]), dim=-1).flatten(-2)
+        return x * cos + inverse * sin, x * cos + swapped * sin
+
+
+def test_declines_other_interleavings() -> None:
+    x, sin, cos = _interleaved_inputs()
+    full = (cos.repeat_interleave(2, -1)[:, :, None], sin.repeat_interleave(2, -1)[:, :, None])
+    program = export_checked(NotInterleaved(), (x, *full))
+    assert "rope" not in ops(program) and len(nodes(program, "cat")) == 2
+
+
+def test_gptj_model_with_partial_rotary() -> None:
+    """A random GPT-J (rotary on the first 8 of 16 head dims) keeps its logits with every layer's q and k fused."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, rotary_dim=8)
+    model = GPTJForCausalLM(config).eval()
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens):
+            return self.model(tokens, use_cache=False).logits
+
+    program = export_checked(Logits(), (torch.randint(0, 64, (1, 7)),), tol=1e-4)
+    assert [n.attrs for n in nodes(program, "rope")] == [{"interleaved": True}] * 4

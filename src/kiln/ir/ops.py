@@ -19,10 +19,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 2
+OPSET_VERSION = 3
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
-quantized_embedding (weight-only int8/int4), rope and gated_activation were added."""
+quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved."""
 
 
 class AttrType(enum.IntEnum):
@@ -198,9 +198,10 @@ define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 
 # ---- attention ----
-define("rope", "x cos sin",
-       doc="Rotary position embedding, rotate-half form: x * cos + rotate_half(x) * sin with rotate_half(x) = "
-           "cat(-x[..., D/2:], x[..., :D/2]) over the last dim D; cos and sin broadcast against x.")
+define("rope", "x cos sin", A("interleaved", T.BOOL, False),
+       doc="Rotary position embedding: x * cos + rotate(x) * sin over the last dim D; cos and sin broadcast "
+           "against x. rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (rotate-half, Llama), or with interleaved "
+           "the pairs (x[2i], x[2i+1]) -> (-x[2i+1], x[2i]) (GPT-J).")
 define("sdpa", "q k v mask?", A("causal", T.BOOL, False), A("scale", T.FLOAT, None),
        doc="softmax(q @ k^T * scale + mask) @ v over [..., L, E] / [..., S, E]; scale absent: 1/sqrt(E). "
            "causal masks j > i (top-left aligned); a bool mask keeps True; a float mask is added. "

@@ -22,15 +22,16 @@ class _BufferCache:
     """The part of transformers' Cache interface that its decoder layers call: `update`, writing in place.
 
     It holds the wrapper's buffers as they are at call time (torch.export swaps a module's buffers for traced
-    ones, so a cache made once in __init__ would write to stale tensors).
+    ones, so a cache made once in __init__ would write to stale tensors), and each layer's write slots (the
+    positions themselves, or the positions modulo the ring size for a sliding-window layer).
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], position: torch.Tensor):
-        self.keys, self.values, self.position = keys, values, position
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: list[torch.Tensor]):
+        self.keys, self.values, self.slots = keys, values, slots
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.position, key_states)
-        self.values[layer_idx].index_copy_(2, self.position, value_states)
+        self.keys[layer_idx].index_copy_(2, self.slots[layer_idx], key_states)
+        self.values[layer_idx].index_copy_(2, self.slots[layer_idx], value_states)
         return self.keys[layer_idx], self.values[layer_idx]
 
 
@@ -41,11 +42,16 @@ class StaticCacheLM(torch.nn.Module):
     decode(token [1, 1] int64, cache_position [1] int64) -> logits [1, vocab]: the same for one token; a separate
     method so that its graph is specialized to T = 1.
     Positions must be consecutive and start where the previous call ended (0 after a reset).
-    Layers may be full or sliding-window attention (Mistral, Gemma 2/3): the cache keeps every position and the
-    sliding layers' mask hides keys older than the window.
+
+    Layers may be full or sliding-window attention (Mistral, Gemma 2/3). A full layer's cache has a slot per
+    position. A sliding layer with window W keeps a ring of R = W + prefill_chunk - 1 slots (position p in slot
+    p mod R), when that is shorter than max_context: a chunk of T <= prefill_chunk tokens written before the
+    attention overwrites only positions at least W older than every query of the chunk, so writing first (as the
+    full layers do, which keeps the update a plain in-place write) never destroys a key the chunk still needs.
+    The mask is built from the positions, so unwritten or stale slots are never read and a reset only needs zeros.
     """
 
-    def __init__(self, model: PreTrainedModel, max_context: int):
+    def __init__(self, model: PreTrainedModel, max_context: int, prefill_chunk: int | None = None):
         super().__init__()
         config = model.config.get_text_config()
         self.sliding_window = getattr(config, "sliding_window", None)
@@ -58,33 +64,46 @@ class StaticCacheLM(torch.nn.Module):
                                       f"{sorted(unknown) or 'sliding_attention without a sliding_window'}")
         self.model = model
         self.max_context = int(max_context)
+        self.prefill_chunk = self.max_context if prefill_chunk is None else int(prefill_chunk)
         self.num_layers = config.num_hidden_layers
+        self.ring_size = self.max_context
+        if self.sliding_window:
+            self.ring_size = min(self.max_context, int(self.sliding_window) + self.prefill_chunk - 1)
+        self.layer_is_ring = [kind == "sliding_attention" and self.ring_size < self.max_context
+                              for kind in layer_types]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        shape = (1, kv_heads, self.max_context, head_dim)
-        for i in range(self.num_layers):
+        for i, ring in enumerate(self.layer_is_ring):
+            shape = (1, kv_heads, self.ring_size if ring else self.max_context, head_dim)
             self.register_buffer(f"key_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"value_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
 
     def _step(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        ring_slots = cache_position % self.ring_size
         cache = _BufferCache([getattr(self, f"key_cache_{i}") for i in range(self.num_layers)],
-                             [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)], cache_position)
+                             [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)],
+                             [ring_slots if ring else cache_position for ring in self.layer_is_ring])
         out = self.model(input_ids=tokens, attention_mask=self._mask(cache_position),
                          position_ids=cache_position[None, :], past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
     def _mask(self, cache_position: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """[1, 1, T, max_context] booleans (a 4-d mask is used by transformers as given), or one per layer type.
+        """[1, 1, T, slots] booleans (a 4-d mask is used by transformers as given), or one per layer type.
 
-        The cache holds every position, so a sliding-window layer only needs its mask narrowed to the last
-        `sliding_window` keys (key j visible to query i when position[i] - window < j <= position[i]); models with
-        both kinds of layers take a dict keyed by layer type.
+        Key j is visible to query i when its position k satisfies k <= position[i] (and, in a sliding layer,
+        k > position[i] - window). After this step's write, ring slot s holds the latest position k <= last with
+        k = s mod R (last = the chunk's final position), i.e. k = last - ((last - s) mod R); k < 0: never written.
+        Models with both kinds of layers take a dict keyed by layer type.
         """
-        keys = torch.arange(self.max_context, device=cache_position.device)[None, :]
         query = cache_position[:, None]
+        keys = torch.arange(self.max_context, device=cache_position.device)[None, :]
         masks = {"full_attention": keys <= query}
         if "sliding_attention" in self.layer_types:
-            masks["sliding_attention"] = (keys <= query) & (keys > query - self.sliding_window)
+            if any(self.layer_is_ring):
+                slots = torch.arange(self.ring_size, device=cache_position.device)[None, :]
+                last = cache_position[-1:]
+                keys = last - torch.remainder(last - slots, self.ring_size)
+            masks["sliding_attention"] = (keys >= 0) & (keys <= query) & (keys > query - self.sliding_window)
         masks = {kind: self._as_attention_mask(masks[kind][None, None]) for kind in self.layer_types}
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
@@ -98,6 +117,8 @@ class StaticCacheLM(torch.nn.Module):
         return blocked.masked_fill(visible, 0.0)
 
     def prefill(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and tokens.shape[1] > self.prefill_chunk:
+            raise ValueError(f"prefill takes at most {self.prefill_chunk} tokens at a time, got {tokens.shape[1]}")
         return self._step(tokens, cache_position)
 
     def decode(self, token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
@@ -119,9 +140,10 @@ def export_llama(model: PreTrainedModel | StaticCacheLM, max_context: int, prefi
     """
     if not 1 <= prefill_chunk <= max_context:
         raise ValueError(f"prefill_chunk must be in 1..max_context ({max_context}), got {prefill_chunk}")
-    lm = model if isinstance(model, StaticCacheLM) else StaticCacheLM(model, max_context)
-    if lm.max_context != max_context:
-        raise ValueError(f"the StaticCacheLM has max_context {lm.max_context}, not {max_context}")
+    lm = model if isinstance(model, StaticCacheLM) else StaticCacheLM(model, max_context, prefill_chunk)
+    if (lm.max_context, lm.prefill_chunk) != (max_context, prefill_chunk):
+        raise ValueError(f"the StaticCacheLM has max_context {lm.max_context} and prefill_chunk {lm.prefill_chunk}, "
+                         f"not {max_context} and {prefill_chunk}")
     lm.reset()  # the buffers' contents at export become the program's initial state: start empty
     example = min(prefill_chunk, 2)  # torch.export specializes a dimension whose example size is 1
     tokens = torch.zeros((1, example), dtype=torch.long)

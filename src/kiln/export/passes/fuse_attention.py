@@ -4,7 +4,8 @@ transformers' `repeat_kv` turns a [.., Hkv, S, E] cache into [.., Hkv * g, S, E]
 before S), expand (to g), reshape (merge): a full copy of the KV cache per layer and per step, 3x the cache for
 SmolLM2. kiln's `sdpa` already shares a k/v head among g consecutive q heads, which is exactly what
 repeat_kv's copy computes (q head h reads kv head h // g), so the pass feeds the un-repeated tensor to `sdpa`
-and dead-code elimination drops the copy.
+and dead-code elimination drops the copy. `repeat_interleave(k, g, dim=heads)` decomposes into the same three
+nodes, so it is absorbed too; `k.repeat(1, g, 1, 1)` tiles (q head h reads kv head h % Hkv) and is not matched.
 
 The pattern is checked shape by shape: any other reshape/expand (a different grouping, a unit dim elsewhere)
 is left alone, and the reason is logged at debug level.

@@ -1,16 +1,23 @@
-"""Rotary position embedding in transformers' rotate-half form becomes one `rope` node.
+"""Rotary position embedding becomes one `rope` node, in either of the two forms transformers writes.
 
-    x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin        (slice, slice, neg, cat, mul, mul, add: 7 nodes)
+    rotate-half (Llama):  x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
+                          (slice, slice, neg, cat, mul, mul, add: 7 nodes)
+    interleaved (GPT-J):  x * cos + flatten(stack(-x[..., 1::2], x[..., 0::2], -1)) * sin
+                          (slice, slice, neg, reshape, reshape, cat, reshape, mul, mul, add: 10 nodes)
 
 HF Llama applies it to q and k in every layer, so a decode step of a 30-layer model loses 360 nodes. The match is
-checked node by node (both slices of the same x at the half, the negated one first, x itself in the cos product,
-every intermediate read only here) and declines otherwise. The interleaved form (GPT-J) is not matched yet.
+checked node by node (both slices of the same x, the negated one first, x itself in the cos product, every
+intermediate read only here) and declines otherwise, saying why in the debug log when the shape is close.
 """
 
 from __future__ import annotations
 
+import logging
+
 from kiln.export.passes.usage import Usage
 from kiln.ir.graph import Method, Node
+
+log = logging.getLogger(__name__)
 
 
 def fuse_rope(method: Method) -> int:
@@ -23,7 +30,8 @@ def fuse_rope(method: Method) -> int:
         for a, b in ((0, 1), (1, 0)):
             match = _match(method, usage, add.inputs[a], add.inputs[b])
             if match is not None:
-                add.op, add.inputs, add.attrs = "rope", list(match), {}
+                *inputs, interleaved = match
+                add.op, add.inputs, add.attrs = "rope", inputs, {"interleaved": interleaved} if interleaved else {}
                 count += 1
                 break
     return count
@@ -50,25 +58,88 @@ def _half_slice(method: Method, node: Node | None, x: int | None, start_at_half:
     return source if (node.attrs["start"], node.attrs["end"]) == want else None
 
 
-def _match(method: Method, usage: Usage, cos_term: int, sin_term: int) -> tuple[int, int, int] | None:
+def _rotate_half_source(method: Method, usage: Usage, rotated: int) -> int | None:
+    """x if `rotated` is cat(-x[..., D/2:], x[..., :D/2]) on the last dim, read only by the sin product."""
+    cat = usage.producer_of(rotated, "cat")
+    if cat is None or len(cat.inputs) != 2 or not usage.only_reader_may_absorb(rotated):
+        return None
+    if cat.attrs.get("dim") != len(method.values[rotated].shape) - 1:
+        return None
+    neg = usage.producer_of(cat.inputs[0], "neg")
+    if neg is None or not usage.only_reader_may_absorb(cat.inputs[0]):
+        return None
+    x = _half_slice(method, usage.producer.get(neg.inputs[0]), None, start_at_half=True)
+    if x is None or _half_slice(method, usage.producer.get(cat.inputs[1]), x, start_at_half=False) is None:
+        return None
+    return x
+
+
+def _every_other(method: Method, node: Node | None, x: int | None, start: int) -> int | None:
+    """x if `node` is x[..., start::2] over the whole last dim (of even size), else None."""
+    if node is None or node.op != "slice" or node.attrs.get("step", 1) != 2:
+        return None
+    source = node.inputs[0]
+    shape = method.values[source].shape
+    size = shape[-1]
+    if node.attrs["dim"] != len(shape) - 1 or not isinstance(size, int) or size % 2:
+        return None
+    if (x is not None and source != x) or (node.attrs["start"], node.attrs["end"]) != (start, size):
+        return None
+    return source
+
+
+def _unsqueezed_last(method: Method, usage: Usage, value: int) -> int | None:
+    """v if `value` is reshape(v, v.shape + (1,)) and read only here (the per-part unsqueeze of stack)."""
+    node = usage.producer_of(value, "reshape")
+    if node is None or not usage.only_reader_may_absorb(value):
+        return None
+    source = node.inputs[0]
+    return source if tuple(method.values[value].shape) == (*method.values[source].shape, 1) else None
+
+
+def _interleaved_source(method: Method, usage: Usage, rotated: int) -> int | None:
+    """x if `rotated` is flatten(stack((-x[..., 1::2], x[..., ::2]), -1)), read only by the sin product."""
+    flatten = usage.producer_of(rotated, "reshape")
+    if flatten is None or not usage.only_reader_may_absorb(rotated):
+        return None
+    stacked = flatten.inputs[0]
+    cat = usage.producer_of(stacked, "cat")
+    rank = len(method.values[stacked].shape)
+    if cat is None or len(cat.inputs) != 2 or cat.attrs.get("dim") != rank - 1 or method.values[stacked].shape[-1] != 2:
+        return None
+    if not usage.only_reader_may_absorb(stacked):
+        return None
+    odd, even = (_unsqueezed_last(method, usage, v) for v in cat.inputs)
+    neg = None if odd is None else usage.producer_of(odd, "neg")
+    if neg is None or even is None or not usage.only_reader_may_absorb(odd):
+        return None
+    x = _every_other(method, usage.producer.get(neg.inputs[0]), None, start=1)
+    if x is None or _every_other(method, usage.producer.get(even), x, start=0) is None:
+        return None
+    if tuple(method.values[rotated].shape) != tuple(method.values[x].shape):
+        log.debug("rope: interleaved rotation of value %d does not flatten back to x's shape; not fused", rotated)
+        return None
+    return x
+
+
+_ROTATIONS = ((_rotate_half_source, False), (_interleaved_source, True))
+
+
+def _match(method: Method, usage: Usage, cos_term: int, sin_term: int) -> tuple[int, int, int, bool] | None:
     first, second = _mul_parts(usage, cos_term), _mul_parts(usage, sin_term)
     if first is None or second is None:
         return None
     for rotated, sin in ((second[0], second[1]), (second[1], second[0])):
-        cat = usage.producer_of(rotated, "cat")
-        if cat is None or len(cat.inputs) != 2 or not usage.only_reader_may_absorb(rotated):
-            continue
-        if cat.attrs.get("dim") != len(method.values[rotated].shape) - 1:
-            continue
-        neg = usage.producer_of(cat.inputs[0], "neg")
-        if neg is None or not usage.only_reader_may_absorb(cat.inputs[0]):
-            continue
-        x = _half_slice(method, usage.producer.get(neg.inputs[0]), None, start_at_half=True)
-        if x is None or _half_slice(method, usage.producer.get(cat.inputs[1]), x, start_at_half=False) is None:
-            continue
-        if x in first:
+        for source_of, interleaved in _ROTATIONS:
+            x = source_of(method, usage, rotated)
+            if x is None:
+                continue
+            if x not in first:
+                log.debug("rope: rotation of value %d is not added to that value times cos; not fused", x)
+                continue
             cos = first[1] if first[0] == x else first[0]
             shape = method.values[x].shape  # cos and sin broadcast into x, not x into them
             if method.values[cos_term].shape == shape == method.values[sin_term].shape:
-                return x, cos, sin
+                return x, cos, sin, interleaved
+            log.debug("rope: cos/sin of value %d would broadcast x to a larger shape; not fused", x)
     return None

@@ -3,7 +3,9 @@
 A decode step functionalized by torch.export writes a cache as `new = index_put(cache, values, position)` and
 makes `new` the cache's next state: a copy of the whole cache per layer and step. When the old cache value has no
 other reader (so nothing can observe it after the write) and the result is exactly that buffer's next state, the
-write may go into the buffer's own memory. The node is marked `in_place`; backends honour it.
+write may go into the buffer's own memory. The node is marked `in_place`; backends honour it. The
+ring-buffer caches of sliding-window layers (kiln.models.llm) write at position mod ring size and are the same
+pattern to this pass.
 """
 
 from __future__ import annotations
