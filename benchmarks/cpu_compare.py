@@ -106,7 +106,7 @@ def _llama(size: str, max_context: int = 256, position: int = 128) -> Case:
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA_SIZES[size], attn_implementation="sdpa")
     model = LlamaForCausalLM(config).eval()
-    lm = StaticCacheLM(model, max_context).eval()
+    lm = StaticCacheLM(model, max_context, prefill_chunk=8).eval()
     token = torch.tensor([[42]])
     pos = torch.tensor([position])
 
@@ -121,7 +121,7 @@ def _llama(size: str, max_context: int = 256, position: int = 128) -> Case:
             n = self.lm.num_layers
             keys = [c.clone() for c in caches[:n]]
             values = [c.clone() for c in caches[n:]]
-            cache = _BufferCache(keys, values, pos)
+            cache = _BufferCache(keys, values, [pos] * n)
             ctx = torch.arange(self.lm.max_context)
             mask = (ctx[None, :] <= pos[:, None])[None, None]
             out = self.lm.model(input_ids=token, attention_mask=mask, position_ids=pos[None, :],

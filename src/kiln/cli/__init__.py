@@ -14,7 +14,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kiln.cli import bench_cmd, classify_cmd, detect_cmd, export_cmd, inspect_cmd, ops_cmd, run_cmd
+from kiln.cli import (
+    bench_cmd,
+    classify_cmd,
+    detect_cmd,
+    export_cmd,
+    export_llm_cmd,
+    inspect_cmd,
+    ops_cmd,
+    run_cmd,
+)
 from kiln.cli.common import CliError, error
 from kiln.errors import (
     BackendUnavailableError,
@@ -24,7 +33,7 @@ from kiln.errors import (
     UnsupportedOpsError,
 )
 
-COMMANDS = (export_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd, detect_cmd)
+COMMANDS = (export_cmd, export_llm_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd, detect_cmd)
 
 USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
 """Errors the user can fix from the message alone: printed without a traceback, exit status 2."""

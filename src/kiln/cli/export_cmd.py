@@ -57,6 +57,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the module has one, else forward)")
     p.add_argument("--meta", action="append", metavar="KEY=VALUE",
                    help="a metadata entry to store in the file (repeatable)")
+    add_quantize_arguments(p)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print what each graph pass rewrote and the node counts (as `kiln inspect --passes`)")
+    p.set_defaults(handler=run)
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize, --group-size and --symmetric, shared with `kiln export-llm`."""
     p.add_argument("--quantize", choices=("int8", "int4", "bf16", "fp16"),
                    help="store linear and embedding weights quantized: weight-only int8 (per output channel unless "
                         "--group-size) or int4 (groups of --group-size, default 64), or as bf16/fp16")
@@ -65,9 +73,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--symmetric", action="store_true",
                    help="int8/int4: a symmetric range per group (no zero point) instead of the default min/max "
                         "range with a zero point")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also print what each graph pass rewrote and the node counts (as `kiln inspect --passes`)")
-    p.set_defaults(handler=run)
 
 
 def _methods(result: Any, spec: str, chosen: list[str] | None) -> tuple[Any, dict[str, Any]]:
@@ -103,7 +108,7 @@ def _methods(result: Any, spec: str, chosen: list[str] | None) -> tuple[Any, dic
     return module, {name: Method(tuple(args), result[2] if len(result) == 3 else None)}
 
 
-def _quantize_option(args: argparse.Namespace):
+def quantize_option(args: argparse.Namespace):
     """The --quantize/--group-size/--asymmetric options as a kiln.export.Quantize (None: no quantization)."""
     if args.quantize is None:
         if args.group_size is not None or args.symmetric:
@@ -120,7 +125,7 @@ def _quantize_option(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     metadata = parse_assignments(args.meta, "metadata", "--meta")
-    quantize = _quantize_option(args)
+    quantize = quantize_option(args)
     print(f"loading {args.spec}", flush=True)
     factory, directory = spec_mod.resolve(args.spec)
     import kiln.export  # torch: only this command pays for it
@@ -139,12 +144,17 @@ def run(args: argparse.Namespace) -> int:
     builder.save(args.output)
     print_summary(args.output)
     if args.verbose:
-        from kiln.cli.inspect_cmd import render_passes
-        from kiln.ir.graph import PASS_STATS_KEY
-
-        print(render_passes(json.loads(builder.metadata[PASS_STATS_KEY])))
+        print_pass_stats(builder)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def print_pass_stats(builder: Any) -> None:
+    """What each graph pass rewrote (`-v`), as `kiln inspect --passes` shows it."""
+    from kiln.cli.inspect_cmd import render_passes
+    from kiln.ir.graph import PASS_STATS_KEY
+
+    print(render_passes(json.loads(builder.metadata[PASS_STATS_KEY])))
 
 
 def print_summary(path: Path) -> None:

@@ -6,16 +6,29 @@ step's cache positions) is a buffer mutation, which torch.export records and kil
 that `prefill` and `decode` share. The attention mask is built from the cache positions (key j is visible to
 query i when j <= position[i]), so unwritten or stale cache slots are never read and a reset only needs zeros.
 
-`export_llama` exports the two methods; `kiln.runtime.generate.greedy_generate` runs them without torch.
+`export_llama` exports the two methods; `export_llm` is the recipe around it (load from a model, a checkpoint
+folder or a GGUF file; store the tokenizer, chat template and stop tokens in the program), and
+`kiln.llm.Generator` generates text with the result without torch.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 
-from kiln.export import Method, ProgramBuilder, export
-from kiln.runtime.generate import MAX_CONTEXT_KEY, PREFILL_CHUNK_KEY
+from kiln.export import Method, ProgramBuilder, Quantize, export
+from kiln.models.llm_source import llm_metadata, load_causal_lm
+from kiln.runtime.llm.info import MAX_CONTEXT_KEY, NAME_KEY, PREFILL_CHUNK_KEY, RING_CACHE_KEY
+
+log = logging.getLogger("kiln.models.llm")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "gpt2")
+"""transformers model types the recipe is tested on (tests/models/test_zoo.py); others are tried with a warning."""
 
 
 class _BufferCache:
@@ -154,9 +167,38 @@ def export_llama(model: PreTrainedModel | StaticCacheLM, max_context: int, prefi
     else:
         prefill = Method((tokens, positions))
     decode = Method((torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long)))
-    metadata = {MAX_CONTEXT_KEY: str(max_context), PREFILL_CHUNK_KEY: str(prefill_chunk)}
+    metadata = {MAX_CONTEXT_KEY: str(max_context), PREFILL_CHUNK_KEY: str(prefill_chunk),
+                RING_CACHE_KEY: "1" if any(lm.layer_is_ring) else "0"}
     metadata.update(export_options.pop("metadata", None) or {})
     return export(lm, methods={"prefill": prefill, "decode": decode}, metadata=metadata, **export_options)
 
 
-__all__ = ["MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "export_llama"]
+def export_llm(model_or_path: PreTrainedModel | str | os.PathLike, max_context: int | None = None,
+               prefill_chunk: int = 128, dtype: str | None = None, quantize: Quantize | str | None = None,
+               tokenizer: Any = None, **export_options) -> ProgramBuilder:
+    """Export a transformers decoder-only LM as a program that `kiln generate` / `kiln.llm.Generator` can run alone.
+
+    model_or_path: a transformers causal LM, a checkpoint folder, or a .gguf file (loaded by transformers).
+    max_context: KV-cache length in tokens (default: the model's max_position_embeddings, at most 2048).
+    prefill_chunk: the most prompt tokens one `prefill` call takes (longer prompts go in chunks).
+    dtype: "float32" (default), "bfloat16" or "float16" for the whole model (weights, activations, cache).
+    quantize: weight-only quantization of linear and embedding weights (see kiln.export.Quantize).
+    tokenizer: a transformers tokenizer or its path; by default the one beside the model. Its tokenizer.json, chat
+    template, special tokens and the stop tokens go into the program's metadata (kiln.runtime.llm.info).
+    """
+    model, tokenizer = load_causal_lm(model_or_path, tokenizer, dtype)
+    config = model.config.get_text_config()
+    if config.model_type not in FAMILIES:
+        log.warning("model type %r is not among the families kiln tests (%s); exporting it anyway",
+                    config.model_type, ", ".join(FAMILIES))
+    if max_context is None:
+        max_context = min(int(getattr(config, "max_position_embeddings", 2048) or 2048), 2048)
+    prefill_chunk = min(prefill_chunk, max_context)
+    metadata = llm_metadata(model, tokenizer)
+    if not isinstance(model_or_path, PreTrainedModel):
+        metadata[NAME_KEY] = Path(model_or_path).stem if Path(model_or_path).is_file() else Path(model_or_path).name
+    metadata.update(export_options.pop("metadata", None) or {})
+    return export_llama(model, max_context, prefill_chunk, quantize=quantize, metadata=metadata, **export_options)
+
+
+__all__ = ["FAMILIES", "MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "export_llama", "export_llm"]

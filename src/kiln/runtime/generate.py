@@ -14,9 +14,7 @@ import numpy as np
 from kiln.errors import InputError
 from kiln.runtime.session import Session
 
-MAX_CONTEXT_KEY = "kiln.llm.max_context"
-PREFILL_CHUNK_KEY = "kiln.llm.prefill_chunk"
-"""Program metadata keys (written by export_llama) for the cache length and the longest prefill chunk."""
+from kiln.runtime.llm.info import MAX_CONTEXT_KEY, PREFILL_CHUNK_KEY  # noqa: F401 - re-exported
 
 
 def _limits(session: Session) -> tuple[int, int]:

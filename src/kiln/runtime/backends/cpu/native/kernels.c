@@ -406,6 +406,44 @@ void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, 
  * (so int4's low and high nibbles meet contiguous x) and the per-group sums of x; the caller allocates it:
  * m * (k + k / group) floats.
  */
+#define QROWS 4
+
+/* int8 rows o..o+QROWS-1 of kiln_qlinear_f32 for one x row. The bytes are read unsigned (q ^ 128 = q + 128, see
+ * to_float16u), and the 128 is folded into the zero point: sum x (q - z) = sum x (q + 128) - (z + 128) sum x. */
+static void qlinear8_rows(const float *restrict xr, const unsigned char *restrict q, const float *restrict scale,
+                          const float *restrict zero, const float *restrict bias, float *restrict out,
+                          const float *restrict xsum, i64 k, i64 group) {
+    const i64 ngroups = k / group;
+    const v16u8u flip = (v16u8u){128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128};
+    v16 total[QROWS];
+    float tail[QROWS];
+    for (int i = 0; i < QROWS; i++) total[i] = splat16(0.0f), tail[i] = 0.0f;
+    for (i64 g = 0; g < ngroups; g++) {
+        const float *xg = xr + g * group;
+        v16 dot[QROWS];
+        float rest[QROWS];
+        for (int i = 0; i < QROWS; i++) dot[i] = splat16(0.0f), rest[i] = 0.0f;
+        i64 j = 0;
+        for (; j + 16 <= group; j += 16) {
+            const v16 xv = *(const v16u *)(xg + j);
+            for (int i = 0; i < QROWS; i++)
+                dot[i] += xv * to_float16u(*(const v16u8u *)(q + i * k + g * group + j) ^ flip);
+        }
+        for (; j < group; j++)
+            for (int i = 0; i < QROWS; i++) rest[i] += xg[j] * (float)(q[i * k + g * group + j] ^ 128);
+        for (int i = 0; i < QROWS; i++) {
+            const float s = scale[i * ngroups + g], z = (zero ? zero[i * ngroups + g] : 0.0f) + 128.0f;
+            total[i] += splat16(s) * dot[i];
+            tail[i] += s * (rest[i] - z * xsum[g]);
+        }
+    }
+    for (int i = 0; i < QROWS; i++) {
+        float acc = tail[i];
+        for (int lane = 0; lane < 16; lane++) acc += total[i][lane];
+        out[i] = acc + (bias ? bias[i] : 0.0f);
+    }
+}
+
 void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
                       const float *restrict zero, const float *restrict bias, float *restrict out, float *restrict xs,
                       i64 m, i64 n, i64 k, i64 bits, i64 group) {
@@ -425,7 +463,14 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
             xsum[g] = s;
         }
     }
-    for (i64 o = 0; o < n; o++) {
+    i64 o = 0;
+    if (bits == 8) /* four weight rows per pass: each x vector loaded once feeds four FMA chains */
+        for (; o + QROWS <= n; o += QROWS)
+            for (i64 r = 0; r < m; r++)
+                qlinear8_rows(x + r * k, (const unsigned char *)qv + o * k, scale + o * ngroups,
+                              zero ? zero + o * ngroups : 0, bias ? bias + o : 0, out + r * n + o,
+                              xs + r * (k + ngroups) + k, k, group);
+    for (; o < n; o++) {
         const float *so = scale + o * ngroups;
         const float *zo = zero ? zero + o * ngroups : 0;
         for (i64 r = 0; r < m; r++) {

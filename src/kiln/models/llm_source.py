@@ -1,0 +1,111 @@
+"""Where a language model comes from: a transformers model object, a checkpoint folder, or a GGUF file.
+
+`load_causal_lm` returns the model and, when it can find one, its tokenizer, both loaded by transformers' own
+loading code (GGUF through `gguf_file=`, which dequantizes the weights to float and rebuilds the tokenizer from
+the file's vocabulary). `tokenizer_metadata` turns a tokenizer into the program metadata the runtime generates
+text with (kiln.runtime.llm.info), so a .kiln file needs nothing beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from kiln.runtime.llm import info as keys
+
+log = logging.getLogger("kiln.models.llm")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_causal_lm(source: PreTrainedModel | str | os.PathLike, tokenizer: Any = None,
+                   dtype: str | None = None) -> tuple[PreTrainedModel, Any]:
+    """(model in eval mode, tokenizer or None) from a model object, a checkpoint folder or a .gguf file.
+
+    tokenizer: a transformers tokenizer, a path to load one from, or None to look beside the model (the folder, the
+    GGUF file, or a model object's local `name_or_path`). dtype: "float32" (the default for GGUF and folders, since
+    the CPU runtime computes in float32), "bfloat16" or "float16".
+    """
+    torch_dtype = _dtype(dtype)
+    if isinstance(source, PreTrainedModel):
+        model = source if torch_dtype is None else source.to(torch_dtype)
+        origin = getattr(model, "name_or_path", "") or ""
+        tokenizer_from = (origin, {}) if origin and Path(origin).is_dir() else None
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"no model at {path}: give a transformers model, a checkpoint folder (with "
+                                    "config.json) or a .gguf file")
+        if path.is_file() and path.suffix == ".gguf":
+            where, options = path.parent, {"gguf_file": path.name}
+        elif path.is_dir() and (path / "config.json").is_file():
+            where, options = path, {}
+        else:
+            raise ValueError(f"{path} is neither a .gguf file nor a checkpoint folder with a config.json")
+        log.info("loading %s", path)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype or torch.float32, **options)
+        tokenizer_from = (where, options)
+    if tokenizer is None and tokenizer_from is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_from[0], **tokenizer_from[1])
+        except (OSError, ValueError) as e:
+            log.warning("no tokenizer found beside the model (%s); the program will take token ids only", e)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return model.eval(), tokenizer
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
+    """The ids that end a generation: the generation config's eos ids (an int or a list), the model config's,
+    and the tokenizer's eos token; in that order, without repeats."""
+    found: list[int] = []
+    sources = (getattr(model.generation_config, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None))
+    for ids in sources:
+        for token in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if token is not None and int(token) not in found:
+                found.append(int(token))
+    return found
+
+
+def llm_metadata(model: PreTrainedModel, tokenizer: Any) -> dict[str, str]:
+    """The program metadata besides the cache sizes: vocabulary, stop tokens, model type and, with a fast
+    tokenizer, its tokenizer.json, chat template and the special tokens that template refers to."""
+    config = model.config.get_text_config()
+    meta = {
+        keys.VOCAB_SIZE_KEY: str(model.get_output_embeddings().weight.shape[0]),
+        keys.STOP_TOKENS_KEY: json.dumps(stop_token_ids(model, tokenizer)),
+        keys.MODEL_TYPE_KEY: str(config.model_type),
+        keys.NAME_KEY: str(getattr(model, "name_or_path", "") or config.model_type),
+    }
+    if tokenizer is None:
+        return meta
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"{type(tokenizer).__name__} is a slow (Python) tokenizer; kiln stores the fast tokenizer's "
+                         "tokenizer.json. Load the tokenizer with use_fast=True or pass a fast one.")
+    meta[keys.TOKENIZER_KEY] = backend.to_str()
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one is what apply_chat_template uses
+        template = template.get("default")
+    if template:
+        meta[keys.CHAT_TEMPLATE_KEY] = template
+    special = {name: str(getattr(tokenizer, name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+               if getattr(tokenizer, name, None) is not None}
+    meta[keys.SPECIAL_TOKENS_KEY] = json.dumps(special)
+    return meta
