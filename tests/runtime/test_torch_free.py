@@ -31,6 +31,23 @@ assert "torch" not in sys.modules or sys.modules["torch"] is None, "the runtime 
 print("torch-free")
 """
 
+LLM_SCRIPT = """
+import sys
+sys.modules["torch"] = None  # as above: any import of torch fails
+import kiln.llm
+import kiln.runtime.llm
+from kiln.cli import main
+generator = kiln.llm.Generator(sys.argv[1])
+result = generator.generate(sys.argv[2], max_new_tokens=8, chat=True, temperature=0.8, top_k=50, seed=1)
+chat = kiln.llm.ChatSession(generator, system="w1")
+chat.ask("w2 w3")
+assert main(["generate", sys.argv[1], "--prompt", sys.argv[2], "--max-new-tokens", "4"]) == 0
+assert sys.modules["torch"] is None and not any(m.startswith("torch.") for m in sys.modules), "torch got in"
+assert "transformers" not in sys.modules, "kiln.llm imported transformers"
+print(result.token_ids)
+print("torch-free")
+"""
+
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -65,3 +82,19 @@ def test_the_check_can_see_torch():
     result = run_python("-c", "import sys, kiln; kiln.export; print('torch' in sys.modules)")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "True"
+
+
+def test_llm_generation_and_cli_without_torch(tmp_path):
+    """kiln.llm (tokenizer, chat template, sampling, Generator, ChatSession) and `kiln generate` run with torch
+    blocked, and transformers never loads."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from kiln.llm import Generator
+    from tests.runtime.tiny_llm import export_tiny_llm, words
+
+    path = export_tiny_llm()[1].save(tmp_path / "llm.kiln")
+    result = run_python("-c", LLM_SCRIPT, str(path), words(5, 6, 7))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("torch-free")
+    want = Generator(path).generate(words(5, 6, 7), max_new_tokens=8, chat=True, temperature=0.8, top_k=50, seed=1)
+    assert str(want.token_ids) in result.stdout

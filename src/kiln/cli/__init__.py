@@ -16,10 +16,12 @@ from collections.abc import Sequence
 
 from kiln.cli import (
     bench_cmd,
+    chat_cmd,
     classify_cmd,
     detect_cmd,
     export_cmd,
     export_llm_cmd,
+    generate_cmd,
     inspect_cmd,
     ops_cmd,
     run_cmd,
@@ -33,7 +35,8 @@ from kiln.errors import (
     UnsupportedOpsError,
 )
 
-COMMANDS = (export_cmd, export_llm_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd, detect_cmd)
+COMMANDS = (export_cmd, export_llm_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd, detect_cmd,
+            generate_cmd, chat_cmd)
 
 USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
 """Errors the user can fix from the message alone: printed without a traceback, exit status 2."""

