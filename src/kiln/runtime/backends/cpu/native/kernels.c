@@ -444,6 +444,46 @@ static void qlinear8_rows(const float *restrict xr, const unsigned char *restric
     }
 }
 
+/* int4 rows o..o+QROWS-1 of kiln_qlinear_f32 for one x row, split into even (xe) and odd (xo) elements: the low
+ * nibble of byte j is weight 2j, the high nibble weight 2j + 1. */
+static void qlinear4_rows(const float *restrict xe, const float *restrict xo, const unsigned char *restrict q,
+                          const float *restrict scale, const float *restrict zero, const float *restrict bias,
+                          float *restrict out, const float *restrict xsum, i64 k, i64 group) {
+    const i64 ngroups = k / group, half = group / 2;
+    v16 total[QROWS];
+    float tail[QROWS];
+    for (int i = 0; i < QROWS; i++) total[i] = splat16(0.0f), tail[i] = 0.0f;
+    for (i64 g = 0; g < ngroups; g++) {
+        const float *eg = xe + g * half, *og = xo + g * half;
+        v16 dot[QROWS];
+        float rest[QROWS];
+        for (int i = 0; i < QROWS; i++) dot[i] = splat16(0.0f), rest[i] = 0.0f;
+        i64 j = 0;
+        for (; j + 16 <= half; j += 16) {
+            const v16 ev = *(const v16u *)(eg + j), ov = *(const v16u *)(og + j);
+            for (int i = 0; i < QROWS; i++) {
+                const v16u8u b = *(const v16u8u *)(q + i * (k / 2) + g * half + j);
+                dot[i] += ev * to_float16u(b & 15) + ov * to_float16u(b >> 4);
+            }
+        }
+        for (; j < half; j++)
+            for (int i = 0; i < QROWS; i++) {
+                const unsigned char b = q[i * (k / 2) + g * half + j];
+                rest[i] += eg[j] * (float)(b & 15) + og[j] * (float)(b >> 4);
+            }
+        for (int i = 0; i < QROWS; i++) {
+            const float s = scale[i * ngroups + g], z = zero ? zero[i * ngroups + g] : 8.0f;
+            total[i] += splat16(s) * dot[i];
+            tail[i] += s * (rest[i] - z * xsum[g]);
+        }
+    }
+    for (int i = 0; i < QROWS; i++) {
+        float acc = tail[i];
+        for (int lane = 0; lane < 16; lane++) acc += total[i][lane];
+        out[i] = acc + (bias ? bias[i] : 0.0f);
+    }
+}
+
 void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
                       const float *restrict zero, const float *restrict bias, float *restrict out, float *restrict xs,
                       i64 m, i64 n, i64 k, i64 bits, i64 group) {
@@ -464,12 +504,18 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
         }
     }
     i64 o = 0;
-    if (bits == 8) /* four weight rows per pass: each x vector loaded once feeds four FMA chains */
-        for (; o + QROWS <= n; o += QROWS)
-            for (i64 r = 0; r < m; r++)
-                qlinear8_rows(x + r * k, (const unsigned char *)qv + o * k, scale + o * ngroups,
-                              zero ? zero + o * ngroups : 0, bias ? bias + o : 0, out + r * n + o,
-                              xs + r * (k + ngroups) + k, k, group);
+    /* four weight rows per pass: each x vector loaded once feeds four FMA chains */
+    for (; o + QROWS <= n; o += QROWS)
+        for (i64 r = 0; r < m; r++) {
+            const float *xe = xs + r * (k + ngroups);
+            const float *zo = zero ? zero + o * ngroups : 0, *bo = bias ? bias + o : 0;
+            if (bits == 8)
+                qlinear8_rows(x + r * k, (const unsigned char *)qv + o * k, scale + o * ngroups, zo, bo,
+                              out + r * n + o, xe + k, k, group);
+            else
+                qlinear4_rows(xe, xe + k / 2, (const unsigned char *)qv + o * (k / 2), scale + o * ngroups, zo, bo,
+                              out + r * n + o, xe + k, k, group);
+        }
     for (; o < n; o++) {
         const float *so = scale + o * ngroups;
         const float *zo = zero ? zero + o * ngroups : 0;
