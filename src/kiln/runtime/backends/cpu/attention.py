@@ -9,11 +9,30 @@ import numpy as np
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 
+def _visible_keys(k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """k, v and mask narrowed to the key range that some query may see.
+
+    A static KV cache is attended as a whole (max_context slots) with a mask hiding the slots not written yet, so
+    without this, attention costs as much at position 10 as at the end of the context. Keys that no query sees
+    contribute exp(-inf) = 0, so dropping them changes nothing; the range is read from the mask at run time.
+    """
+    S = k.shape[-2]
+    if mask.shape[-1] != S or S < 2:
+        return k, v, mask
+    seen = mask.reshape(-1, S).any(axis=0)
+    if seen.all() or not seen.any():
+        return k, v, mask
+    lo, hi = int(np.argmax(seen)), S - int(np.argmax(seen[::-1]))
+    return k[..., lo:hi, :], v[..., lo:hi, :], mask[..., lo:hi]
+
+
 @kernel("sdpa")
 def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
          scale: float | None) -> np.ndarray:
     dtype = q.dtype
     q, k, v, mask = upcast(q, k, v, mask)
+    if mask is not None and mask.dtype == np.bool_ and not causal:
+        k, v, mask = _visible_keys(k, v, mask)
     L, S = q.shape[-2], k.shape[-2]
     out_shape = q.shape[:-1] + v.shape[-1:]
     groups = 1
