@@ -21,7 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Row, comparison_table, configure_threads, machine_report, thread_report  # noqa: E402
+from harness import (  # noqa: E402
+    Row,
+    comparison_table,
+    configure_threads,
+    functional_decode,
+    library_versions,
+    machine_report,
+    start_torch,
+    stderr_log,
+    thread_report,
+)
 
 MODELS = ("mobilenet_v3_small", "resnet18", "efficientnet_lite0", "minilm-b1x16", "minilm-b8x16", "llama-decode")
 LLAMA_SIZES = {
@@ -101,7 +111,7 @@ def _llama(size: str, max_context: int = 256, position: int = 128) -> Case:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kiln.models.llm import StaticCacheLM, _BufferCache, export_llama
+    from kiln.models.llm import StaticCacheLM, export_llama
 
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA_SIZES[size], attn_implementation="sdpa")
@@ -110,33 +120,14 @@ def _llama(size: str, max_context: int = 256, position: int = 128) -> Case:
     token = torch.tensor([[42]])
     pos = torch.tensor([position])
 
-    class FunctionalDecode(torch.nn.Module):
-        """The decode step with the KV cache as inputs and outputs (ONNX has no state buffers)."""
-
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, token, pos, *caches):
-            n = self.lm.num_layers
-            keys = [c.clone() for c in caches[:n]]
-            values = [c.clone() for c in caches[n:]]
-            cache = _BufferCache(keys, values, [pos] * n)
-            ctx = torch.arange(self.lm.max_context)
-            mask = (ctx[None, :] <= pos[:, None])[None, None]
-            out = self.lm.model(input_ids=token, attention_mask=mask, position_ids=pos[None, :],
-                                past_key_values=cache, use_cache=True, logits_to_keep=1)
-            return (out.logits[:, -1, :], *keys, *values)
-
-    caches = tuple(torch.zeros_like(getattr(lm, f"{kind}_cache_{i}"))
-                   for kind in ("key", "value") for i in range(lm.num_layers))
+    onnx_module, caches = functional_decode(lm)
 
     def export(path: Path) -> str:
         export_llama(lm, max_context=max_context, prefill_chunk=8).save(path)
         return "decode"
 
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    return Case("llama-decode", lm.decode, (token, pos), export, FunctionalDecode().eval(), (token, pos, *caches),
+    return Case("llama-decode", lm.decode, (token, pos), export, onnx_module, (token, pos, *caches),
                 note=f"{size}-shaped Llama, random weights ({params:.0f}M params), one decode step at position "
                      f"{position} of a {max_context}-token static cache")
 
@@ -270,22 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown models {unknown}; choose from {list(MODELS)}")
 
     configure_threads(args.threads)
-    import numpy as np
-    import torch
-
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    versions = {"numpy": np.__version__, "torch": torch.__version__}
-    try:
-        import onnxruntime
-
-        versions["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        versions["onnxruntime"] = "not installed"
+    start_torch(args.threads)
+    log = stderr_log
+    versions = library_versions()
     try:
         import executorch  # noqa: F401
 

@@ -26,6 +26,62 @@ def configure_threads(threads: int) -> None:
         os.environ[var] = str(threads)
 
 
+def start_torch(threads: int):
+    """Import torch (after configure_threads) with `threads` intra-op threads and one inter-op thread."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    return torch
+
+
+def library_versions() -> dict[str, str]:
+    """numpy, torch and onnxruntime versions (or "not installed") for a results table."""
+    import numpy as np
+    import torch
+
+    versions = {"numpy": np.__version__, "torch": torch.__version__}
+    try:
+        import onnxruntime
+
+        versions["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        versions["onnxruntime"] = "not installed"
+    return versions
+
+
+def stderr_log(line: str) -> None:
+    """Progress goes to stderr, so that stdout holds only the results."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def functional_decode(lm):
+    """(module, example caches) for ONNX: the decode step of a kiln.models.llm.StaticCacheLM (full-attention layers)
+    with the KV caches as inputs and outputs, since ONNX has no state buffers. Each call clones its caches."""
+    import torch
+
+    from kiln.models.llm import _BufferCache
+
+    class FunctionalDecode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, token, pos, *caches):
+            n = self.lm.num_layers
+            keys = [c.clone() for c in caches[:n]]
+            values = [c.clone() for c in caches[n:]]
+            mask = (torch.arange(self.lm.max_context)[None, :] <= pos[:, None])[None, None]
+            out = self.lm.model(input_ids=token, attention_mask=mask, position_ids=pos[None, :],
+                                past_key_values=_BufferCache(keys, values, [pos] * n), use_cache=True,
+                                logits_to_keep=1)
+            return (out.logits[:, -1, :], *keys, *values)
+
+    caches = tuple(torch.zeros_like(getattr(lm, f"{kind}_cache_{i}"))
+                   for kind in ("key", "value") for i in range(lm.num_layers))
+    return FunctionalDecode().eval(), caches
+
+
 def thread_report() -> str:
     """One line with every thread setting in force, so a results table says how it was measured."""
     parts = [f"{v}={os.environ.get(v, 'unset')}" for v in THREAD_VARIABLES[:3]]

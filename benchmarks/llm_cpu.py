@@ -25,7 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import configure_threads, machine_report, thread_report  # noqa: E402
+from harness import (  # noqa: E402
+    configure_threads,
+    functional_decode,
+    library_versions,
+    machine_report,
+    start_torch,
+    stderr_log,
+    thread_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "The capital of France is"
@@ -62,31 +70,13 @@ def onnx_decode(model, context: int, workdir: Path, log):
     import onnxruntime as ort
     import torch
 
-    from kiln.models.llm import StaticCacheLM, _BufferCache
+    from kiln.models.llm import StaticCacheLM
 
-    lm = StaticCacheLM(model, context + 1, prefill_chunk=1).eval()
-
-    class FunctionalDecode(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, token, pos, *caches):
-            n = self.lm.num_layers
-            keys = [c.clone() for c in caches[:n]]
-            values = [c.clone() for c in caches[n:]]
-            mask = (torch.arange(self.lm.max_context)[None, :] <= pos[:, None])[None, None]
-            out = self.lm.model(input_ids=token, attention_mask=mask, position_ids=pos[None, :],
-                                past_key_values=_BufferCache(keys, values, [pos] * n), use_cache=True,
-                                logits_to_keep=1)
-            return (out.logits[:, -1, :], *keys, *values)
-
-    caches = tuple(torch.zeros_like(getattr(lm, f"{kind}_cache_{i}"))
-                   for kind in ("key", "value") for i in range(lm.num_layers))
+    module, caches = functional_decode(StaticCacheLM(model, context + 1, prefill_chunk=1).eval())
     inputs = (torch.tensor([[42]]), torch.tensor([context]), *caches)
     path = workdir / "smollm2-decode.onnx"
     log("  exporting the decode step to ONNX (torch.onnx, dynamo)")
-    torch.onnx.export(FunctionalDecode().eval(), inputs, str(path), dynamo=True)
+    torch.onnx.export(module, inputs, str(path), dynamo=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -122,18 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     import numpy as np
-    import torch
 
+    torch = start_torch(args.threads)
     from kiln.models.llm import StaticCacheLM
     from kiln.models.llm_source import load_causal_lm
     from kiln.runtime.bench import Contestant, run_interleaved
     from kiln.runtime.generate import greedy_generate, prefill
 
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+    log = stderr_log
 
     log("loading SmolLM2-135M-Instruct from its GGUF (transformers)")
     model, tokenizer = load_causal_lm(smollm2_gguf())
@@ -198,13 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_report()
     print(f"# SmolLM2-135M-Instruct on the CPU, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}; Python {machine['python']}")
-    versions = {"numpy": np.__version__, "torch": torch.__version__}
-    try:
-        import onnxruntime
-
-        versions["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        versions["onnxruntime"] = "not installed"
+    versions = library_versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(f"threads: {thread_report()}")
     print(f"command: {' '.join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}")

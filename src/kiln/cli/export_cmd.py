@@ -139,14 +139,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"capturing and lowering {', '.join(methods)} ({type(module).__name__})")
         builder = kiln.export.export(module, methods=methods, metadata=metadata, quantize=quantize,
                                      progress=lambda message: print(f"  {message}", flush=True))
-    print(f"writing {args.output}", flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    builder.save(args.output)
-    print_summary(args.output)
-    if args.verbose:
+    write_program(builder, args.output, args.verbose, start)
+    return 0
+
+
+def write_program(builder: Any, output: Path, verbose: bool, start: float) -> None:
+    """Save the exported program, then say what was written (and, verbose, what the passes did) and how long
+    the whole export took since `start` (a perf_counter reading)."""
+    print(f"writing {output}", flush=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    builder.save(output)
+    print_summary(output)
+    if verbose:
         print_pass_stats(builder)
     print(f"done in {time.perf_counter() - start:.1f} s")
-    return 0
 
 
 def print_pass_stats(builder: Any) -> None:

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from kiln.cli.common import CliError
-from kiln.cli.export_cmd import add_quantize_arguments, print_pass_stats, print_summary, quantize_option
+from kiln.cli.export_cmd import add_quantize_arguments, quantize_option, write_program
 
 HELP = "export a Hugging Face decoder-only language model (folder or .gguf) for `kiln generate`"
 DESCRIPTION = """\
@@ -71,11 +71,5 @@ def run(args: argparse.Namespace) -> int:
                              progress=lambda message: print(f"  {message}", flush=True))
     except (ValueError, FileNotFoundError) as e:
         raise CliError(str(e)) from None
-    print(f"writing {args.output}", flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    builder.save(args.output)
-    print_summary(args.output)
-    if args.verbose:
-        print_pass_stats(builder)
-    print(f"done in {time.perf_counter() - start:.1f} s")
+    write_program(builder, args.output, args.verbose, start)
     return 0

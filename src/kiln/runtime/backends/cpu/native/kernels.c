@@ -408,6 +408,15 @@ void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, 
  */
 #define QROWS 4
 
+/* out[i] = the lanes of total[i] + tail[i] + bias[i], for the QROWS rows a quantized pass computed */
+static inline void finish_rows(const v16 *total, const float *tail, const float *restrict bias, float *restrict out) {
+    for (int i = 0; i < QROWS; i++) {
+        float acc = tail[i];
+        for (int lane = 0; lane < 16; lane++) acc += total[i][lane];
+        out[i] = acc + (bias ? bias[i] : 0.0f);
+    }
+}
+
 /* int8 rows o..o+QROWS-1 of kiln_qlinear_f32 for one x row. The bytes are read unsigned (q ^ 128 = q + 128, see
  * to_float16u), and the 128 is folded into the zero point: sum x (q - z) = sum x (q + 128) - (z + 128) sum x. */
 static void qlinear8_rows(const float *restrict xr, const unsigned char *restrict q, const float *restrict scale,
@@ -437,11 +446,7 @@ static void qlinear8_rows(const float *restrict xr, const unsigned char *restric
             tail[i] += s * (rest[i] - z * xsum[g]);
         }
     }
-    for (int i = 0; i < QROWS; i++) {
-        float acc = tail[i];
-        for (int lane = 0; lane < 16; lane++) acc += total[i][lane];
-        out[i] = acc + (bias ? bias[i] : 0.0f);
-    }
+    finish_rows(total, tail, bias, out);
 }
 
 /* int4 rows o..o+QROWS-1 of kiln_qlinear_f32 for one x row, split into even (xe) and odd (xo) elements: the low
@@ -477,11 +482,7 @@ static void qlinear4_rows(const float *restrict xe, const float *restrict xo, co
             tail[i] += s * (rest[i] - z * xsum[g]);
         }
     }
-    for (int i = 0; i < QROWS; i++) {
-        float acc = tail[i];
-        for (int lane = 0; lane < 16; lane++) acc += total[i][lane];
-        out[i] = acc + (bias ? bias[i] : 0.0f);
-    }
+    finish_rows(total, tail, bias, out);
 }
 
 void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
