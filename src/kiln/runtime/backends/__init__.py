@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 BACKENDS: dict[str, str] = {
     "cpu": "kiln.runtime.backends.cpu:CPUBackend",
+    "cuda": "kiln.runtime.backends.cuda:CUDABackend",
 }
 
 

@@ -1,0 +1,103 @@
+"""The CUDA backend: a program's ops on an NVIDIA GPU through CuPy (cuBLAS for the matrix products).
+
+Constants are uploaded once per program, on first use, and shared by every CUDA session of that program. Inputs
+may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()` copies them back). Ops with a
+CUDA kernel run on the GPU (kiln.runtime.backends.cuda.kernels); every other op runs its CPU kernel on a host copy
+of its inputs and uploads the result, so any program runs, correctly, while kernels are ported family by family.
+`backend.host_ops` lists the ops of this session that ran on the host, and a warning names them once per
+session: a GPU program that copies to the host is slow, and the list says what to port next.
+
+Importing this module needs CuPy; kiln.runtime.backends imports it only when a session asks for "cuda".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import BackendUnavailableError
+from kiln.ir.graph import StateBuffer
+from kiln.runtime.backends.base import Backend, Kernel
+from kiln.runtime.program import Program
+
+log = logging.getLogger("kiln.runtime.cuda")
+
+
+def _cupy() -> Any:
+    """CuPy, once a GPU is known to be there; otherwise a BackendUnavailableError that says what is missing."""
+    try:
+        import cupy
+    except ImportError:
+        raise BackendUnavailableError("the cuda backend needs CuPy: `pip install cupy-cuda12x` (or cupy-cuda13x "
+                                      "to match the CUDA driver); the cpu backend needs nothing") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - CuPy raises its own error types for a missing driver
+        raise BackendUnavailableError(f"the cuda backend found no usable NVIDIA GPU ({type(e).__name__}: {e}); "
+                                      "use backend='cpu'") from None
+    if count == 0:
+        raise BackendUnavailableError("the cuda backend found no NVIDIA GPU; use backend='cpu'")
+    return cupy
+
+
+_UPLOADED: weakref.WeakKeyDictionary[Program, dict[int, Any]] = weakref.WeakKeyDictionary()
+_UPLOAD_LOCK = threading.Lock()
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+
+    def __init__(self, program: Program):
+        self.cp = _cupy()
+        from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS
+
+        self.program = program
+        self.host_ops: set[str] = set()
+        self.kernels = dict(CUDA_KERNELS.kernels)
+        from kiln.runtime.backends.cpu.registry import CPU_KERNELS
+
+        for op, fn in CPU_KERNELS.kernels.items():
+            self.kernels.setdefault(op, self._on_host(op, fn))
+        with _UPLOAD_LOCK:
+            self._constants = _UPLOADED.setdefault(program, {})
+
+    def constant(self, index: int) -> Any:
+        array = self._constants.get(index)
+        if array is None:
+            with _UPLOAD_LOCK:
+                array = self._constants.get(index)
+                if array is None:
+                    array = self._constants[index] = self.cp.asarray(self.program.constant(index))
+        return array
+
+    def initial_state(self, index: int, buffer: StateBuffer) -> Any:
+        if buffer.init >= 0:
+            return self.cp.array(self.constant(buffer.init), copy=True)
+        return self.cp.zeros(buffer.shape, dtype=buffer.dtype.numpy)
+
+    def asarray(self, x: Any) -> Any:
+        return x if isinstance(x, self.cp.ndarray) else self.cp.asarray(np.asarray(x))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return self.cp.asnumpy(x)
+
+    def _on_host(self, op: str, fn: Kernel) -> Callable[..., Any]:
+        """`fn` (the CPU kernel) on host copies of the arguments, its results uploaded."""
+        cp = self.cp
+
+        def run(*args: Any, **attrs: Any) -> Any:
+            if op not in self.host_ops:
+                self.host_ops.add(op)
+                log.warning("cuda backend: op %r has no CUDA kernel yet and runs on the host (copies both ways)", op)
+            out = fn(*[cp.asnumpy(a) if isinstance(a, cp.ndarray) else a for a in args], **attrs)
+            if isinstance(out, (tuple, list)):
+                return type(out)(cp.asarray(np.asarray(o)) for o in out)
+            return cp.asarray(np.asarray(out))
+
+        run.__name__ = f"{op}_on_host"
+        return run
