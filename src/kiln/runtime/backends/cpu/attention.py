@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from kiln.runtime.backends import array_api
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 
@@ -33,33 +32,7 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, c
     q, k, v, mask = upcast(q, k, v, mask)
     if mask is not None and mask.dtype == np.bool_ and not causal:
         k, v, mask = _visible_keys(k, v, mask)
-    L, S = q.shape[-2], k.shape[-2]
-    out_shape = q.shape[:-1] + v.shape[-1:]
-    groups = 1
-    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        # GQA without repeating k/v: q heads [.., Hkv * g, L, E] viewed as [.., Hkv, g * L, E], one matmul per kv
-        # head for its whole group of q heads (the mask follows the same grouping)
-        heads, groups = k.shape[-3], q.shape[-3] // k.shape[-3]
-        q = q.reshape(q.shape[:-3] + (heads, groups * L, q.shape[-1]))
-        if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:  # a mask per q head: regroup it too
-            mask = np.broadcast_to(mask, mask.shape[:-3] + (heads * groups, L, S))
-            mask = mask.reshape(mask.shape[:-3] + (heads, groups * L, S))
-        elif mask is not None:  # one mask for all heads: its rows repeat once per q head of a group
-            mask = np.broadcast_to(mask, mask.shape[:-2] + (L, S))
-            mask = np.concatenate([mask] * groups, axis=-2)
-    if scale is None:
-        scale = 1 / math.sqrt(q.shape[-1])
-    scores = np.matmul(q, np.swapaxes(k, -1, -2))
-    scores *= scores.dtype.type(scale)
-    if causal:
-        keep = np.tril(np.ones((L, S), dtype=bool))
-        scores = np.where(np.tile(keep, (groups, 1)), scores, -np.inf)
-    if mask is not None:
-        scores = np.where(mask, scores, -np.inf) if mask.dtype == np.bool_ else scores + mask
-    scores -= np.max(scores, axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= np.sum(scores, axis=-1, keepdims=True)
-    return np.matmul(scores, v).reshape(out_shape).astype(dtype, copy=False)
+    return array_api.sdpa(np, q, k, v, mask, causal, scale).astype(dtype, copy=False)
 
 
 

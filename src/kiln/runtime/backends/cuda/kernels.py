@@ -17,6 +17,7 @@ import numpy as np
 from cupyx.scipy.special import erf as _erf
 from cupyx.scipy.special import erfc as _erfc
 
+from kiln.runtime.backends import array_api
 from kiln.runtime.backends.base import KernelRegistry
 
 CUDA_KERNELS = KernelRegistry("cuda")
@@ -277,28 +278,4 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     to get that back."""
     dtype = q.dtype
     q, k, v, mask = _upcast(q, k, v, mask)
-    L, S = q.shape[-2], k.shape[-2]
-    out_shape = q.shape[:-1] + v.shape[-1:]
-    groups = 1
-    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
-        heads, groups = k.shape[-3], q.shape[-3] // k.shape[-3]
-        q = q.reshape(q.shape[:-3] + (heads, groups * L, q.shape[-1]))
-        if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:
-            mask = cp.broadcast_to(mask, mask.shape[:-3] + (heads * groups, L, S))
-            mask = mask.reshape(mask.shape[:-3] + (heads, groups * L, S))
-        elif mask is not None:
-            mask = cp.broadcast_to(mask, mask.shape[:-2] + (L, S))
-            mask = cp.concatenate([mask] * groups, axis=-2)
-    if scale is None:
-        scale = 1 / math.sqrt(q.shape[-1])
-    scores = cp.matmul(q, cp.swapaxes(k, -1, -2))
-    scores *= scores.dtype.type(scale)
-    if causal:
-        keep = cp.tril(cp.ones((L, S), dtype=cp.bool_))
-        scores = cp.where(cp.tile(keep, (groups, 1)), scores, -cp.inf)
-    if mask is not None:
-        scores = cp.where(mask, scores, -cp.inf) if mask.dtype == cp.bool_ else scores + mask
-    scores -= cp.max(scores, axis=-1, keepdims=True)
-    cp.exp(scores, out=scores)
-    scores /= cp.sum(scores, axis=-1, keepdims=True)
-    return cp.matmul(scores, v).reshape(out_shape).astype(dtype, copy=False)
+    return array_api.sdpa(cp, q, k, v, mask, causal, scale).astype(dtype, copy=False)

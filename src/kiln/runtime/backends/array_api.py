@@ -1,0 +1,43 @@
+"""Kernels written once against the NumPy API, for every backend whose arrays follow it (NumPy, CuPy).
+
+Each takes the array module `xp` first. A backend registers them bound to its module and adds what only it can do
+around them (the CPU narrows attention to the visible keys, which on a GPU would cost a host synchronization).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
+    """softmax(q k^T * scale + mask) v in q's dtype (already float32 or wider), one batched matmul pair.
+
+    GQA without repeating k/v: q heads [.., Hkv * g, L, E] are viewed as [.., Hkv, g * L, E], one matmul per kv
+    head for its whole group of q heads, and the mask follows the same grouping.
+    """
+    L, S = q.shape[-2], k.shape[-2]
+    out_shape = q.shape[:-1] + v.shape[-1:]
+    groups = 1
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        heads, groups = k.shape[-3], q.shape[-3] // k.shape[-3]
+        q = q.reshape(q.shape[:-3] + (heads, groups * L, q.shape[-1]))
+        if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:  # a mask per q head: regroup it too
+            mask = xp.broadcast_to(mask, mask.shape[:-3] + (heads * groups, L, S))
+            mask = mask.reshape(mask.shape[:-3] + (heads, groups * L, S))
+        elif mask is not None:  # one mask for all heads: its rows repeat once per q head of a group
+            mask = xp.broadcast_to(mask, mask.shape[:-2] + (L, S))
+            mask = xp.concatenate([mask] * groups, axis=-2)
+    if scale is None:
+        scale = 1 / math.sqrt(q.shape[-1])
+    scores = xp.matmul(q, xp.swapaxes(k, -1, -2))
+    scores *= scores.dtype.type(scale)
+    if causal:
+        keep = xp.tril(xp.ones((L, S), dtype=xp.bool_))
+        scores = xp.where(xp.tile(keep, (groups, 1)), scores, -xp.inf)
+    if mask is not None:
+        scores = xp.where(mask, scores, -xp.inf) if mask.dtype == xp.bool_ else scores + mask
+    scores -= xp.max(scores, axis=-1, keepdims=True)
+    xp.exp(scores, out=scores)
+    scores /= xp.sum(scores, axis=-1, keepdims=True)
+    return xp.matmul(scores, v).reshape(out_shape)
