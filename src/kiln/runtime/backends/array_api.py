@@ -25,9 +25,10 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
         if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:  # a mask per q head: regroup it too
             mask = xp.broadcast_to(mask, mask.shape[:-3] + (heads * groups, L, S))
             mask = mask.reshape(mask.shape[:-3] + (heads, groups * L, S))
-        elif mask is not None:  # one mask for all heads: its rows repeat once per q head of a group
+        elif mask is not None and mask.shape[-2] != 1:  # one mask for all heads: its rows repeat per q head
             mask = xp.broadcast_to(mask, mask.shape[:-2] + (L, S))
             mask = xp.concatenate([mask] * groups, axis=-2)
+        # (a mask with one row for every query, as in a decode step, broadcasts over the grouped rows as it is)
     if scale is None:
         scale = 1 / math.sqrt(q.shape[-1])
     scores = xp.matmul(q, xp.swapaxes(k, -1, -2))

@@ -19,6 +19,7 @@ from cupyx.scipy.special import erfc as _erfc
 
 from kiln.runtime.backends import array_api
 from kiln.runtime.backends.base import KernelRegistry
+from kiln.runtime.backends.cuda import nvrtc
 
 CUDA_KERNELS = KernelRegistry("cuda")
 kernel = CUDA_KERNELS.register
@@ -100,8 +101,20 @@ _GATES = {"silu": lambda g: g * _sigmoid(g), "gelu": lambda g: _gelu(g, "none"),
           "gelu_tanh": lambda g: _gelu(g, "tanh")}
 
 
+def _contiguous_f32(*arrays: Any) -> bool:
+    return all(a.dtype == cp.float32 and a.flags.c_contiguous for a in arrays)
+
+
+def _grid(n: int, block: int = 256) -> tuple[int]:
+    return (max(1, min((n + block - 1) // block, 65535)),)
+
+
 @kernel("gated_activation")
 def gated_activation(gate: Any, up: Any, activation: str) -> Any:
+    if activation == "silu" and gate.shape == up.shape and _contiguous_f32(gate, up):
+        out = cp.empty_like(gate)
+        nvrtc.function("fused", "silu_mul_f32")(_grid(gate.size), (256,), (gate, up, out, cp.int64(gate.size)))
+        return out
     dtype = gate.dtype
     g, u = _upcast(gate, up)
     return (_GATES[activation](g) * u).astype(dtype, copy=False)
@@ -122,13 +135,13 @@ def matmul(a: Any, b: Any) -> Any:
 @kernel("linear")
 def linear(x: Any, weight: Any, bias: Any) -> Any:
     """x @ W^T with W^T as a transposed view: cuBLAS reads the [out, in] weight as it is, no copy per call."""
-    dtype = x.dtype
+    dtype, lead = x.dtype, x.shape[:-1]
     if dtype == _BF16:
         x, weight, bias = (None if t is None else t.astype(cp.float32) for t in (x, weight, bias))
-    out = cp.matmul(x, weight.T)
+    out = cp.matmul(x.reshape(-1, x.shape[-1]), weight.T)  # 2-d: one cuBLAS gemm, not CuPy's batched path
     if bias is not None:
         out += bias
-    return out.astype(dtype, copy=False)
+    return out.reshape(*lead, weight.shape[0]).astype(dtype, copy=False)
 
 
 # ---- views and layout ----
@@ -223,6 +236,14 @@ def rms_norm(x: Any, weight: Any, axes: int, eps: float | None) -> Any:
     dtype = x.dtype
     if eps is None:
         eps = float(np.finfo(dtype).eps)
+    d = x.shape[-1] if x.ndim else 1
+    if axes == 1 and x.ndim and x.size and _contiguous_f32(x) and (
+            weight is None or (_contiguous_f32(weight) and weight.size == d)):
+        out = cp.empty_like(x)
+        block = min(1024, 32 * ((d + 31) // 32))
+        args = (x, x if weight is None else weight, out, np.int32(d), np.float32(eps), np.int32(weight is not None))
+        nvrtc.function("fused", "rms_norm_f32")((x.size // d,), (block,), args)
+        return out
     xf, weight = _upcast(x, weight)
     dims = tuple(range(x.ndim - axes, x.ndim))
     out = xf * (1 / cp.sqrt(cp.mean(xf * xf, axis=dims, keepdims=True) + xf.dtype.type(eps)))
