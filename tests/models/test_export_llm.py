@@ -14,8 +14,8 @@ import kiln  # noqa: E402
 from kiln.cli import main  # noqa: E402
 from kiln.models.llm import export_llm  # noqa: E402
 from kiln.models.zoo import CHAT_TEMPLATE, tiny_decoder, tiny_tokenizer  # noqa: E402
-from kiln.runtime.generate import greedy_generate  # noqa: E402
 from kiln.runtime.llm import info  # noqa: E402
+from kiln.runtime.llm.decoding import greedy_generate  # noqa: E402
 from tests.models.greedy_reference import greedy_reference  # noqa: E402
 
 PROMPT = [11, 13, 6, 40, 41, 42, 43, 44, 45, 46, 47]  # longer than one 8-token chunk

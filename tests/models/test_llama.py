@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kiln.errors import InputError
 from kiln.models.llm import StaticCacheLM, export_llama
-from kiln.runtime.generate import greedy_generate, prefill
+from kiln.runtime.llm.decoding import greedy_generate, prefill
 from tests.conftest import to_numpy
 from tests.models.greedy_reference import greedy_reference
 
@@ -119,5 +119,5 @@ def test_generate_stops_when_the_cache_is_full(llama, program):
 
 
 def test_generate_does_not_import_torch():
-    code = "import sys, kiln.runtime.generate; sys.exit('torch' in sys.modules)"
+    code = "import sys, kiln.runtime.llm.decoding; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

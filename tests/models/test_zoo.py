@@ -28,7 +28,7 @@ from kiln.models.zoo import (  # noqa: E402
     tiny_vit,
     tiny_whisper,
 )
-from kiln.runtime.generate import greedy_generate, prefill  # noqa: E402
+from kiln.runtime.llm.decoding import greedy_generate, prefill  # noqa: E402
 from tests.models.greedy_reference import greedy_reference  # noqa: E402
 
 MAX_CONTEXT = 64

@@ -35,7 +35,7 @@ def llama_program():
 def test_llm_runs_on_the_gpu_like_the_cpu(llama_program):
     import cupy
 
-    from kiln.runtime.generate import greedy_generate
+    from kiln.runtime.llm.decoding import greedy_generate
 
     prompt = [11, 13, 6, 40, 41, 42, 43, 44, 45, 46, 47]
     cpu = greedy_generate(llama_program.session("cpu"), prompt, 24)

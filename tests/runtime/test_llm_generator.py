@@ -13,7 +13,7 @@ pytest.importorskip("jinja2")
 
 from kiln.errors import InputError  # noqa: E402
 from kiln.llm import ChatSession, ContextFullError, Generator, Sampler  # noqa: E402
-from kiln.runtime.generate import greedy_generate  # noqa: E402
+from kiln.runtime.llm.decoding import greedy_generate  # noqa: E402
 from tests.models.greedy_reference import greedy_reference  # noqa: E402
 from tests.runtime.tiny_llm import MAX_CONTEXT, STOP_TOKENS, export_tiny_llm, words  # noqa: E402
 

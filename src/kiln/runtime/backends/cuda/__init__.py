@@ -2,8 +2,9 @@
 
 Constants are uploaded once per program, on first use, and shared by every CUDA session of that program. Inputs
 may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()` copies them back). Ops with a
-CUDA kernel run on the GPU (kiln.runtime.backends.cuda.kernels); every other op runs its CPU kernel on a host copy
-of its inputs and uploads the result, so any program runs, correctly, while kernels are ported family by family.
+CUDA kernel run on the GPU (kiln.runtime.backends.cuda.kernels); every other op, and an op whose CUDA kernel
+declines its arguments (OnHost), runs its CPU kernel on a host copy of its inputs and uploads the result, so any
+program runs, correctly, while kernels are ported family by family.
 `backend.host_ops` lists the ops of this session that ran on the host, and a warning names them once per
 session: a GPU program that copies to the host is slow, and the list says what to port next.
 
@@ -54,15 +55,14 @@ class CUDABackend(Backend):
 
     def __init__(self, program: Program):
         self.cp = _cupy()
+        from kiln.runtime.backends.cpu.registry import CPU_KERNELS
         from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS
 
         self.program = program
         self.host_ops: set[str] = set()
-        self.kernels = dict(CUDA_KERNELS.kernels)
-        from kiln.runtime.backends.cpu.registry import CPU_KERNELS
-
-        for op, fn in CPU_KERNELS.kernels.items():
-            self.kernels.setdefault(op, self._on_host(op, fn))
+        self.kernels = {op: self._on_host(op, fn) for op, fn in CPU_KERNELS.kernels.items()}
+        for op, fn in CUDA_KERNELS.kernels.items():
+            self.kernels[op] = self._first_on_gpu(fn, self.kernels[op]) if op in self.kernels else fn
         with _UPLOAD_LOCK:
             self._constants = _UPLOADED.setdefault(program, {})
 
@@ -85,6 +85,20 @@ class CUDABackend(Backend):
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return self.cp.asnumpy(x)
+
+    @staticmethod
+    def _first_on_gpu(fn: Kernel, on_host: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, or the host path when it raises OnHost for these arguments."""
+        from kiln.runtime.backends.cuda.kernels import OnHost
+
+        def run(*args: Any, **attrs: Any) -> Any:
+            try:
+                return fn(*args, **attrs)
+            except OnHost:
+                return on_host(*args, **attrs)
+
+        run.__name__ = fn.__name__
+        return run
 
     def _on_host(self, op: str, fn: Kernel) -> Callable[..., Any]:
         """`fn` (the CPU kernel) on host copies of the arguments, its results uploaded."""
