@@ -39,6 +39,10 @@ LLAMA_SIZES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                          max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # Llama-3.2-1B's shape (meta-llama/Llama-3.2-1B config, without its rope scaling) with random weights
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5),
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True, max_position_embeddings=512),
 }

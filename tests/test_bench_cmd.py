@@ -55,6 +55,12 @@ def test_bench_random_inputs_prints_every_field(model, capsys):
     assert re.search(r"peak memory: .+ allocated during one run \(tracemalloc\), peak RSS \+", out), out
 
 
+def test_bench_no_graphs_is_accepted_everywhere(model, capsys):
+    code, out, err = bench(capsys, model, "--dim", "seq=4", "--repeat", "2", "--no-memory", "--no-graphs")
+    assert code == 0, err
+    assert "latency ms" in out
+
+
 def test_bench_npy_inputs_and_profile(model, tmp_path, capsys):
     x = tmp_path / "x.npy"
     np.save(x, np.random.default_rng(0).standard_normal((2, 3, 8), dtype=np.float32))

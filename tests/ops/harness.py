@@ -116,3 +116,22 @@ def check(case: Case, backend: str) -> None:
         assert len(got) == len(want)
         for k, (g, w) in enumerate(zip(got, want)):
             compare(g, w, case.tol, f"{case.name} output {k} on {backend}")
+    if session.backend.can_capture:
+        check_replayed(program, backend, runs, case)
+
+
+def check_replayed(program: Any, backend: str, runs: list[tuple[Any, ...]], case: Case) -> None:
+    """Each run again on a session that captures graphs: op by op first, then captured and replayed; an op with a
+    kernel on the device must be capturable (no host synchronization inside it)."""
+    session = program.session(backend, graphs=True)
+    for run_args in runs:
+        with torch.no_grad():
+            want = case.fn(*run_args)
+        want = list(want) if isinstance(want, (tuple, list)) else [want]
+        for attempt in ("op by op", "captured", "replayed"):
+            got = session.run("forward", *[to_numpy(a) for a in run_args])
+            for k, (g, w) in enumerate(zip(got, want)):
+                compare(g, w, case.tol, f"{case.name} output {k} on {backend}, {attempt}")
+    if not session.backend.host_ops:
+        failed = [p.env for p in session._plans["forward"].values() if p.replay is False]
+        assert not failed, f"{case.name}: capture failed for {failed} though every op has a {backend} kernel"

@@ -129,6 +129,51 @@ CASES += [
 ]
 
 
+
+def _rope_half(x, cos, sin):
+    """Rotate-half RoPE on a [B, L, H, E] -> [B, H, L, E] transposed view (how q and k reach it in a Llama)."""
+    x = x.transpose(1, 2)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _cache_prefix_mask(q, k, v, visible: int):
+    """A decode step over a static cache: only the first `visible` slots are written (whole chunks hidden)."""
+    keep = (torch.arange(k.shape[-2]) < visible)[None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+
+# Shapes that take the fused kernels of the cuda backend (one-query attention split over keys, RoPE, gated
+# activation) in every storage type, beside the general path's cases above.
+for dt, tol in {torch.float32: None, **LOW}.items():
+    tag = str(dt)[6:]
+    CASES += [
+        Case(f"sdpa_decode_gqa_cache_{tag}", lambda q, k, v: _cache_prefix_mask(q, k, v, 70),
+             (In((1, 8, 1, 16), dt), In((1, 2, 200, 16), dt), In((1, 2, 200, 16), dt)), tol=tol),
+        Case(f"sdpa_decode_bool_mask_{tag}", lambda q, k, v, m: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m | (torch.arange(130) == 3)),
+             (In((2, 4, 1, 64), dt), In((2, 4, 130, 64), dt), In((2, 4, 130, 64), dt),
+              In((2, 1, 1, 130), torch.bool, "bool")), tol=tol),
+        Case(f"sdpa_decode_float_mask_{tag}", lambda q, k, v, m: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, scale=0.2),
+             (In((1, 3, 1, 32), dt), In((1, 3, 65, 32), dt), In((1, 3, 65, 32), dt), In((1, 3, 1, 65), dt)),
+             tol=tol),
+        Case(f"rope_transposed_{tag}", _rope_half, (In((1, 5, 3, 8), dt), In((5, 8), dt), In((5, 8), dt)), tol=tol),
+        Case(f"gated_silu_{tag}", lambda g, u: F.silu(g) * u, (In((3, 40), dt), In((3, 40), dt)), tol=tol),
+        Case(f"gated_gelu_tanh_{tag}", lambda g, u: F.gelu(g, approximate="tanh") * u,
+             (In((3, 40), dt), In((3, 40), dt)), tol=tol),
+        Case(f"linear_rows_bias_{tag}", F.linear, (In((3, 64), dt), In((40, 64), dt), In((40,), dt)), tol=tol),
+        Case(f"linear_one_row_{tag}", F.linear, (In((1, 1, 128), dt), In((33, 128), dt)), tol=tol),
+        Case(f"gated_halves_{tag}", lambda h: F.silu(h[..., :40]) * h[..., 40:], (In((2, 3, 80), dt),), tol=tol),
+        Case(f"rms_norm_wide_{tag}", lambda x, w: F.rms_norm(x, (1100,), w, 1e-5), (In((2, 1100), dt), In((1100,), dt)),
+             tol=tol),
+    ]
+CASES += [
+    Case("sdpa_decode_noncontig_cache", F.scaled_dot_product_attention,
+         (In((1, 2, 1, 8)), In((1, 2, 70, 8), noncontiguous=True), In((1, 2, 70, 8), noncontiguous=True))),
+]
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_nn(case: Case, backend: str) -> None:
     check(case, backend)

@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed runs first (default: 3)")
     p.add_argument("--repeat", type=int, default=20, metavar="N", help="timed runs (default: 20)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="run op by op on a backend that otherwise replays each method as a captured graph (cuda; "
+                        "KILN_CUDA_GRAPHS=0 does the same for every command)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print the N ops with the most time (per-op timing in separate runs)")
     p.set_defaults(handler=run)
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         symbols = {s.name: s.describe() for s in info.symbols}
         inputs = random_inputs(info.inputs, parse_assignments(args.dim, "a symbol size", "--dim"), args.seed,
                                args.int_high, symbols)
-    session = program.session(args.backend)
+    session = program.session(args.backend, graphs=False if args.no_graphs else None)
     backend = session.backend
 
     def once() -> None:

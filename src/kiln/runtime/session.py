@@ -3,10 +3,17 @@
 It builds a plan once per method and input-shape signature: for each node the kernel, its input and output slots,
 its attributes with symbols resolved, and the values to drop after it (the exporter's memory plan). `run` is then
 a tight loop over that plan.
+
+On a backend that captures graphs (cuda), a plan that has run once is captured on its next run and then replayed
+as one graph (kiln.runtime.graphs): the Python loop, and every kernel launch it makes, collapse into one launch.
+State buffers then keep their identity for the session's life (updates and resets are written into them), since a
+graph reads and writes fixed addresses.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +25,10 @@ from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
 from kiln.ir.ops import REQUIRED, AttrType
 from kiln.ir.symbolic import UNBOUNDED, ExprError, format_shape, parse, resolve, resolve_shape
 from kiln.runtime import backends
+from kiln.runtime.graphs import MAX_GRAPHS_PER_METHOD, WARMUP_RUNS, CaptureError, Replay
 from kiln.runtime.program import Program
+
+log = logging.getLogger("kiln.runtime")
 
 MAX_PLANS_PER_METHOD = 64
 
@@ -37,22 +47,36 @@ class _Step:
 class _Plan:
     steps: list[_Step]
     env: dict[str, int]
+    runs: int = 0
+    replay: Replay | bool | None = None  # None: not captured yet; False: runs op by op (capture failed or off)
 
 
 class Session:
     """Independent execution context: several threads may each run their own session of one program."""
 
-    def __init__(self, program: Program, backend: str = "cpu", validate: bool = False):
-        """validate: check every kernel's output dtype and shape against the program (slow; for debugging)."""
+    def __init__(self, program: Program, backend: str = "cpu", validate: bool = False, graphs: bool | None = None):
+        """validate: check every kernel's output dtype and shape against the program (slow; for debugging).
+        graphs: capture and replay each method as a graph where the backend can (cuda: on unless
+        KILN_CUDA_GRAPHS=0); False runs every kernel from Python, for debugging and per-op profiling."""
         self.program = program
         self.backend = backends.create(backend, program)
         self.validate = validate
+        self.graphs = self.backend.graphs_by_default if graphs is None else graphs
+        if self.graphs and not self.backend.can_capture:
+            raise KilnError(f"the {self.backend.name} backend cannot capture graphs; use graphs=False")
+        self.graphs = self.graphs and not validate
         self.state = [self.backend.initial_state(i, s) for i, s in enumerate(program.ir.states)]
         self._plans: dict[str, dict[tuple, _Plan]] = {}
+        self._graphed: dict[str, OrderedDict[tuple, _Plan]] = {}
 
     def reset_state(self) -> None:
         """Put every state buffer (e.g. a KV cache) back to its initial contents."""
-        self.state = [self.backend.initial_state(i, s) for i, s in enumerate(self.program.ir.states)]
+        initial = [self.backend.initial_state(i, s) for i, s in enumerate(self.program.ir.states)]
+        if self.graphs:  # captured graphs hold the buffers' addresses
+            for target, value in zip(self.state, initial, strict=True):
+                self.backend.copy_into(target, value)
+        else:
+            self.state = initial
 
     def run(self, method: str, *inputs: Any) -> list[Any]:
         """Run `method` on `inputs`; returns its outputs as the backend's arrays (NumPy on the CPU)."""
@@ -66,6 +90,30 @@ class Session:
             if len(plans) >= MAX_PLANS_PER_METHOD:
                 plans.pop(next(iter(plans)))
             plan = plans[key] = self._build_plan(m, env)
+        if self.graphs and plan.replay is not False:
+            replayed = self._replay(m, key, plan, arrays)
+            if replayed is not None:
+                return replayed
+        slots = self._slots(m, arrays)
+        with self.backend.execution_context():
+            self._execute(m, plan, slots)
+        # State must not share memory with the caller's inputs or with the outputs handed back: a caller who refills
+        # an input buffer or edits an output in place would otherwise rewrite the state (a KV cache) behind our back.
+        for update in m.state_updates:
+            new, target = slots[update.value], self.state[update.state]
+            if self.graphs:
+                if new is not target:
+                    self.backend.copy_into(target, new)
+            else:
+                self.state[update.state] = new.copy() if any(_may_alias(new, a) for a in arrays) else new
+        outputs = []
+        for i in m.outputs:
+            out = self.backend.asarray(slots[i])
+            outputs.append(out.copy() if any(_may_alias(out, s) for s in self.state) else out)
+        return outputs
+
+    def _slots(self, m: Method, arrays: list[Any]) -> list[Any]:
+        """One slot per value of `m`: constants, state buffers and inputs filled in, the rest empty."""
         slots: list[Any] = [None] * len(m.values)
         for v_index, value in enumerate(m.values):
             if value.kind == ValueKind.CONSTANT:
@@ -74,18 +122,53 @@ class Session:
                 slots[v_index] = self.state[value.ref]
         for v_index, arr in zip(m.inputs, arrays, strict=True):
             slots[v_index] = arr
-        with self.backend.execution_context():
+        return slots
+
+    def _replay(self, m: Method, key: tuple, plan: _Plan, arrays: list[Any]) -> list[Any] | None:
+        """The outputs of `plan` run as its captured graph (capturing it first, after WARMUP_RUNS runs op by op),
+        or None when this run goes op by op."""
+        if plan.replay is None:
+            plan.runs += 1
+            if plan.runs <= WARMUP_RUNS:  # the first runs compile kernels and build cuBLAS plans outside capture
+                return None
+            plan.replay = self._capture(m, plan, arrays)
+            if plan.replay is False:
+                return None
+            graphed = self._graphed.setdefault(m.name, OrderedDict())
+            graphed[key] = plan
+            if len(graphed) > MAX_GRAPHS_PER_METHOD:  # the oldest signature gives its graph (and memory) back
+                _, oldest = graphed.popitem(last=False)
+                oldest.replay, oldest.runs = None, 0
+        else:
+            self._graphed[m.name].move_to_end(key)
+        replay = plan.replay
+        assert isinstance(replay, Replay)
+        for buffer, arr in zip(replay.inputs, arrays, strict=True):
+            self.backend.copy_into(buffer, arr)
+        replay.graph.launch()
+        return [self.backend.copy(out) for out in replay.outputs]  # the next replay rewrites replay.outputs
+
+    def _capture(self, m: Method, plan: _Plan, arrays: list[Any]) -> Replay | bool:
+        inputs = [self.backend.empty_like(a) for a in arrays]
+        for buffer, arr in zip(inputs, arrays, strict=True):
+            self.backend.copy_into(buffer, arr)
+        slots = self._slots(m, inputs)
+
+        def body() -> list[Any]:
             self._execute(m, plan, slots)
-        # State must not share memory with the caller's inputs or with the outputs handed back: a caller who refills
-        # an input buffer or edits an output in place would otherwise rewrite the state (a KV cache) behind our back.
-        for update in m.state_updates:
-            new = slots[update.value]
-            self.state[update.state] = new.copy() if any(_may_alias(new, a) for a in arrays) else new
-        outputs = []
-        for i in m.outputs:
-            out = self.backend.asarray(slots[i])
-            outputs.append(out.copy() if any(_may_alias(out, s) for s in self.state) else out)
-        return outputs
+            for update in m.state_updates:
+                new, target = slots[update.value], self.state[update.state]
+                if new is not target:
+                    self.backend.copy_into(target, new)
+            return [slots[i] for i in m.outputs]
+
+        try:
+            graph, outputs = self.backend.capture(body)
+        except CaptureError as e:
+            log.warning("%s backend: method %r (%s) runs op by op, its capture failed: %s",
+                        self.backend.name, m.name, plan.env, e)
+            return False
+        return Replay(inputs, outputs, graph)
 
     def _execute(self, m: Method, plan: _Plan, slots: list[Any]) -> None:
         for step in plan.steps:

@@ -7,11 +7,14 @@ around them (the CPU narrows attention to the visible keys, which on a GPU would
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 
-def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
-    """softmax(q k^T * scale + mask) v in q's dtype (already float32 or wider), one batched matmul pair.
+def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None,
+         matmul: Callable[[Any, Any], Any] | None = None) -> Any:
+    """softmax(q k^T * scale + mask) v in q's dtype (already float32 or wider), one batched matmul pair
+    (`matmul`, xp.matmul unless the backend has its own).
 
     GQA without repeating k/v: q heads [.., Hkv * g, L, E] are viewed as [.., Hkv, g * L, E], one matmul per kv
     head for its whole group of q heads, and the mask follows the same grouping.
@@ -31,7 +34,8 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
         # (a mask with one row for every query, as in a decode step, broadcasts over the grouped rows as it is)
     if scale is None:
         scale = 1 / math.sqrt(q.shape[-1])
-    scores = xp.matmul(q, xp.swapaxes(k, -1, -2))
+    matmul = matmul or xp.matmul
+    scores = matmul(q, xp.swapaxes(k, -1, -2))
     scores *= scores.dtype.type(scale)
     if causal:
         keep = xp.tril(xp.ones((L, S), dtype=xp.bool_))
@@ -41,4 +45,17 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
     scores -= xp.max(scores, axis=-1, keepdims=True)
     xp.exp(scores, out=scores)
     scores /= xp.sum(scores, axis=-1, keepdims=True)
-    return xp.matmul(scores, v).reshape(out_shape)
+    return matmul(scores, v).reshape(out_shape)
+
+
+def div(xp: Any, a: Any, b: Any, rounding_mode: str) -> Any:
+    """a / b: true division, or rounded toward -inf ("floor") or toward zero ("trunc", on integers too, where
+    floor division alone would round negative quotients the wrong way)."""
+    if rounding_mode == "floor":
+        return xp.floor_divide(a, b)
+    if rounding_mode == "trunc":
+        if a.dtype.kind == "f" or xp.result_type(a, b).kind == "f":
+            return xp.trunc(a / b).astype(a.dtype)
+        q = xp.floor_divide(a, b)
+        return q + ((xp.remainder(a, b) != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
+    return xp.true_divide(a, b)

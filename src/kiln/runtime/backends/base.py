@@ -38,6 +38,9 @@ class Backend:
 
     name: str = ""
     kernels: dict[str, Kernel] = {}
+    can_capture: bool = False
+    """Whether `capture` works: sessions then replay each method as a graph (kiln.runtime.graphs)."""
+    graphs_by_default: bool = False
 
     def constant(self, index: int) -> Any:
         raise NotImplementedError
@@ -49,6 +52,22 @@ class Backend:
         raise NotImplementedError
 
     def to_numpy(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def empty_like(self, x: Any) -> Any:
+        """A new uninitialized array of this backend with x's shape and dtype."""
+        raise NotImplementedError
+
+    def copy_into(self, target: Any, source: Any) -> None:
+        """Write source (of target's shape and dtype; a host or a backend array) into target."""
+        target[...] = source
+
+    def copy(self, x: Any) -> Any:
+        return x.copy()
+
+    def capture(self, body: Callable[[], list[Any]]) -> tuple[Any, list[Any]]:
+        """Record body's kernels as one graph without running them: (graph with launch(), body's outputs), or
+        CaptureError when body cannot be captured."""
         raise NotImplementedError
 
     def execution_context(self) -> contextlib.AbstractContextManager:

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from kiln.runtime.backends import array_api
 from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS, in_float32, kernel
 
@@ -136,14 +137,7 @@ for _name, _fn in _BINARY.items():
 
 @kernel("div")
 def div(a: np.ndarray, b: np.ndarray, rounding_mode: str) -> np.ndarray:
-    if rounding_mode == "floor":
-        return np.floor_divide(a, b)
-    if rounding_mode == "trunc":
-        if a.dtype.kind == "f" or np.result_type(a, b).kind == "f":
-            return np.trunc(a / b).astype(a.dtype)
-        q = np.floor_divide(a, b)
-        return q + ((np.remainder(a, b) != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
-    return np.true_divide(a, b)
+    return array_api.div(np, a, b, rounding_mode)
 
 
 @kernel("where")

@@ -14,6 +14,7 @@ Importing this module needs CuPy; kiln.runtime.backends imports it only when a s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import numpy as np
 from kiln.errors import BackendUnavailableError
 from kiln.ir.graph import StateBuffer
 from kiln.runtime.backends.base import Backend, Kernel
+from kiln.runtime.graphs import CaptureError
 from kiln.runtime.program import Program
 
 log = logging.getLogger("kiln.runtime.cuda")
@@ -52,6 +54,8 @@ _UPLOAD_LOCK = threading.Lock()
 
 class CUDABackend(Backend):
     name = "cuda"
+    can_capture = True
+    graphs_by_default = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
     def __init__(self, program: Program):
         self.cp = _cupy()
@@ -65,6 +69,7 @@ class CUDABackend(Backend):
             self.kernels[op] = self._first_on_gpu(fn, self.kernels[op]) if op in self.kernels else fn
         with _UPLOAD_LOCK:
             self._constants = _UPLOADED.setdefault(program, {})
+        self._capture_stream: Any = None
 
     def constant(self, index: int) -> Any:
         array = self._constants.get(index)
@@ -85,6 +90,39 @@ class CUDABackend(Backend):
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return self.cp.asnumpy(x)
+
+    def empty_like(self, x: Any) -> Any:
+        return self.cp.empty(x.shape, dtype=x.dtype)
+
+    def copy_into(self, target: Any, source: Any) -> None:
+        if isinstance(source, self.cp.ndarray):
+            self.cp.copyto(target, source)
+        else:
+            target.set(np.ascontiguousarray(source, dtype=target.dtype))
+
+    def capture(self, body: Callable[[], list[Any]]) -> tuple[Any, list[Any]]:
+        """body's kernels recorded as a CUDA graph on a side stream (capture needs a stream other than the default).
+
+        Everything body allocates comes from a memory pool of the graph's own, which the returned graph keeps: the
+        replays write those addresses, so no other array may be given that memory while the graph lives.
+        """
+        cp = self.cp
+        if self._capture_stream is None:
+            self._capture_stream = cp.cuda.Stream(non_blocking=False)
+        stream, pool = self._capture_stream, cp.cuda.MemoryPool()
+        cp.cuda.get_current_stream().synchronize()
+        with cp.cuda.using_allocator(pool.malloc), stream:
+            stream.begin_capture()
+            try:
+                outputs = body()
+            except Exception as e:
+                try:
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001 - the capture is already invalid; the first error says why
+                    pass
+                raise CaptureError(f"{type(e).__name__}: {e}") from e
+            graph = stream.end_capture()
+        return _Graph(graph, pool), outputs
 
     @staticmethod
     def _first_on_gpu(fn: Kernel, on_host: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,3 +153,13 @@ class CUDABackend(Backend):
 
         run.__name__ = f"{op}_on_host"
         return run
+
+
+class _Graph:
+    """A captured CUDA graph and the memory pool its kernels address."""
+
+    def __init__(self, graph: Any, pool: Any):
+        self.graph, self.pool = graph, pool
+
+    def launch(self) -> None:
+        self.graph.launch()

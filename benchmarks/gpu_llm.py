@@ -1,0 +1,237 @@
+"""LLM prefill and decode on one GPU: kiln's cuda backend vs PyTorch eager vs torch.compile(mode="reduce-overhead").
+
+    PYTHONPATH=src python3 benchmarks/gpu_llm.py [--shape llama-3.2-1b] [--dtype bfloat16] [--markdown]
+
+A random-weight Llama of the given shape (default Llama-3.2-1B's: d 2048, 16 layers, 32 heads, 8 KV heads, MLP
+8192, vocabulary 128256), one static KV cache of --max-context slots for every contestant (kiln.models.llm's
+StaticCacheLM: the same module is exported for kiln and run by PyTorch). Prefill of 128 and 512 tokens; decode of
+one token at context 128 and 1024, timed over --steps back-to-back steps per sample. Contestants interleaved round
+by round, medians of --repeat rounds, the GPU synchronized at the end of each sample. The roofline is the time to
+read what a step must read (every weight once, the KV cache up to the context) at the copy bandwidth measured in the
+same run. Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_compare import LLAMA_SIZES  # noqa: E402
+from harness import stderr_log  # noqa: E402
+
+CONTESTANTS = ("kiln cuda", "torch eager", "torch.compile")
+
+
+def copy_bandwidth(cp, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written: best of 10."""
+    src = cp.ones(nbytes // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    best = float("inf")
+    for _ in range(11):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        cp.copyto(dst, src)
+        end.record()
+        end.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return 2 * nbytes / best
+
+
+def gpu_op_times(program, cp, method: str, inputs: tuple, top: int) -> str:
+    """GPU time per kiln op for one run of `method`, op by op: a spinning kernel holds the GPU while Python queues
+    the whole run with an event after each op, so the events time the kernels back to back, as a graph runs them,
+    not Python's pace."""
+    import numpy as np
+
+    from kiln.runtime.bench import format_table
+
+    session = program.session("cuda", graphs=False)
+    session.run(method, *inputs)
+    events: list = []
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*args, **attrs):
+            result = fn(*args, **attrs)
+            event = cp.cuda.Event()
+            event.record()
+            events.append((name, event))
+            return result
+        return run
+
+    session.backend.kernels = {name: timed(name, fn) for name, fn in session.backend.kernels.items()}
+    session._plans.clear()
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        const long long t = clock64(); while (clock64() - t < cycles) {} }""", "spin")
+    spin((1,), (1,), (np.int64(600_000_000),))  # about 0.3 s
+    start = cp.cuda.Event()
+    start.record()
+    session.run(method, *inputs)
+    cp.cuda.Device().synchronize()
+    totals: dict[str, list[float]] = {}
+    previous = start
+    for name, event in events:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += cp.cuda.get_elapsed_time(previous, event)
+        previous = event
+    whole = sum(t for _, t in totals.values())
+    rows = [[name, str(calls), f"{ms * 1e3:.0f}", f"{100 * ms / whole:.0f}%"]
+            for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
+    return (f"GPU time of one {method} op by op (kernels back to back): {whole:.3f} ms in {len(events)} ops\n"
+            + format_table(rows, ["op", "calls", "us", "share"]))
+
+
+def time_round_robin(cases: dict[str, Callable[[], None]], repeat: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each case, the cases interleaved round by round."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="model shape")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
+    parser.add_argument("--prefill", default="128,512", help="prefill lengths (default 128,512)")
+    parser.add_argument("--decode-at", default="128,1024", help="decode contexts (default 128,1024)")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per sample (default 8)")
+    parser.add_argument("--repeat", type=int, default=15, help="samples per contestant and case (default 15)")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it compiles for minutes)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--op-times", type=int, default=0, metavar="N",
+                        help="also print the N ops that take the most GPU time in a decode step")
+    args = parser.parse_args(argv)
+    prefills = [int(t) for t in args.prefill.split(",")]
+    contexts = [int(c) for c in args.decode_at.split(",")]
+
+    import cupy as cp
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kiln.models.llm import StaticCacheLM, export_llama
+
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA_SIZES[args.shape], attn_implementation="sdpa")
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    lm = StaticCacheLM(model.cpu(), args.max_context, max(prefills)).eval()
+    stderr_log(f"model built in {time.perf_counter() - t0:.1f} s; exporting")
+    t0 = time.perf_counter()
+    program = export_llama(lm, args.max_context, max(prefills)).load()
+    stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
+    lm = lm.cuda()
+    session = program.session("cuda")
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * torch.tensor([], dtype=dtype).element_size()
+    bandwidth = copy_bandwidth(cp)
+    stderr_log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {param_bytes / 1e9:.2f} GB")
+
+    compiled_prefill = compiled_decode = None
+    if not args.no_compile:
+        compiled_prefill = torch.compile(lm.prefill, mode="reduce-overhead", dynamic=False)
+        compiled_decode = torch.compile(lm.decode, mode="reduce-overhead", dynamic=False)
+
+    def kiln_calls(method: str, inputs: tuple, steps: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(steps):
+                session.run(method, *inputs)
+            cp.cuda.Device().synchronize()
+        return run
+
+    def torch_calls(fn: Callable, inputs: tuple, steps: int) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                for _ in range(steps):
+                    fn(*inputs)
+            torch.cuda.synchronize()
+        return run
+
+    rows = []
+    for length in prefills:
+        tokens = np.arange(length, dtype=np.int64)[None] % config.vocab_size + 7
+        positions = np.arange(length, dtype=np.int64)
+        kiln_inputs = (cp.asarray(tokens), cp.asarray(positions))
+        torch_inputs = (torch.as_tensor(tokens, device="cuda"), torch.as_tensor(positions, device="cuda"))
+        cases = {"kiln cuda": kiln_calls("prefill", kiln_inputs, 1),
+                 "torch eager": torch_calls(lm.prefill, torch_inputs, 1)}
+        if compiled_prefill is not None:
+            stderr_log(f"compiling prefill {length}")
+            cases["torch.compile"] = torch_calls(compiled_prefill, torch_inputs, 1)
+        stderr_log(f"timing prefill {length}")
+        medians = time_round_robin(cases, args.repeat)
+        flops = 2 * length * param_bytes / torch.tensor([], dtype=dtype).element_size()
+        rows.append((f"prefill {length} tokens", medians, None, f"{flops / medians['kiln cuda'] / 1e12:.0f} TFLOP/s"))
+
+    for context in contexts:
+        token, position = np.array([[42]], dtype=np.int64), np.array([context], dtype=np.int64)
+        kiln_inputs = (cp.asarray(token), cp.asarray(position))
+        torch_inputs = (torch.as_tensor(token, device="cuda"), torch.as_tensor(position, device="cuda"))
+        cases = {"kiln cuda": kiln_calls("decode", kiln_inputs, args.steps),
+                 "torch eager": torch_calls(lm.decode, torch_inputs, args.steps)}
+        if compiled_decode is not None:
+            stderr_log(f"compiling decode at {context}")
+            cases["torch.compile"] = torch_calls(compiled_decode, torch_inputs, args.steps)
+        stderr_log(f"timing decode at {context}")
+        medians = {k: v / args.steps for k, v in time_round_robin(cases, args.repeat).items()}
+        roofline = (param_bytes + kv_bytes_per_token * context) / bandwidth
+        rows.append((f"decode at {context}", medians, roofline, f"{1 / medians['kiln cuda']:.0f} tok/s"))
+
+    # agreement: the last decode's logits, kiln vs eager
+    with torch.inference_mode():
+        want = lm.decode(*torch_inputs).float().cpu().numpy()
+    got = cp.asnumpy(session.run("decode", *kiln_inputs)[0]).astype(np.float32)
+    agreement = (f"kiln vs eager, last decode logits: max |diff| {np.abs(got - want).max():.3g} "
+                 f"(logit scale {np.abs(want).max():.3g}), same argmax: {bool(got.argmax() == want.argmax())}")
+
+    header = ["case"] + [f"{c} ms" for c in CONTESTANTS] + ["kiln/eager", "kiln/compile", "roofline ms",
+                                                              "kiln % roofline", "kiln rate"]
+    body = []
+    for name, medians, roofline, rate in rows:
+        cells = [name] + [f"{medians[c] * 1e3:.3f}" if c in medians else "-" for c in CONTESTANTS]
+        cells.append(f"{medians['kiln cuda'] / medians['torch eager']:.2f}")
+        cells.append(f"{medians['kiln cuda'] / medians['torch.compile']:.2f}" if "torch.compile" in medians else "-")
+        cells.append(f"{roofline * 1e3:.3f}" if roofline else "-")
+        cells.append(f"{100 * roofline / medians['kiln cuda']:.0f}%" if roofline else "-")
+        cells.append(rate)
+        body.append(cells)
+    device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"{args.shape}, {args.dtype}, random weights, KV cache {args.max_context} slots, on {device} "
+          f"(copy bandwidth {bandwidth / 1e12:.2f} TB/s); torch {torch.__version__}, cupy {cp.__version__}; "
+          f"medians of {args.repeat}, decode over {args.steps} steps per sample")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        for cells in body:
+            print("| " + " | ".join(cells) + " |")
+    else:
+        from kiln.runtime.bench import format_table
+
+        print(format_table(body, header))
+    print(agreement)
+    if args.op_times:
+        print(gpu_op_times(program, cp, "decode", kiln_inputs, args.op_times))
+    graphed = {m: len(g) for m, g in session._graphed.items()}
+    print(f"kiln: graphs captured per method {graphed}; ops on the host: {sorted(session.backend.host_ops) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Matrix products on cuBLAS, called through ctypes on the cuBLAS library that CuPy loaded.
+
+Why not CuPy's own cuBLAS wrappers: CuPy refuses every cuBLAS call while a stream is being captured ("calling
+cuBLAS API during stream capture is currently unsupported"), and a decode step that cannot be captured as a CUDA
+graph pays Python's overhead on every one of its hundreds of kernels. cuBLAS itself supports capture once its
+handle has a workspace of its own (no allocation inside the graph). This module also gives bfloat16 products,
+which CuPy's matmul lacks: cublasGemmEx takes bf16 operands and accumulates in float32, as PyTorch does.
+
+One handle per thread (a cuBLAS handle must not be used by two threads at once), bound to the current CuPy stream
+on every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import threading
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from kiln.runtime.backends.cuda.dtypes import BFLOAT16
+
+_OP_N, _OP_T = 0, 1
+_CUDA_R = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2}
+if BFLOAT16 is not None:
+    _CUDA_R[BFLOAT16] = 14
+_COMPUTE_32F, _COMPUTE_64F = 68, 70  # cublasComputeType_t; 32F keeps float32 products exact-float32 (no TF32)
+_GEMM_DEFAULT = -1
+WORKSPACE_BYTES = 32 << 20  # what cuBLAS asks for on Hopper
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The libcublas that CuPy's own bindings loaded (so both agree on the version), found in /proc/self/maps."""
+    import cupy_backends.cuda.libs.cublas  # noqa: F401 - loads libcublas into the process
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith("libcublas.so"):
+                    return _declare(ctypes.CDLL(path))
+    except OSError:  # no /proc: look the library up by name
+        pass
+    found = ctypes.util.find_library("cublas")
+    if found is None:
+        raise OSError("cannot find the cuBLAS library that CuPy uses")
+    return _declare(ctypes.CDLL(found))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
+    lib.cublasSetStream_v2.argtypes = [p, p]
+    lib.cublasSetWorkspace_v2.argtypes = [p, p, ctypes.c_size_t]
+    lib.cublasGemmStridedBatchedEx.argtypes = [
+        p, i32, i32, i32, i32, i32, p, p, i32, i32, i64, p, i32, i32, i64, p, p, i32, i32, i64, i32, i32, i32]
+    for fn in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
+               lib.cublasGemmStridedBatchedEx):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+class CublasError(RuntimeError):
+    pass
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasError(f"{what} failed with cuBLAS status {status}")
+
+
+class _Handle(threading.local):
+    """This thread's handle and workspace on each device it used."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[int, tuple[ctypes.c_void_p, Any]] = {}
+
+    def get(self) -> ctypes.c_void_p:
+        device = cp.cuda.runtime.getDevice()
+        entry = self.by_device.get(device)
+        if entry is None:
+            lib = _library()
+            handle = ctypes.c_void_p()
+            _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+            workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
+            _check(lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, WORKSPACE_BYTES), "cublasSetWorkspace")
+            entry = self.by_device[device] = (handle, workspace)
+        return entry[0]
+
+
+_HANDLES = _Handle()
+
+
+def supports(dtype: np.dtype) -> bool:
+    return np.dtype(dtype) in _CUDA_R
+
+
+def _operand(x: Any) -> tuple[Any, int, int, int]:
+    """x [batch, r, c] as cuBLAS sees x^T (column-major): (array, op, ld, batch stride in elements), copying only
+    when neither of the last two dims has unit stride."""
+    item = x.itemsize
+    sb, sr, sc = (s // item for s in x.strides)
+    rows, cols = x.shape[1], x.shape[2]
+    if rows == 1:  # the row stride is never used to address anything, only checked against cols
+        sr = max(sr, cols)
+    if cols == 1:
+        sc = 1
+    if sc == 1 and sr >= cols:
+        return x, _OP_N, max(1, sr), sb
+    if sr == 1 and sc >= rows:
+        return x, _OP_T, max(1, sc), sb
+    x = cp.ascontiguousarray(x)
+    return x, _OP_N, max(1, cols), rows * cols
+
+
+def _batched(x: Any, batch: tuple[int, ...]) -> Any:
+    """x broadcast to batch + its last two dims, viewed as [prod(batch), r, c]: without a copy when the batch dims
+    collapse into one stride (a broadcast batch has stride 0), else materialized."""
+    x = cp.broadcast_to(x, batch + x.shape[-2:])
+    n = int(np.prod(batch)) if batch else 1
+    used = [(s, d) for s, d in zip(x.strides[:-2], batch, strict=True) if d != 1]
+    step = used[-1][0] if used else 0
+    expected = step
+    for s, d in reversed(used):
+        if s != expected:
+            x = cp.ascontiguousarray(x)
+            return x.reshape((n,) + x.shape[-2:])
+        expected = s * d
+    return cp.lib.stride_tricks.as_strided(x, (n,) + x.shape[-2:], (step,) + x.strides[-2:])
+
+
+def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False) -> Any:
+    """a @ b for a, b of >= 2 dims (batch dims broadcast), in their one dtype (float32/64, float16, bfloat16);
+    with `accumulate`, out += a @ b (out given, contiguous), the sum rounded once.
+
+    One cublasGemmStridedBatchedEx call. Row-major C = A B is computed as column-major C^T = B^T A^T, so no
+    operand is copied when its last or second-to-last dim has unit stride (a weight's transposed view included).
+    """
+    dtype = a.dtype
+    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if out is None:
+        out = cp.empty(batch + (m, n), dtype=dtype)
+    if out.size == 0:
+        return out
+    if k == 0:
+        if not accumulate:
+            out.fill(0)
+        return out
+    a3, b3 = _batched(a, batch), _batched(b, batch)
+    # cuBLAS operand A is b^T [n, k], operand B is a^T [k, m], C is out^T [n, m] with ld n.
+    b3, op_b, ld_b, stride_b = _operand(b3)
+    a3, op_a, ld_a, stride_a = _operand(a3)
+    count = a3.shape[0]
+    if dtype == np.float64:
+        compute, one, beta = _COMPUTE_64F, ctypes.c_double(1.0), ctypes.c_double(float(accumulate))
+    else:
+        compute, one, beta = _COMPUTE_32F, ctypes.c_float(1.0), ctypes.c_float(float(accumulate))
+    kind = _CUDA_R[np.dtype(dtype)]
+    lib = _library()
+    handle = _HANDLES.get()
+    _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
+    _check(lib.cublasGemmStridedBatchedEx(
+        handle, op_b, op_a, n, m, k, ctypes.byref(one),
+        b3.data.ptr, kind, ld_b, stride_b, a3.data.ptr, kind, ld_a, stride_a,
+        ctypes.byref(beta), out.data.ptr, kind, n, m * n, count, compute, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+    return out

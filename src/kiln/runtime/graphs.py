@@ -1,0 +1,34 @@
+"""What a session keeps to replay a method as one captured graph (CUDA graphs on the cuda backend).
+
+A decode step of a small LLM is hundreds of kernels of a few microseconds each; launched one by one from Python,
+the launches, not the GPU, set the pace. Captured once per input-shape signature and replayed, the step costs one
+launch. A graph reads and writes fixed addresses, so a capture owns static input buffers (each run's inputs are
+copied in), its intermediates' memory (a private pool, kept while the graph lives) and its outputs (copied out
+after each replay, since the next replay rewrites them), and the session's state buffers stay the same arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.errors import KilnError
+
+WARMUP_RUNS = 1
+"""Runs of a signature op by op before it is captured: the first compiles kernels and sets up cuBLAS, which must
+not happen inside a capture."""
+
+MAX_GRAPHS_PER_METHOD = 8
+"""Captured signatures kept per method; the least recently used gives its graph and memory back."""
+
+
+class CaptureError(KilnError):
+    """A method could not be captured (a kernel synchronizes with the host, or runs on the host): it runs op by
+    op instead."""
+
+
+@dataclass
+class Replay:
+    inputs: list[Any]
+    outputs: list[Any]
+    graph: Any  # the backend's captured graph: launch() replays it; holding it keeps its memory
