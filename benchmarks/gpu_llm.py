@@ -138,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
     lm = lm.cuda()
     session = program.session("cuda")
+    itemsize = torch.tensor([], dtype=dtype).element_size()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
-        config.hidden_size // config.num_attention_heads) * torch.tensor([], dtype=dtype).element_size()
+        config.hidden_size // config.num_attention_heads) * itemsize
     bandwidth = copy_bandwidth(cp)
     stderr_log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {param_bytes / 1e9:.2f} GB")
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             cases["torch.compile"] = torch_calls(compiled_prefill, torch_inputs, 1)
         stderr_log(f"timing prefill {length}")
         medians = time_round_robin(cases, args.repeat)
-        flops = 2 * length * param_bytes / torch.tensor([], dtype=dtype).element_size()
+        flops = 2 * length * param_bytes / itemsize
         rows.append((f"prefill {length} tokens", medians, None, f"{flops / medians['kiln cuda'] / 1e12:.0f} TFLOP/s"))
 
     for context in contexts:

@@ -10,6 +10,47 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+LOW_PRECISION = (np.dtype(np.float16), BFLOAT16)
+"""Float types whose math runs in float32 and is rounded back, as PyTorch computes them."""
+
+
+def upcast(*arrays: Any) -> tuple[Any, ...]:
+    """float16/bfloat16 arrays as float32 (for accumulation); others (and None) unchanged."""
+    return tuple(a.astype(np.float32) if a is not None and a.dtype in LOW_PRECISION else a for a in arrays)
+
+
+def rotate(xp: Any, x: Any, interleaved: bool) -> Any:
+    """RoPE's partner values: cat(-x[..., D/2:], x[..., :D/2]), or (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])."""
+    if interleaved:
+        rotated = xp.empty_like(x)
+        xp.negative(x[..., 1::2], out=rotated[..., 0::2])
+        rotated[..., 1::2] = x[..., 0::2]
+        return rotated
+    half = x.shape[-1] // 2
+    return xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def softmax(xp: Any, x: Any, dim: int) -> Any:
+    e = xp.exp(x - xp.max(x, axis=dim, keepdims=True))
+    e /= xp.sum(e, axis=dim, keepdims=True)
+    return e
+
+
+def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, axes: int, eps: float) -> Any:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last `axes` dims, x float32 or wider."""
+    dims = tuple(range(x.ndim - axes, x.ndim))
+    centered = x - x.mean(axis=dims, keepdims=True)
+    out = centered / xp.sqrt(xp.mean(centered * centered, axis=dims, keepdims=True) + x.dtype.type(eps))
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out
+
 
 def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None,
          matmul: Callable[[Any, Any], Any] | None = None) -> Any:

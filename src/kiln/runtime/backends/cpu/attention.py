@@ -38,13 +38,6 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, c
 
 @kernel("rope")
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False) -> np.ndarray:
-    if interleaved:
-        rotated = np.empty_like(x)
-        np.negative(x[..., 1::2], out=rotated[..., 0::2])
-        rotated[..., 1::2] = x[..., 0::2]
-    else:
-        half = x.shape[-1] // 2
-        rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x * cos
-    out += rotated * sin
+    out += array_api.rotate(np, x, interleaved) * sin
     return out.astype(x.dtype, copy=False)

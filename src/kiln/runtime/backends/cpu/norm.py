@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtime.backends import array_api
 from kiln.runtime.backends.cpu.registry import in_float32, kernel, upcast
 
 
 @kernel("layer_norm")
 @in_float32
 def layer_norm(x: np.ndarray, weight, bias, axes: int, eps: float) -> np.ndarray:
-    dims = tuple(range(x.ndim - axes, x.ndim))
-    mean = x.mean(axis=dims, keepdims=True)
-    centered = x - mean
-    var = np.mean(centered * centered, axis=dims, keepdims=True)
-    out = centered / np.sqrt(var + x.dtype.type(eps))
     weight, bias = upcast(weight, bias)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out
+    return array_api.layer_norm(np, x, weight, bias, axes, eps)
 
 
 @kernel("rms_norm")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtime.backends import array_api
 from kiln.runtime.backends.cpu.registry import LOW_PRECISION, in_float32, kernel
 
 
@@ -52,9 +53,7 @@ def cumsum(x: np.ndarray, dim: int) -> np.ndarray:
 @kernel("softmax")
 @in_float32
 def softmax(x: np.ndarray, dim: int) -> np.ndarray:
-    e = np.exp(x - np.max(x, axis=dim, keepdims=True))
-    e /= np.sum(e, axis=dim, keepdims=True)
-    return e
+    return array_api.softmax(np, x, dim)
 
 
 @kernel("log_softmax")

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 
+from kiln.runtime.backends.array_api import LOW_PRECISION, upcast
 from kiln.runtime.backends.base import KernelRegistry
 
 CPU_KERNELS = KernelRegistry("cpu")
 kernel = CPU_KERNELS.register
-
-LOW_PRECISION = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
 def in_float32(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
@@ -26,6 +24,4 @@ def in_float32(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     return wrapped
 
 
-def upcast(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    """float16/bfloat16 arrays as float32 (for accumulation); others unchanged."""
-    return tuple(a.astype(np.float32) if a is not None and a.dtype in LOW_PRECISION else a for a in arrays)
+__all__ = ["CPU_KERNELS", "LOW_PRECISION", "in_float32", "kernel", "upcast"]

@@ -21,12 +21,10 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.backends.cuda.dtypes import BFLOAT16
+from kiln.runtime.backends.array_api import BFLOAT16
 
 _OP_N, _OP_T = 0, 1
-_CUDA_R = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2}
-if BFLOAT16 is not None:
-    _CUDA_R[BFLOAT16] = 14
+_CUDA_R = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2, BFLOAT16: 14}
 _COMPUTE_32F, _COMPUTE_64F = 68, 70  # cublasComputeType_t; 32F keeps float32 products exact-float32 (no TF32)
 _GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20  # what cuBLAS asks for on Hopper

@@ -18,14 +18,12 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.backends.cuda.dtypes import BFLOAT16
+from kiln.runtime.backends.array_api import BFLOAT16
 
 OPTIONS = ("--std=c++17",)
 """No fast math: expf, sqrtf and division stay IEEE-accurate, as the CPU kernels' results are."""
 
-STORAGE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
-if BFLOAT16 is not None:
-    STORAGE[BFLOAT16] = "BF16"
+STORAGE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", BFLOAT16: "BF16"}
 
 _TEMPLATE = re.compile(r"template <class S>\s*__global__\s+void\s+(\w+)")
 

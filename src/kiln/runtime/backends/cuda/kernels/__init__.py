@@ -18,9 +18,10 @@ from cupyx.scipy.special import erf as _erf
 from cupyx.scipy.special import erfc as _erfc
 
 from kiln.runtime.backends import array_api
+from kiln.runtime.backends.array_api import LOW_PRECISION
+from kiln.runtime.backends.array_api import upcast as _upcast
 from kiln.runtime.backends.base import KernelRegistry
 from kiln.runtime.backends.cuda import cublas, nvrtc
-from kiln.runtime.backends.cuda.dtypes import LOW_PRECISION
 
 CUDA_KERNELS = KernelRegistry("cuda")
 kernel = CUDA_KERNELS.register
@@ -29,10 +30,6 @@ kernel = CUDA_KERNELS.register
 class OnHost(Exception):  # noqa: N818 - a signal, not an error
     """Raised by a CUDA kernel for arguments it does not handle: the backend runs the op's CPU kernel on the host
     instead (and reports it in host_ops), as for ops that have no CUDA kernel at all."""
-
-
-def _upcast(*arrays: Any) -> tuple[Any, ...]:
-    return tuple(a.astype(cp.float32) if a is not None and a.dtype in LOW_PRECISION else a for a in arrays)
 
 
 def _in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -287,22 +284,13 @@ def rms_norm(x: Any, weight: Any, axes: int, eps: float | None) -> Any:
 def layer_norm(x: Any, weight: Any, bias: Any, axes: int, eps: float) -> Any:
     dtype = x.dtype
     xf, weight, bias = _upcast(x, weight, bias)
-    dims = tuple(range(x.ndim - axes, x.ndim))
-    centered = xf - xf.mean(axis=dims, keepdims=True)
-    out = centered / cp.sqrt(cp.mean(centered * centered, axis=dims, keepdims=True) + xf.dtype.type(eps))
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out.astype(dtype, copy=False)
+    return array_api.layer_norm(cp, xf, weight, bias, axes, eps).astype(dtype, copy=False)
 
 
 @kernel("softmax")
 @_in_float32
 def softmax(x: Any, dim: int) -> Any:
-    e = cp.exp(x - cp.max(x, axis=dim, keepdims=True))
-    e /= cp.sum(e, axis=dim, keepdims=True)
-    return e
+    return array_api.softmax(cp, x, dim)
 
 
 # ---- attention ----
@@ -313,14 +301,7 @@ def rope(x: Any, cos: Any, sin: Any, interleaved: bool = False) -> Any:
         return _rope_fused(x, cos, sin, interleaved)
     dtype = x.dtype
     xf, cos, sin = _upcast(x, cos, sin)
-    if interleaved:
-        rotated = cp.empty_like(xf)
-        rotated[..., 0::2] = -xf[..., 1::2]
-        rotated[..., 1::2] = xf[..., 0::2]
-    else:
-        half = xf.shape[-1] // 2
-        rotated = cp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(dtype, copy=False)
+    return (xf * cos + array_api.rotate(cp, xf, interleaved) * sin).astype(dtype, copy=False)
 
 
 def _elements(strides: tuple[int, ...], itemsize: int, ndim: int = 4) -> list[np.int64]:
