@@ -14,7 +14,6 @@ same run. Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -23,82 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
+from gpu_harness import copy_bandwidth, device_line, gpu_op_times, print_table, time_round_robin  # noqa: E402
 from harness import stderr_log  # noqa: E402
 
 CONTESTANTS = ("kiln cuda", "torch eager", "torch.compile")
-
-
-def copy_bandwidth(cp, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written: best of 10."""
-    src = cp.ones(nbytes // 4, dtype=cp.float32)
-    dst = cp.empty_like(src)
-    best = float("inf")
-    for _ in range(11):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        cp.copyto(dst, src)
-        end.record()
-        end.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(start, end) / 1e3)
-    return 2 * nbytes / best
-
-
-def gpu_op_times(program, cp, method: str, inputs: tuple, top: int) -> str:
-    """GPU time per kiln op for one run of `method`, op by op: a spinning kernel holds the GPU while Python queues
-    the whole run with an event after each op, so the events time the kernels back to back, as a graph runs them,
-    not Python's pace."""
-    import numpy as np
-
-    from kiln.runtime.bench import format_table
-
-    session = program.session("cuda", graphs=False)
-    session.run(method, *inputs)
-    events: list = []
-
-    def timed(name: str, fn: Callable) -> Callable:
-        def run(*args, **attrs):
-            result = fn(*args, **attrs)
-            event = cp.cuda.Event()
-            event.record()
-            events.append((name, event))
-            return result
-        return run
-
-    session.backend.kernels = {name: timed(name, fn) for name, fn in session.backend.kernels.items()}
-    session._plans.clear()
-    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
-        const long long t = clock64(); while (clock64() - t < cycles) {} }""", "spin")
-    spin((1,), (1,), (np.int64(600_000_000),))  # about 0.3 s
-    start = cp.cuda.Event()
-    start.record()
-    session.run(method, *inputs)
-    cp.cuda.Device().synchronize()
-    totals: dict[str, list[float]] = {}
-    previous = start
-    for name, event in events:
-        entry = totals.setdefault(name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += cp.cuda.get_elapsed_time(previous, event)
-        previous = event
-    whole = sum(t for _, t in totals.values())
-    rows = [[name, str(calls), f"{ms * 1e3:.0f}", f"{100 * ms / whole:.0f}%"]
-            for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
-    return (f"GPU time of one {method} op by op (kernels back to back): {whole:.3f} ms in {len(events)} ops\n"
-            + format_table(rows, ["op", "calls", "us", "share"]))
-
-
-def time_round_robin(cases: dict[str, Callable[[], None]], repeat: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each case, the cases interleaved round by round."""
-    for fn in cases.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,19 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(f"{100 * roofline / medians['kiln cuda']:.0f}%" if roofline else "-")
         cells.append(rate)
         body.append(cells)
-    device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"{args.shape}, {args.dtype}, random weights, KV cache {args.max_context} slots, on {device} "
-          f"(copy bandwidth {bandwidth / 1e12:.2f} TB/s); torch {torch.__version__}, cupy {cp.__version__}; "
-          f"medians of {args.repeat}, decode over {args.steps} steps per sample")
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
-        for cells in body:
-            print("| " + " | ".join(cells) + " |")
-    else:
-        from kiln.runtime.bench import format_table
-
-        print(format_table(body, header))
+    print(f"{args.shape}, {args.dtype}, random weights, KV cache {args.max_context} slots, on "
+          f"{device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); medians of {args.repeat}, "
+          f"decode over {args.steps} steps per sample")
+    print_table(body, header, args.markdown)
     print(agreement)
     if args.op_times:
         print(gpu_op_times(program, cp, "decode", kiln_inputs, args.op_times))

@@ -10,6 +10,7 @@ from torch import nn
 
 import kiln
 from kiln.export.quantize import Quantize, quantize_rows
+from kiln.runtime.backends.array_api.quant import dequantize, quantized_embedding
 from kiln.runtime.backends.cpu import native, quant
 from tests.test_cli import cli
 
@@ -28,8 +29,7 @@ def test_quantize_then_dequantize_is_within_half_a_step(bits, group, symmetric) 
     q, scale, zero = quantize_rows(w, bits, group, symmetric)
     assert q.dtype == (np.int8 if bits == 8 else np.uint8)
     assert q.shape == (w.shape[0], w.shape[1] // (1 if bits == 8 else 2))
-    back = quant.dequantize(q, scale.astype(np.float32), None if zero is None else zero.astype(np.float32), bits,
-                            group)
+    back = dequantize(np, q, scale.astype(np.float32), None if zero is None else zero.astype(np.float32), bits, group)
     step = np.repeat(scale, group, axis=1)
     assert np.all(np.abs(back - w) <= 0.5 * step + 1e-6 * np.abs(w))
 
@@ -49,7 +49,7 @@ def test_quantized_linear_matches_reference(bits, group, symmetric, rows, compil
     zero = None if zero is None else zero.astype(np.float32)
     bias = np.random.default_rng(1).standard_normal(37).astype(np.float32)
     x = np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32)
-    want = x.astype(np.float64) @ quant.dequantize(q, scale, zero, bits, group).T.astype(np.float64) + bias
+    want = x.astype(np.float64) @ dequantize(np, q, scale, zero, bits, group).T.astype(np.float64) + bias
     got = quant.quantized_linear(x.reshape(1, rows, k), q, scale, zero, bias, bits, group)
     assert got.shape == (1, rows, 37) and got.dtype == np.float32
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
@@ -62,8 +62,8 @@ def test_quantized_embedding_matches_reference(bits, group, symmetric) -> None:
     scale = scale.astype(np.float32)
     zero = None if zero is None else zero.astype(np.float32)
     idx = np.array([[3, 0, 49], [7, 7, 1]])
-    got = quant.quantized_embedding(q, scale, zero, idx, bits, group)
-    np.testing.assert_array_equal(got, quant.dequantize(q, scale, zero, bits, group)[idx])
+    got = quantized_embedding(np, q, scale, zero, idx, bits, group)
+    np.testing.assert_array_equal(got, dequantize(np, q, scale, zero, bits, group)[idx])
 
 
 class TiedLM(nn.Module):

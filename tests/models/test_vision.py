@@ -1,4 +1,4 @@
-"""Vision models (MobileNetV3, ResNet, EfficientNet-lite0) exported to kiln and run on the CPU backend vs eager.
+"""Vision models (MobileNetV3, ResNet, EfficientNet-lite0) exported to kiln and run on every backend present vs eager.
 
 Random-weight models are made realistic before export (see `randomized`): with torchvision's init, batch norm is an
 identity and MobileNetV3's logits are ~1e-10, so a comparison would prove little. Calibrating the batch-norm
@@ -56,11 +56,11 @@ def image(resolution: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v3_small", "mobilenet_v3_large", "resnet18", "resnet50"])
-def test_random_weights_match_eager(name: str) -> None:
+def test_random_weights_match_eager(name: str, backend: str) -> None:
     # 64x64 keeps the default run fast; every stride-2 stage still has an even input (64 -> 2 at the end).
     model = randomized(getattr(vision, name)(), seed=0)
     x = image(64, batch=2)
-    (out,), (ref,) = export_run(model, (x,))
+    (out,), (ref,) = export_run(model, (x,), backend)
     assert out.shape == ref.shape == (2, 1000)
     assert np.abs(ref).max() > 0.1, "logits collapsed: the comparison would not test anything"
     tol = TOL_BY_MODEL.get(name, TOL)

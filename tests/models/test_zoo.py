@@ -4,7 +4,8 @@ Decoders (Llama, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Mistral, Phi-3, GPT-2) g
 decode with a static KV cache) and are checked two ways: logits of a chunked prefill and several decode steps
 against the eager wrapper and against the model without any cache, and greedy tokens against transformers'
 `generate(do_sample=False)`. ViT and Whisper (encoder, and decoder without a cache) are plain forward exports.
-BERT is covered by test_minilm.py. Builders live in kiln.models.zoo.
+BERT is covered by test_minilm.py. Builders live in kiln.models.zoo. Each runs on every backend present (cuda on a
+GPU machine: `-m cuda`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kiln.models.zoo import (  # noqa: E402
     tiny_whisper,
 )
 from kiln.runtime.llm.decoding import greedy_generate, prefill  # noqa: E402
+from tests.conftest import to_numpy  # noqa: E402
 from tests.models.greedy_reference import greedy_reference  # noqa: E402
 
 MAX_CONTEXT = 64
@@ -51,9 +53,9 @@ def decoder(request):
     return model, export_llama(model, MAX_CONTEXT, CHUNK).load()
 
 
-def test_decoder_logits_match_eager(decoder):
+def test_decoder_logits_match_eager(decoder, backend):
     model, program = decoder
-    session = program.session(validate=True)
+    session = program.session(backend, validate=True)
     eager = StaticCacheLM(model, MAX_CONTEXT)
     with torch.no_grad():
         want = eager.prefill(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0].numpy()
@@ -63,7 +65,7 @@ def test_decoder_logits_match_eager(decoder):
         position = np.array([len(PROMPT) + k])
         with torch.no_grad():
             want = eager.decode(torch.tensor([[token]]), torch.from_numpy(position))[0].numpy()
-        got = session.run("decode", np.array([[token]]), position)[0][0]
+        got = to_numpy(session.run("decode", np.array([[token]]), position)[0])[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=LOGITS_ATOL)
     # the eager wrapper is our own code too: the model without any cache is the reference it must agree with
     with torch.no_grad():
@@ -71,10 +73,10 @@ def test_decoder_logits_match_eager(decoder):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=LOGITS_ATOL)
 
 
-def test_decoder_greedy_tokens_match_transformers_generate(decoder):
+def test_decoder_greedy_tokens_match_transformers_generate(decoder, backend):
     model, program = decoder
     ref = greedy_reference(model, PROMPT, NEW_TOKENS, LOGITS_ATOL)
-    assert greedy_generate(program.session(), PROMPT, NEW_TOKENS) == ref
+    assert greedy_generate(program.session(backend), PROMPT, NEW_TOKENS) == ref
 
 
 def test_export_leaves_the_model_in_eval_mode(decoder):
@@ -125,15 +127,15 @@ def test_static_cache_refuses_unknown_layer_types():
         StaticCacheLM(model, MAX_CONTEXT)
 
 
-def test_vit_matches_eager():
+def test_vit_matches_eager(backend):
     model = tiny_vit()
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     batch = torch.export.Dim("batch", min=1, max=8)
     program = export(ViTOutputs(model), (images,), dynamic_shapes=({0: batch},)).load()
-    session = program.session(validate=True)
+    session = program.session(backend, validate=True)
     for n in (2, 3):
         images = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))
-        logits, hidden = session.run("forward", images.numpy())
+        logits, hidden = (to_numpy(o) for o in session.run("forward", images.numpy()))
         with torch.no_grad():
             out = model(pixel_values=images)
             want_hidden = model.vit(pixel_values=images).last_hidden_state
@@ -149,27 +151,27 @@ def whisper():
     return model, features
 
 
-def test_whisper_encoder_matches_eager(whisper):
+def test_whisper_encoder_matches_eager(whisper, backend):
     model, features = whisper
     program = export(WhisperEncoder(model), (features,)).load()
-    (got,) = program.session(validate=True).run("forward", features.numpy())
+    got = to_numpy(program.session(backend, validate=True).run("forward", features.numpy())[0])
     with torch.no_grad():
         want = model.get_encoder()(input_features=features).last_hidden_state.numpy()
     assert got.shape == (1, 16, 32)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
-def test_whisper_decoder_matches_eager(whisper):
+def test_whisper_decoder_matches_eager(whisper, backend):
     model, features = whisper
     with torch.no_grad():
         hidden = model.get_encoder()(input_features=features).last_hidden_state
     tokens = torch.tensor([[1, 5, 9, 33, 7]])
     seq = torch.export.Dim("seq", min=1, max=32)
     program = export(WhisperDecoder(model), (tokens, hidden), dynamic_shapes=({1: seq}, None)).load()
-    session = program.session(validate=True)
+    session = program.session(backend, validate=True)
     for n in (1, 5, 12):
         tokens = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
-        (got,) = session.run("forward", tokens.numpy(), hidden.numpy())
+        got = to_numpy(session.run("forward", tokens.numpy(), hidden.numpy())[0])
         with torch.no_grad():  # the whole model: encoder + decoder + projection, no cache
             want = model(input_features=features, decoder_input_ids=tokens).logits.numpy()
         assert got.shape == (1, n, VOCAB)

@@ -107,7 +107,8 @@ for dt, tol in LOW.items():
         Case(f"avg_pool2d_{tag}", lambda x: F.avg_pool2d(x, 2), (In((1, 2, 6, 6), dt),), tol=tol),
         Case(f"adaptive_avg_pool_{tag}", lambda x: F.adaptive_avg_pool2d(x, 1), (In((1, 4, 5, 5), dt),), tol=tol),
         Case(f"conv_transpose2d_{tag}", lambda x, w: F.conv_transpose2d(x, w, stride=2),
-             (In((1, 3, 4, 4), dt), In((3, 2, 3, 3), dt)), tol=tol),
+             (In((1, 3, 4, 4), dt), In((3, 2, 3, 3), dt)), tol=tol,
+             extra={"float32_reference": "torch's half conv_transpose2d on an AMD EPYC CPU errs 3x more"}),
     ]
 CASES += [
     Case("linear_noncontig_weight", F.linear, (In((3, 8)), In((5, 8), noncontiguous=True))),

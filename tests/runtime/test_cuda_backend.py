@@ -115,16 +115,18 @@ def test_a_method_with_a_host_op_runs_op_by_op_and_correctly():
     import torch
 
     class Odd(torch.nn.Module):
-        def forward(self, x):
-            return torch.cumsum(x, dim=-1) * 2  # cumsum: no CUDA kernel yet, so it runs on the host
+        def forward(self, x, index, source):  # an int16 product scatter: no atomic form, so it runs on the host
+            return x.scatter_reduce(0, index, source, "prod") * 2
 
-    x = torch.randn(3, 7)
-    program = kiln.export(Odd(), (x,)).load()
+    args = (torch.arange(1, 6, dtype=torch.int16), torch.tensor([0, 1, 1, 4]), torch.tensor([2, 3, -1, 5],
+                                                                                              dtype=torch.int16))
+    want = Odd()(*args).numpy()
+    program = kiln.export(Odd(), args).load()
     session = program.session("cuda", graphs=True)
     for _ in range(3):
-        got = session.run("forward", x.numpy())[0]
-        np.testing.assert_allclose(session.backend.to_numpy(got), (torch.cumsum(x, -1) * 2).numpy(), rtol=1e-5,
-                                   atol=1e-5)
+        got = session.run("forward", *[a.numpy() for a in args])[0]
+        np.testing.assert_array_equal(session.backend.to_numpy(got), want)
+    assert session.backend.host_ops == {"scatter_reduce"}
     assert [p.replay for p in session._plans["forward"].values()] == [False]
 
 

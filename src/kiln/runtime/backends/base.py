@@ -32,6 +32,15 @@ class KernelRegistry:
     def add(self, name: str, fn: Kernel) -> None:
         self.register(name)(fn)
 
+    def adopt(self, portable: dict[str, Kernel], xp: Any) -> None:
+        """The portable kernels (kiln.runtime.backends.array_api) bound to array module xp, for every op this
+        backend has no kernel of its own for. Called once, after the backend's own kernels are registered."""
+        from kiln.runtime.backends.array_api import bind
+
+        for name, fn in portable.items():
+            if name not in self.kernels:
+                self.kernels[name] = bind(fn, xp)
+
 
 class Backend:
     """A backend instance bound to one program and one session."""

@@ -1,4 +1,8 @@
-"""The CPU backend: NumPy kernels for every kiln op. The default; runs on any machine."""
+"""The CPU backend: NumPy kernels for every kiln op. The default; runs on any machine.
+
+Its own kernels (the families imported below: compiled fast paths, and functions NumPy lacks) come first; every
+other op runs its portable kernel (kiln.runtime.backends.array_api) bound to NumPy.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,17 @@ import numpy as np
 
 import kiln.runtime.backends.cpu.attention
 import kiln.runtime.backends.cpu.conv
-import kiln.runtime.backends.cpu.creation
 import kiln.runtime.backends.cpu.elementwise
-import kiln.runtime.backends.cpu.index
 import kiln.runtime.backends.cpu.linalg
 import kiln.runtime.backends.cpu.norm
-import kiln.runtime.backends.cpu.quant
-import kiln.runtime.backends.cpu.reduce
-import kiln.runtime.backends.cpu.resize
-import kiln.runtime.backends.cpu.scan
-import kiln.runtime.backends.cpu.scatter
-import kiln.runtime.backends.cpu.shape
-import kiln.runtime.backends.cpu.sort
-import kiln.runtime.backends.cpu.strided  # noqa: F401 - importing the kernel families registers them
+import kiln.runtime.backends.cpu.quant  # noqa: F401 - importing the kernel families registers them
 from kiln.ir.graph import StateBuffer
+from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.base import Backend
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 from kiln.runtime.program import Program
+
+CPU_KERNELS.adopt(PORTABLE.kernels, np)
 
 
 class CPUBackend(Backend):

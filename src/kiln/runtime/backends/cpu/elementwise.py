@@ -1,4 +1,6 @@
-"""Elementwise kernels: unary, binary, comparisons, where, clamp, cast. Table-driven where the op is a ufunc."""
+"""The CPU's own elementwise kernels: compiled float32 loops (one pass over memory instead of NumPy's several) and
+the functions NumPy lacks (erf, erfc, erfinv without SciPy). Every other elementwise op is portable
+(kiln.runtime.backends.array_api.elementwise)."""
 
 from __future__ import annotations
 
@@ -6,15 +8,9 @@ import math
 
 import numpy as np
 
-from kiln.runtime.backends import array_api
+from kiln.runtime.backends.array_api import elementwise as portable
 from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS, in_float32, kernel
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
-
 
 _ERFC_COEFFS = (1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587, -0.82215223,
                 0.17087277)
@@ -52,22 +48,8 @@ def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, x.dtype.type(0)) if y is None else y
 
 
-def _hardsigmoid(x: np.ndarray) -> np.ndarray:
-    return np.clip(x + 3, 0, 6) / 6
-
-
-_UNARY = {
-    "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
-    "rsqrt": lambda x: 1 / np.sqrt(x), "reciprocal": lambda x: 1 / x, "sigmoid": _sigmoid, "tanh": np.tanh,
-    "relu": lambda x: _relu(x), "erf": _erf, "sin": np.sin, "cos": np.cos,
-    "floor": np.floor, "ceil": np.ceil, "round": np.round, "sign": np.sign, "silu": lambda x: x * _sigmoid(x),
-    "hardswish": lambda x: x * _hardsigmoid(x), "hardsigmoid": _hardsigmoid, "log1p": np.log1p,
-    "expm1": np.expm1, "trunc": np.trunc,
-}
-
-
 def _compiled_first(name: str, fallback):
-    """The compiled helper for float32 (one pass over memory instead of NumPy's several), else `fallback`."""
+    """The compiled helper for float32, else `fallback`."""
     def run(x: np.ndarray) -> np.ndarray:
         y = native.unary(name, x)
         return fallback(x) if y is None else y
@@ -75,12 +57,10 @@ def _compiled_first(name: str, fallback):
     return run
 
 
-for _name, _fn in _UNARY.items():
+_OWN_UNARY = {"erf": _erf, "relu": _relu} | {
+    name: lambda x, fn=portable.UNARY[name]: fn(np, x) for name in native.UNARY if name in portable.UNARY}
+for _name, _fn in _OWN_UNARY.items():
     CPU_KERNELS.add(_name, in_float32(_compiled_first(_name, _fn) if _name in native.UNARY else _fn))
-
-CPU_KERNELS.add("logical_not", np.logical_not)
-CPU_KERNELS.add("bitwise_not", np.invert)
-CPU_KERNELS.add("isnan", np.isnan)
 
 
 @kernel("gelu")
@@ -101,51 +81,16 @@ def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
     return e.reshape(x.shape)
 
 
-@kernel("leaky_relu")
-def leaky_relu(x: np.ndarray, negative_slope: float) -> np.ndarray:
-    return np.where(x > 0, x, x * x.dtype.type(negative_slope))
-
-
 @kernel("clamp")
 def clamp(x: np.ndarray, min: float | None, max: float | None) -> np.ndarray:
-    """np.maximum/np.minimum propagate NaN as torch.clamp does, in one pass each (the compiled helper: one pass)."""
+    """The compiled helper for float32 (one pass), else the portable kernel."""
     if x.dtype == np.float32 and (min is not None or max is not None):
         y = native.clamp(x, min, max)
         if y is not None:
             return y
-    out = x if min is None else np.maximum(x, x.dtype.type(min))
-    out = out if max is None else np.minimum(out, x.dtype.type(max))
-    return out if out is not x else x.copy()
+    return portable.clamp(np, x, min, max)
 
 
-@kernel("cast")
-def cast(x: np.ndarray, dtype) -> np.ndarray:
-    return x.astype(dtype.numpy)
-
-
-_BINARY = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "pow": np.power, "maximum": np.maximum,
-    "minimum": np.minimum, "remainder": np.remainder, "fmod": np.fmod, "bitwise_and": np.bitwise_and,
-    "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor, "logical_and": np.logical_and,
-    "logical_or": np.logical_or, "logical_xor": np.logical_xor, "atan2": np.arctan2,
-    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
-    "ge": np.greater_equal,
-}
-for _name, _fn in _BINARY.items():
-    CPU_KERNELS.add(_name, _fn)
-
-
-@kernel("div")
-def div(a: np.ndarray, b: np.ndarray, rounding_mode: str) -> np.ndarray:
-    return array_api.div(np, a, b, rounding_mode)
-
-
-@kernel("where")
-def where(cond: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.where(cond, a, b)
-
-
-# ---- math functions (A1) ----
 def _erfc(x: np.ndarray) -> np.ndarray:
     """erfc(x) = erfc(|x|) for x >= 0, 2 - erfc(|x|) below: no cancellation in the right tail."""
     flat = x.reshape(-1)
@@ -176,20 +121,8 @@ def _erfinv(x: np.ndarray) -> np.ndarray:
     return out.astype(x.dtype, copy=False)
 
 
-_MATH = {"acos": np.arccos, "asin": np.arcsin, "atan": np.arctan, "acosh": np.arccosh, "asinh": np.arcsinh,
-         "atanh": np.arctanh, "cosh": np.cosh, "sinh": np.sinh, "tan": np.tan, "log10": np.log10, "log2": np.log2,
-         "exp2": np.exp2, "erfinv": _erfinv, "erfc": _erfc}
-for _name, _fn in _MATH.items():
-    CPU_KERNELS.add(_name, in_float32(_fn))
-CPU_KERNELS.add("isinf", np.isinf)
-
-
-@kernel("elu")
-@in_float32
-def elu(x: np.ndarray, alpha: float, scale: float, input_scale: float) -> np.ndarray:
-    t = x.dtype.type
-    neg = np.expm1(np.minimum(x, t(0)) * t(input_scale)) * t(alpha * scale)
-    return np.where(x > 0, x * t(scale), neg)
+CPU_KERNELS.add("erfc", in_float32(_erfc))
+CPU_KERNELS.add("erfinv", in_float32(_erfinv))
 
 
 @kernel("gated_activation")

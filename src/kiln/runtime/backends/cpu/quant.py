@@ -1,16 +1,17 @@
-"""Weight-only quantized linear and embedding (int8 per channel or group, int4 in groups; the op set's
-quantized_linear / quantized_embedding).
+"""Weight-only quantized linear on the CPU (int8 per channel or group, int4 in groups; the op set's
+quantized_linear; the embedding and the reference dequantization are portable: kiln.runtime.backends.array_api.quant).
 
 Few rows (a decode step): the compiled kernel reads each quantized weight row once and converts it in registers,
 so the step reads 4x (int8) or 8x (int4) fewer weight bytes than float32. Many rows (prefill, encoders): bands of
 weight rows are dequantized to float32 and multiplied with BLAS, so a prefill costs about what float32 does
-without ever holding the whole float32 weight. `dequantize` is the NumPy reference for both.
+without ever holding the whole float32 weight.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtime.backends.array_api.quant import dequantize
 from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
@@ -19,25 +20,6 @@ FEW_ROWS = 8
 
 _BAND_BYTES = 1 << 20
 """Float32 bytes of dequantized weight per band (fits in L2 next to the input rows)."""
-
-
-def unpack(q: np.ndarray, bits: int) -> np.ndarray:
-    """The quantized values as one integer per weight element ([N, K])."""
-    if bits == 8:
-        return q
-    out = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), dtype=np.uint8)
-    out[..., 0::2] = q & 15
-    out[..., 1::2] = q >> 4
-    return out
-
-
-def dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
-    """W = (q - zero) * scale per group, as float32 ([N, K]); the op set's definition, in NumPy."""
-    values = unpack(q, bits).astype(np.float32)
-    rows, k = values.shape
-    z = np.float32(8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float32)[..., None]
-    grouped = values.reshape(rows, k // group_size, group_size)
-    return ((grouped - z) * scale.astype(np.float32)[..., None]).reshape(rows, k)
 
 
 @kernel("quantized_linear")
@@ -66,17 +48,9 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
                                         native.address(None if zero is None else zero[n0:n1]), w.ctypes.data,
                                         n1 - n0, k, bits, group_size)
             else:
-                w[...] = dequantize(q[n0:n1], scale[n0:n1], None if zero is None else zero[n0:n1], bits, group_size)
+                w[...] = dequantize(np, q[n0:n1], scale[n0:n1], None if zero is None else zero[n0:n1], bits,
+                                    group_size)
             np.matmul(x2, w.T, out=out[:, n0:n1])
         if bias is not None:
             out += bias
     return out.reshape(*lead, n).astype(dtype, copy=False)
-
-
-@kernel("quantized_embedding")
-def quantized_embedding(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, indices: np.ndarray, bits: int,
-                        group_size: int) -> np.ndarray:
-    """Only the looked-up rows are dequantized."""
-    flat = indices.reshape(-1)
-    rows = dequantize(q[flat], scale[flat], None if zero is None else zero[flat], bits, group_size)
-    return rows.reshape(indices.shape + rows.shape[-1:]).astype(scale.dtype, copy=False)

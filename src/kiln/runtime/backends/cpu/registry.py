@@ -10,6 +10,8 @@ from kiln.runtime.backends.array_api import LOW_PRECISION, upcast
 from kiln.runtime.backends.base import KernelRegistry
 
 CPU_KERNELS = KernelRegistry("cpu")
+"""The CPU's own kernels (compiled fast paths, functions NumPy lacks); kiln.runtime.backends.cpu adds the portable
+kernels for every other op once the families are imported."""
 kernel = CPU_KERNELS.register
 
 

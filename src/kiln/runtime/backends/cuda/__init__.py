@@ -1,12 +1,12 @@
 """The CUDA backend: a program's ops on an NVIDIA GPU through CuPy (cuBLAS for the matrix products).
 
 Constants are uploaded once per program, on first use, and shared by every CUDA session of that program. Inputs
-may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()` copies them back). Ops with a
-CUDA kernel run on the GPU (kiln.runtime.backends.cuda.kernels); every other op, and an op whose CUDA kernel
-declines its arguments (OnHost), runs its CPU kernel on a host copy of its inputs and uploads the result, so any
-program runs, correctly, while kernels are ported family by family.
+may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()` copies them back). Every op
+runs on the GPU (kiln.runtime.backends.cuda.kernels: the GPU's own kernels, and the portable kernels bound to
+CuPy); an op whose CUDA kernel declines its arguments (OnHost: a dtype with no atomic form, say) runs its CPU
+kernel on a host copy of its inputs and uploads the result, so any program runs, correctly.
 `backend.host_ops` lists the ops of this session that ran on the host, and a warning names them once per
-session: a GPU program that copies to the host is slow, and the list says what to port next.
+session: a GPU program that copies to the host is slow, and cannot be captured as a graph.
 
 Importing this module needs CuPy; kiln.runtime.backends imports it only when a session asks for "cuda".
 """
@@ -145,7 +145,7 @@ class CUDABackend(Backend):
         def run(*args: Any, **attrs: Any) -> Any:
             if op not in self.host_ops:
                 self.host_ops.add(op)
-                log.warning("cuda backend: op %r has no CUDA kernel yet and runs on the host (copies both ways)", op)
+                log.warning("cuda backend: op %r runs on the host for these arguments (copies both ways)", op)
             out = fn(*[cp.asnumpy(a) if isinstance(a, cp.ndarray) else a for a in args], **attrs)
             if isinstance(out, (tuple, list)):
                 return type(out)(cp.asarray(np.asarray(o)) for o in out)

@@ -5,7 +5,8 @@ source, the options and the architecture (CuPy's kernel cache, ~/.cupy/kernel_ca
 compilation once per machine; this module keeps the loaded modules and kernel lookups per process.
 
 A source's kernels are templates over their storage type (`template <class S> __global__ void name(...)`), each
-instantiated for float32, float16 and bfloat16 (the F32, F16 and BF16 structs of the source).
+instantiated for float32, float16 and bfloat16 (the F32, F16 and BF16 structs of common.cuh, which is put in front
+of every source).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ _TEMPLATE = re.compile(r"template <class S>\s*__global__\s+void\s+(\w+)")
 @functools.cache
 def module(name: str) -> Any:
     """The compiled module of kernels/<name>.cu, every template kernel instantiated for every storage type."""
-    source = resources.files("kiln.runtime.backends.cuda.kernels").joinpath(f"{name}.cu").read_text()
+    files = resources.files("kiln.runtime.backends.cuda.kernels")
+    source = files.joinpath("common.cuh").read_text() + "\n" + files.joinpath(f"{name}.cu").read_text()
     expressions = [f"{kernel}<{s}>" for kernel in _TEMPLATE.findall(source) for s in STORAGE.values()]
     return cp.RawModule(code=source, options=OPTIONS, name_expressions=expressions)
 

@@ -1,7 +1,7 @@
-"""Kernels written once against the NumPy API, for every backend whose arrays follow it (NumPy, CuPy).
+"""Attention pieces for both backends: RoPE's rotation and the general scaled dot-product attention.
 
-Each takes the array module `xp` first. A backend registers them bound to its module and adds what only it can do
-around them (the CPU narrows attention to the visible keys, which on a GPU would cost a host synchronization).
+Each backend registers its own sdpa and rope around these (the CPU narrows attention to the visible keys, which on
+a GPU would cost a host synchronization; the GPU has fused kernels for the common shapes).
 """
 
 from __future__ import annotations
@@ -9,18 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
-
-import ml_dtypes
-import numpy as np
-
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-LOW_PRECISION = (np.dtype(np.float16), BFLOAT16)
-"""Float types whose math runs in float32 and is rounded back, as PyTorch computes them."""
-
-
-def upcast(*arrays: Any) -> tuple[Any, ...]:
-    """float16/bfloat16 arrays as float32 (for accumulation); others (and None) unchanged."""
-    return tuple(a.astype(np.float32) if a is not None and a.dtype in LOW_PRECISION else a for a in arrays)
 
 
 def rotate(xp: Any, x: Any, interleaved: bool) -> Any:
@@ -32,24 +20,6 @@ def rotate(xp: Any, x: Any, interleaved: bool) -> Any:
         return rotated
     half = x.shape[-1] // 2
     return xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def softmax(xp: Any, x: Any, dim: int) -> Any:
-    e = xp.exp(x - xp.max(x, axis=dim, keepdims=True))
-    e /= xp.sum(e, axis=dim, keepdims=True)
-    return e
-
-
-def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, axes: int, eps: float) -> Any:
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last `axes` dims, x float32 or wider."""
-    dims = tuple(range(x.ndim - axes, x.ndim))
-    centered = x - x.mean(axis=dims, keepdims=True)
-    out = centered / xp.sqrt(xp.mean(centered * centered, axis=dims, keepdims=True) + x.dtype.type(eps))
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out
 
 
 def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None,
@@ -87,16 +57,3 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
     xp.exp(scores, out=scores)
     scores /= xp.sum(scores, axis=-1, keepdims=True)
     return matmul(scores, v).reshape(out_shape)
-
-
-def div(xp: Any, a: Any, b: Any, rounding_mode: str) -> Any:
-    """a / b: true division, or rounded toward -inf ("floor") or toward zero ("trunc", on integers too, where
-    floor division alone would round negative quotients the wrong way)."""
-    if rounding_mode == "floor":
-        return xp.floor_divide(a, b)
-    if rounding_mode == "trunc":
-        if a.dtype.kind == "f" or xp.result_type(a, b).kind == "f":
-            return xp.trunc(a / b).astype(a.dtype)
-        q = xp.floor_divide(a, b)
-        return q + ((xp.remainder(a, b) != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
-    return xp.true_divide(a, b)

@@ -1,0 +1,104 @@
+"""What the GPU benchmarks share: the copy bandwidth (the roofline's denominator), interleaved timing with medians,
+kiln's GPU time per op, the device line and the results table.
+
+The GPU benchmarks run on the device machine (CuPy and a CUDA build of PyTorch), where every contestant lives in
+one process: each sample ends with a synchronization, so a median is the wall time of finished GPU work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def copy_bandwidth(cp, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written: best of 10."""
+    src = cp.ones(nbytes // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    best = float("inf")
+    for _ in range(11):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        cp.copyto(dst, src)
+        end.record()
+        end.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return 2 * nbytes / best
+
+
+def gpu_op_times(program, cp, method: str, inputs: tuple, top: int) -> str:
+    """GPU time per kiln op for one run of `method`, op by op: a spinning kernel holds the GPU while Python queues
+    the whole run with an event after each op, so the events time the kernels back to back, as a graph runs them,
+    not Python's pace."""
+    import numpy as np
+
+    from kiln.runtime.bench import format_table
+
+    session = program.session("cuda", graphs=False)
+    session.run(method, *inputs)
+    events: list = []
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*args, **attrs):
+            result = fn(*args, **attrs)
+            event = cp.cuda.Event()
+            event.record()
+            events.append((name, event))
+            return result
+        return run
+
+    session.backend.kernels = {name: timed(name, fn) for name, fn in session.backend.kernels.items()}
+    session._plans.clear()
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        const long long t = clock64(); while (clock64() - t < cycles) {} }""", "spin")
+    spin((1,), (1,), (np.int64(600_000_000),))  # about 0.3 s
+    start = cp.cuda.Event()
+    start.record()
+    session.run(method, *inputs)
+    cp.cuda.Device().synchronize()
+    totals: dict[str, list[float]] = {}
+    previous = start
+    for name, event in events:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += cp.cuda.get_elapsed_time(previous, event)
+        previous = event
+    whole = sum(t for _, t in totals.values())
+    rows = [[name, str(calls), f"{ms * 1e3:.0f}", f"{100 * ms / whole:.0f}%"]
+            for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
+    return (f"GPU time of one {method} op by op (kernels back to back): {whole:.3f} ms in {len(events)} ops\n"
+            + format_table(rows, ["op", "calls", "us", "share"]))
+
+
+def time_round_robin(cases: dict[str, Callable[[], None]], repeat: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each case, the cases interleaved round by round."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def device_line(cp, torch) -> str:
+    """The GPU, the copy bandwidth and the library versions, for a results header."""
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    return f"{name}, torch {torch.__version__}, cupy {cp.__version__}"
+
+
+def print_table(body: Sequence[Sequence[str]], header: Sequence[str], markdown: bool) -> None:
+    """The table on stdout, as Markdown (for docs/benchmarks.md) or aligned text."""
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        for cells in body:
+            print("| " + " | ".join(cells) + " |")
+    else:
+        from kiln.runtime.bench import format_table
+
+        print(format_table([list(c) for c in body], list(header)))

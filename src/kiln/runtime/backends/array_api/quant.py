@@ -1,0 +1,42 @@
+"""Weight-only quantization for both backends (int8 per channel or group, int4 in groups; the op set's
+quantized_linear / quantized_embedding): the dequantization that defines them, and the embedding lookup.
+
+Each backend registers its own quantized_linear (the CPU's compiled row-streaming kernel, the GPU's kernels);
+`dequantize` is the reference both are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kiln.runtime.backends.array_api.core import portable
+
+
+def unpack(xp: Any, q: Any, bits: int) -> Any:
+    """The quantized values as one integer per weight element ([N, K]); int4 holds two per byte, low nibble
+    first."""
+    if bits == 8:
+        return q
+    out = xp.empty(q.shape[:-1] + (q.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = q & 15
+    out[..., 1::2] = q >> 4
+    return out
+
+
+def dequantize(xp: Any, q: Any, scale: Any, zero: Any, bits: int, group_size: int) -> Any:
+    """W = (q - zero) * scale per group, as float32 ([N, K]); int4 without zeros is centred on 8."""
+    values = unpack(xp, q, bits).astype(np.float32)
+    rows, k = values.shape
+    z = np.float32(8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float32)[..., None]
+    grouped = values.reshape(rows, k // group_size, group_size)
+    return ((grouped - z) * scale.astype(np.float32)[..., None]).reshape(rows, k)
+
+
+@portable("quantized_embedding")
+def quantized_embedding(xp: Any, q: Any, scale: Any, zero: Any, indices: Any, bits: int, group_size: int) -> Any:
+    """Only the looked-up rows are dequantized."""
+    flat = indices.reshape(-1)
+    rows = dequantize(xp, q[flat], scale[flat], None if zero is None else zero[flat], bits, group_size)
+    return rows.reshape(indices.shape + rows.shape[-1:]).astype(scale.dtype, copy=False)

@@ -1,0 +1,94 @@
+"""Matrix products on cuBLAS (capturable, bfloat16 included: kiln.runtime.backends.cuda.cublas), and weight-only
+quantized linear layers: a warp per output feature streams the int8/int4 weight row for a few input rows (a decode
+step reads 2x/4x fewer weight bytes than bfloat16), larger batches dequantize and multiply on cuBLAS."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from kiln.runtime.backends.array_api import upcast
+from kiln.runtime.backends.array_api.quant import dequantize
+from kiln.runtime.backends.cuda import cublas, nvrtc
+from kiln.runtime.backends.cuda.kernels.registry import contiguous, grid, kernel
+
+
+def matmul_cublas(a: Any, b: Any) -> Any:
+    """a @ b on cuBLAS; 1-d operands as one-row / one-column matrices; integer products through CuPy (cuBLAS has
+    none)."""
+    if not (a.dtype == b.dtype and cublas.supports(a.dtype)):
+        return cp.matmul(a, b)
+    if a.ndim == 1:
+        return matmul_cublas(a[None], b)[..., 0, :]
+    if b.ndim == 1:
+        return matmul_cublas(a, b[:, None])[..., 0]
+    return cublas.matmul(a, b)
+
+
+@kernel("matmul")
+def matmul(a: Any, b: Any) -> Any:
+    return matmul_cublas(a, b)
+
+
+def _linear(x2: Any, weight_t: Any, bias: Any) -> Any:
+    """x2 [M, K] @ weight_t [K, N] + bias with the bias added inside the product (beta = 1), rounded once, as
+    PyTorch's addmm does."""
+    if not (x2.dtype == weight_t.dtype and cublas.supports(x2.dtype)):
+        out = cp.matmul(x2, weight_t)
+        if bias is not None:
+            out += bias
+        return out
+    out = None
+    if bias is not None:
+        out = cp.empty((x2.shape[0], weight_t.shape[1]), dtype=x2.dtype)
+        out[...] = bias
+    return cublas.matmul(x2, weight_t, out=out, accumulate=bias is not None)
+
+
+@kernel("linear")
+def linear(x: Any, weight: Any, bias: Any) -> Any:
+    """x @ W^T with W^T as a transposed view: cuBLAS reads the [out, in] weight as it is, no copy per call."""
+    lead = x.shape[:-1]
+    out = _linear(x.reshape(-1, x.shape[-1]), weight.T, bias)  # 2-d: one gemm, not a batch of them
+    return out.reshape(*lead, weight.shape[0])
+
+
+QUANT_ROWS = 8
+"""Up to this many input rows the row-streaming kernel runs (as quant.cu's MAX_ROWS); above, dequantize + cuBLAS."""
+QUANT_WARPS = 8  # warps per block of qlinear_rows, as quant.cu's WARPS
+
+
+@kernel("quantized_linear")
+def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int) -> Any:
+    dtype = scale.dtype
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = q.shape[0]
+    x2 = x.reshape(-1, k)
+    same = (x2, scale) + tuple(a for a in (zero, bias) if a is not None)
+    if not (nvrtc.supports(*same) and contiguous(q, scale, *(a for a in (zero, bias) if a is not None))):
+        return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size).reshape(*lead, n)
+    x2 = cp.ascontiguousarray(x2)
+    if x2.shape[0] > QUANT_ROWS:
+        weight = cp.empty((n, k), dtype=dtype)
+        nvrtc.function("quant", "dequantize", dtype)(
+            grid(n * k), (256,), (q, scale, zero if zero is not None else scale, weight, np.int64(n), np.int32(k),
+                                  np.int32(bits), np.int32(group_size), np.int32(zero is not None)))
+        return _linear(x2, weight.T, bias).reshape(*lead, n)
+    out = cp.empty((x2.shape[0], n), dtype=dtype)
+    if x2.shape[0]:
+        nvrtc.function("quant", "qlinear_rows", dtype)(
+            ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
+            (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
+             np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(bits), np.int32(group_size),
+             np.int32(zero is not None), np.int32(bias is not None)))
+    return out.reshape(*lead, n)
+
+
+def _dequantized_linear(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int) -> Any:
+    """The op's definition in CuPy (mixed dtypes, non-contiguous parts): float32 weight, float32 product."""
+    dtype = scale.dtype
+    x2, bias = upcast(x2, bias)
+    weight = dequantize(cp, q, scale, zero, bits, group_size)
+    return _linear(x2.astype(np.float32, copy=False), weight.T, bias).astype(dtype, copy=False)

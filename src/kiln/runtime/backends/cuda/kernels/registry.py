@@ -1,0 +1,42 @@
+"""The CUDA kernel table and what the kernel families share: the OnHost signal and launch helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kiln.runtime.backends.base import KernelRegistry
+
+CUDA_KERNELS = KernelRegistry("cuda")
+"""The GPU's own kernels (fused NVRTC kernels, cuBLAS products, functions CuPy has and NumPy lacks);
+kiln.runtime.backends.cuda.kernels adds the portable kernels, bound to CuPy, for every other op."""
+kernel = CUDA_KERNELS.register
+
+
+class OnHost(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a CUDA kernel for arguments it does not handle: the backend runs the op's CPU kernel on the host
+    instead (and reports it in host_ops)."""
+
+
+def contiguous(*arrays: Any) -> bool:
+    return all(a.flags.c_contiguous for a in arrays)
+
+
+def grid(n: int, block: int = 256) -> tuple[int]:
+    """Blocks for n elements, one per thread, capped where kernels loop (grid-stride) over the rest."""
+    return (max(1, min((n + block - 1) // block, 65535)),)
+
+
+def elements(strides: tuple[int, ...], itemsize: int, ndim: int = 4) -> list[np.int64]:
+    """Strides in elements, padded in front to `ndim` dims (a padded dim has size 1, so its stride is unused)."""
+    return [np.int64(0)] * (ndim - len(strides)) + [np.int64(s // itemsize) for s in strides]
+
+
+def rows(x: Any) -> Any | None:
+    """x as [rows, last dim] with unit stride along a row (a view whenever the leading dims collapse, as they do
+    for the slices of a fused projection), or None."""
+    if x.ndim == 0 or x.shape[-1] == 0:
+        return None
+    r = x.reshape(-1, x.shape[-1])
+    return r if r.strides[1] == x.itemsize else None
