@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per sample (default 8)")
     parser.add_argument("--repeat", type=int, default=15, help="samples per contestant and case (default 15)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it compiles for minutes)")
+    parser.add_argument("--skip-passes", default="", help="export passes to leave out, comma-separated (A/B runs)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--op-times", type=int, default=0, metavar="N",
-                        help="also print the N ops that take the most GPU time in a decode step")
+                        help="also print the N ops that take the most GPU time in the last prefill and a decode step")
     args = parser.parse_args(argv)
     prefills = [int(t) for t in args.prefill.split(",")]
     contexts = [int(c) for c in args.decode_at.split(",")]
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = StaticCacheLM(model.cpu(), args.max_context, max(prefills)).eval()
     stderr_log(f"model built in {time.perf_counter() - t0:.1f} s; exporting")
     t0 = time.perf_counter()
-    program = export_llama(lm, args.max_context, max(prefills)).load()
+    skip = {p for p in args.skip_passes.split(",") if p}
+    program = export_llama(lm, args.max_context, max(prefills), skip_passes=skip).load()
     stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
     lm = lm.cuda()
     session = program.session("cuda")
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for length in prefills:
         tokens = np.arange(length, dtype=np.int64)[None] % config.vocab_size + 7
         positions = np.arange(length, dtype=np.int64)
-        kiln_inputs = (cp.asarray(tokens), cp.asarray(positions))
+        kiln_inputs = prefill_inputs = (cp.asarray(tokens), cp.asarray(positions))
         torch_inputs = (torch.as_tensor(tokens, device="cuda"), torch.as_tensor(positions, device="cuda"))
         cases = {"kiln cuda": kiln_calls("prefill", kiln_inputs, 1),
                  "torch eager": torch_calls(lm.prefill, torch_inputs, 1)}
@@ -142,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         body.append(cells)
     print(f"{args.shape}, {args.dtype}, random weights, KV cache {args.max_context} slots, on "
           f"{device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); medians of {args.repeat}, "
-          f"decode over {args.steps} steps per sample")
+          f"decode over {args.steps} steps per sample" + (f"; passes skipped: {sorted(skip)}" if skip else ""))
     print_table(body, header, args.markdown)
     print(agreement)
     if args.op_times:
+        print(gpu_op_times(program, cp, "prefill", prefill_inputs, args.op_times))
         print(gpu_op_times(program, cp, "decode", kiln_inputs, args.op_times))
     graphed = {m: len(g) for m, g in session._graphed.items()}
     print(f"kiln: graphs captured per method {graphed}; ops on the host: {sorted(session.backend.host_ops) or 'none'}")

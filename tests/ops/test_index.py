@@ -22,6 +22,9 @@ CASES = [
     Case("index_negative", lambda x: x[torch.tensor([-1, 0])], (In((4, 3)),)),
     Case("index_put", lambda x, i, v: x.index_put((i,), v), (In((6, 3)), In((2,), torch.int64, "index:6"),
                                                              In((2, 3)))),
+    # repeated slots (a negative one too): the last write wins, as on PyTorch's CPU, on every backend
+    Case("index_put_repeated", lambda x, v: x.index_put((torch.tensor([1, 4, 1, 5, -1, 1]),), v),
+         (In((6, 3)), In((6, 3)))),
     Case("index_put_accumulate", lambda x, i, v: x.index_put((i,), v, accumulate=True),
          (In((6, 3)), In((5,), torch.int64, "index:6"), In((5, 3)))),
     Case("index_copy", lambda x, i, s: x.index_copy(1, i, s), (In((3, 6)), In((2,), torch.int64, "index:3"),

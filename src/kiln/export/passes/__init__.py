@@ -23,6 +23,7 @@ from kiln.export.passes.fuse_attention import absorb_repeat_kv
 from kiln.export.passes.fuse_conv import fuse_conv
 from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
 from kiln.export.passes.fuse_norm import fuse_rms_norm
+from kiln.export.passes.fuse_projections import fuse_projections
 from kiln.export.passes.fuse_rope import fuse_rope
 from kiln.export.passes.in_place import mark_in_place_state_writes
 from kiln.export.passes.simplify import collapse_chains, remove_noops
@@ -69,6 +70,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fold_constants", _with_builder(fold_constants), "weight-only subgraphs computed at export"),
     Pass("cse", _method_only(eliminate_common_subexpressions), "repeated computations merged"),
     Pass("canonicalize_linear", _with_builder(canonicalize_linear), "matmul by a constant weight (+ bias) as linear"),
+    Pass("fuse_projections", _with_builder(fuse_projections), "linears on one input stacked into one (q/k/v, gate/up)"),
     Pass("fold_batch_norm", _with_builder(fold_batch_norm), "inference batch norm folded into the conv before it"),
     Pass("fuse_conv", _method_only(fuse_conv), "zero pads and activations fused into convolutions"),
     Pass("absorb_repeat_kv", _method_only(absorb_repeat_kv), "GQA key/value repetition absorbed by sdpa"),

@@ -14,6 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from kiln.runtime.backends.base import KernelRegistry
+
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 LOW_PRECISION = (np.dtype(np.float16), BFLOAT16)
 """Float types whose math runs in float32 and is rounded back, as PyTorch computes them."""
@@ -42,26 +44,8 @@ def in_float32(fn: PortableKernel) -> PortableKernel:
     return run
 
 
-class PortableKernels:
-    """Portable kernels by kiln op name; registering an op twice is a bug."""
-
-    def __init__(self) -> None:
-        self.kernels: dict[str, PortableKernel] = {}
-
-    def register(self, *names: str) -> Callable[[PortableKernel], PortableKernel]:
-        def deco(fn: PortableKernel) -> PortableKernel:
-            for name in names:
-                if name in self.kernels:
-                    raise ValueError(f"portable kernel for {name!r} registered twice")
-                self.kernels[name] = fn
-            return fn
-        return deco
-
-    def add(self, name: str, fn: PortableKernel) -> None:
-        self.register(name)(fn)
-
-
-PORTABLE = PortableKernels()
+PORTABLE = KernelRegistry("portable")
+"""Portable kernels by kiln op name: functions of (xp, *arguments), which each backend binds (adopt)."""
 portable = PORTABLE.register
 
 

@@ -134,7 +134,8 @@ def _batched(x: Any, batch: tuple[int, ...]) -> Any:
 
 def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False) -> Any:
     """a @ b for a, b of >= 2 dims (batch dims broadcast), in their one dtype (float32/64, float16, bfloat16);
-    with `accumulate`, out += a @ b (out given, contiguous), the sum rounded once.
+    with `accumulate`, out += a @ b (out given, contiguous), the sum rounded once. A float32 `out` takes a
+    float16/bfloat16 product unrounded (attention's scores).
 
     One cublasGemmStridedBatchedEx call. Row-major C = A B is computed as column-major C^T = B^T A^T, so no
     operand is copied when its last or second-to-last dim has unit stride (a weight's transposed view included).
@@ -144,6 +145,8 @@ def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False) -> Any:
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     if out is None:
         out = cp.empty(batch + (m, n), dtype=dtype)
+    elif out.dtype != dtype and not (out.dtype == np.float32 and dtype in (np.float16, BFLOAT16)):
+        raise TypeError(f"cuBLAS products of {dtype} write {dtype} or (for half types) float32, not {out.dtype}")
     if out.size == 0:
         return out
     if k == 0:
@@ -166,5 +169,6 @@ def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False) -> Any:
     _check(lib.cublasGemmStridedBatchedEx(
         handle, op_b, op_a, n, m, k, ctypes.byref(one),
         b3.data.ptr, kind, ld_b, stride_b, a3.data.ptr, kind, ld_a, stride_a,
-        ctypes.byref(beta), out.data.ptr, kind, n, m * n, count, compute, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+        ctypes.byref(beta), out.data.ptr, _CUDA_R[out.dtype], n, m * n, count, compute, _GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx")
     return out

@@ -1,5 +1,6 @@
 """Attention on the GPU: RoPE in one kernel over q/k in any layout, one-token decode attention split over the
-keys (fused.cu), and the general path (portable sdpa with its products on cuBLAS) for everything else."""
+keys (fused.cu), several queries (prefill) as two cuBLAS products around one fused masked softmax (softmax.cu),
+and the portable sdpa (products on cuBLAS) for what neither takes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from kiln.runtime.backends.array_api import rotate, upcast
 from kiln.runtime.backends.array_api import sdpa as portable_sdpa
-from kiln.runtime.backends.cuda import nvrtc
+from kiln.runtime.backends.cuda import cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.linalg import matmul_cublas
 from kiln.runtime.backends.cuda.kernels.registry import elements, grid, kernel
 
@@ -51,9 +52,53 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     to get that back."""
     if _decode_attention_applies(q, k, v, mask, causal):
         return _decode_attention(q, k, v, mask, scale)
+    if _products_attention_applies(q, k, v, mask):
+        return _products_attention(q, k, v, mask, causal, scale)
     dtype = q.dtype
     q, k, v, mask = upcast(q, k, v, mask)
     return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas).astype(dtype, copy=False)
+
+
+SOFTMAX_MASKS = {None: 0, "bool": 1, "float": 2}  # as softmax.cu numbers them
+
+
+def _products_attention_applies(q: Any, k: Any, v: Any, mask: Any) -> bool:
+    """Several queries (a prefill) over 4-d q/k/v of one storage type that cuBLAS multiplies."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not nvrtc.supports(q, k, v) or not cublas.supports(q.dtype):
+        return False
+    b, hq, _, e = q.shape
+    if 0 in q.shape + k.shape or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != e:
+        return False
+    if hq % k.shape[1]:
+        return False
+    return mask is None or (mask.ndim <= 4 and (mask.dtype == cp.bool_ or mask.dtype.kind == "f"))
+
+
+def _products_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
+    """q k^T on cuBLAS into float32 scores (q heads grouped per kv head: no repeated k/v), one fused pass for
+    scale, causal limit, mask and softmax that writes the probabilities in q's type, and their product with v.
+    The scores are written and read once, where the portable path made about ten passes over them."""
+    b, hq, queries, e = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = hq // kv_heads
+    grouped = q.reshape(b, kv_heads, groups * queries, e)
+    scores = cublas.matmul(grouped, cp.swapaxes(k, -1, -2),
+                           out=cp.empty((b, kv_heads, groups * queries, keys), dtype=cp.float32))
+    probs = cp.empty(scores.shape, dtype=q.dtype)
+    kind, mask_arg, strides = SOFTMAX_MASKS[None], scores, [np.int64(0)] * 4
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if mask.dtype != cp.bool_ and mask.dtype != cp.float32:
+            mask = mask.astype(cp.float32)
+        kind, mask_arg = SOFTMAX_MASKS["bool" if mask.dtype == cp.bool_ else "float"], mask
+        strides = [np.int64(0 if n == 1 else s // mask.itemsize) for n, s in zip(mask.shape, mask.strides)]
+    threads = 128 if keys <= 1024 else 256
+    nvrtc.function("softmax", "masked_softmax", q.dtype)(
+        (b * hq * queries,), (threads,),
+        (scores, probs, mask_arg, np.int32(kind), *strides, np.int32(kv_heads), np.int32(groups),
+         np.int32(queries), np.int32(keys), np.float32(1 / math.sqrt(e) if scale is None else scale),
+         np.int32(causal)))
+    return cublas.matmul(probs, v).reshape(b, hq, queries, v.shape[3])
 
 
 ATTN_CHUNK, ATTN_MAX_E, ATTN_MAX_G, ATTN_THREADS = 32, 256, 16, 256  # as fused.cu defines them

@@ -59,6 +59,24 @@ __device__ float block_sum(float v) {
     return total;
 }
 
+// Maximum of v over the block (as block_sum), returned to every thread.
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : -KILN_INF;
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) partial[0] = v;
+    }
+    __syncthreads();
+    const float total = partial[0];
+    __syncthreads();
+    return total;
+}
+
 __device__ __forceinline__ float sigmoid(float v) {  // without overflow for either sign
     const float e = expf(-fabsf(v));
     return v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);

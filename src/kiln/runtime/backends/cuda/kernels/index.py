@@ -14,22 +14,24 @@ from kiln.runtime.backends.array_api.index import target
 from kiln.runtime.backends.cuda.kernels.registry import OnHost, kernel
 
 
-def _last_writer(index: Any) -> Any:
-    """For each position j of a 1-d index, the last position k with index[k] == index[j].
+def _last_writer(index: Any, size: int) -> Any:
+    """For each position j of a 1-d index into `size` slots, the last position k with index[k] == index[j].
 
     A GPU scatter with repeated indices lets any of the writers win; PyTorch (and the CPU backend) keep the last.
     Giving every writer of a slot the last writer's value makes the race harmless, without a host round trip to
-    drop the repeats. Quadratic in the index length, which is a chunk of tokens for a KV cache.
+    drop the repeats: an atomic max of the positions per slot, then each position reads its slot's winner.
     """
     n = index.shape[0]
-    same = index[:, None] == index[None, :]
-    return cp.max(cp.where(same, cp.arange(n)[None, :], -1), axis=1)
+    slot = cp.where(index < 0, index + size, index)
+    winner = cp.full(size, -1, dtype=cp.int64)
+    cp.maximum.at(winner, slot, cp.arange(n, dtype=cp.int64))
+    return winner[slot]
 
 
 def _write(out: Any, dim: int, index: Any, source: Any) -> Any:
     if index.ndim == 1 and index.shape[0] > 1:
         source = cp.broadcast_to(source, out[(slice(None),) * dim + (index,)].shape)
-        source = cp.take(source, _last_writer(index), axis=dim)
+        source = cp.take(source, _last_writer(index, out.shape[dim]), axis=dim)
     out[(slice(None),) * dim + (index,)] = source
     return out
 
