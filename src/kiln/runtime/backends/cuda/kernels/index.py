@@ -1,9 +1,11 @@
 """Writes on the GPU where the portable kernels would race: a scatter with repeated indices lets any writer win on
-a GPU, while PyTorch (and the CPU) keep the last. KV-cache writes make the repeats agree first. scatter_reduce's
-product, which CuPy has no multiply.at for, multiplies in place through a compare-and-swap loop."""
+a GPU, while PyTorch (and the CPU) keep the last: KV-cache writes keep each slot's last writer (index.cu).
+scatter_reduce's product, which CuPy has no multiply.at for, multiplies in place through a compare-and-swap
+loop."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import cupy as cp
@@ -11,28 +13,36 @@ import numpy as np
 
 from kiln.runtime.backends.array_api import index as portable
 from kiln.runtime.backends.array_api.index import target
-from kiln.runtime.backends.cuda.kernels.registry import OnHost, kernel
-
-
-def _last_writer(index: Any, size: int) -> Any:
-    """For each position j of a 1-d index into `size` slots, the last position k with index[k] == index[j].
-
-    A GPU scatter with repeated indices lets any of the writers win; PyTorch (and the CPU backend) keep the last.
-    Giving every writer of a slot the last writer's value makes the race harmless, without a host round trip to
-    drop the repeats: an atomic max of the positions per slot, then each position reads its slot's winner.
-    """
-    n = index.shape[0]
-    slot = cp.where(index < 0, index + size, index)
-    winner = cp.full(size, -1, dtype=cp.int64)
-    cp.maximum.at(winner, slot, cp.arange(n, dtype=cp.int64))
-    return winner[slot]
+from kiln.runtime.backends.cuda import nvrtc
+from kiln.runtime.backends.cuda.kernels.registry import OnHost, elements, grid, kernel
 
 
 def _write(out: Any, dim: int, index: Any, source: Any) -> Any:
-    if index.ndim == 1 and index.shape[0] > 1:
-        source = cp.broadcast_to(source, out[(slice(None),) * dim + (index,)].shape)
-        source = cp.take(source, _last_writer(index, out.shape[dim]), axis=dim)
-    out[(slice(None),) * dim + (index,)] = source
+    """out[..., index, ...] = source along dim, the last of repeated slots winning: each slot's last writer found
+    by an atomic max of the positions, then one pass writing only those (index.cu); for the types index.cu does
+    not take, every writer of a slot is given the last one's value and CuPy assigns."""
+    if index.ndim != 1 or out.size == 0 or index.shape[0] == 0:
+        out[(slice(None),) * dim + (index,)] = source
+        return out
+    n, size = index.shape[0], out.shape[dim]
+    inner = math.prod(out.shape[dim + 1:])
+    src = cp.broadcast_to(source, out.shape[:dim] + (n,) + out.shape[dim + 1:]).reshape(-1, n, inner)
+    if not (nvrtc.supports(out, src) and out.flags.c_contiguous and index.dtype == cp.int64):
+        slot = cp.where(index < 0, index + size, index)
+        last = cp.full(size, -1, dtype=cp.int64)
+        cp.maximum.at(last, slot, cp.arange(n, dtype=cp.int64))
+        out[(slice(None),) * dim + (index,)] = cp.take(src, last[slot], axis=1).reshape(
+            out.shape[:dim] + (n,) + out.shape[dim + 1:])
+        return out
+    winner: Any = np.uint64(0)  # a null pointer: one slot written once, nothing to decide
+    if n > 1:
+        winner = cp.full(size, -1, dtype=cp.int32)
+        nvrtc.function("index", "last_writer", out.dtype)(grid(n), (256,), (index, winner, np.int32(n),
+                                                                             np.int32(size)))
+    total = src.size
+    nvrtc.function("index", "write_slots", out.dtype)(
+        grid(total), (256,), (out, src, index, winner, np.int32(n), np.int32(size), np.int64(inner),
+                              *elements(src.strides, src.itemsize, 3), np.int64(total)))
     return out
 
 
