@@ -25,6 +25,8 @@ CASES = [
     Case("linear_dynamic", F.linear, (In((3, 8)), In((5, 8))), dynamic=({0: Dim("n", max=64)}, None),
          run_shapes=(((3, 8), (5, 8)), ((11, 8), (5, 8)))),
     Case("layer_norm", lambda x, w, b: F.layer_norm(x, (8,), w, b), (In((2, 3, 8)), In((8,)), In((8,)))),
+    Case("layer_norm_wide", lambda x, w, b: F.layer_norm(x, (1500,), w, b), (In((3, 1500)), In((1500,)),
+                                                                             In((1500,)))),
     Case("layer_norm_2d_noaffine", lambda x: F.layer_norm(x, (3, 8), eps=1e-3), (In((2, 3, 8)),)),
     Case("layer_norm_f16", lambda x, w: F.layer_norm(x, (32,), w), (In((4, 32), torch.float16),
                                                                     In((32,), torch.float16))),

@@ -48,7 +48,8 @@ for name, fn in {"softmax": torch.softmax, "log_softmax": torch.log_softmax}.ite
               Case(f"{name}_dim0", lambda x, f=fn: f(x, 0), (In((4, 5)),)),
               Case(f"{name}_f16", lambda x, f=fn: f(x, -1), (In((4, 32), torch.float16),)),
               Case(f"{name}_bf16", lambda x, f=fn: f(x, -1), (In((4, 32), torch.bfloat16),)),
-              Case(f"{name}_inf", lambda x, f=fn: f(x.masked_fill(x > 1, float("-inf")), -1), (In((4, 16)),))]
+              Case(f"{name}_inf", lambda x, f=fn: f(x.masked_fill(x > 1, float("-inf")), -1), (In((4, 16)),)),
+              Case(f"{name}_wide", lambda x, f=fn: f(x, -1), (In((3, 3000)),))]  # rows longer than a GPU block
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

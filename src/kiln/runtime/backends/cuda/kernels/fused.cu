@@ -23,6 +23,33 @@ __global__ void rms_norm(const typename S::T* __restrict__ x, const typename S::
     }
 }
 
+// layer_norm over the last d elements: y = (x - mean) / sqrt(var + eps) * w + b (w, b read only when given). One
+// block per row; the variance is the mean of the centered squares (a second pass over the row, from cache), as the
+// CPU kernel computes it.
+template <class S>
+__global__ void layer_norm(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
+                           const typename S::T* __restrict__ b, typename S::T* __restrict__ y, int d, float eps,
+                           int has_w, int has_b) {
+    const long long row = blockIdx.x;
+    const typename S::T* xr = x + row * d;
+    typename S::T* yr = y + row * d;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) s += S::load(xr[i]);
+    const float mean = block_sum(s) / (float)d;
+    float q = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float c = S::load(xr[i]) - mean;
+        q += c * c;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(q) / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = (S::load(xr[i]) - mean) * inv;
+        if (has_w) v *= S::load(w[i]);
+        if (has_b) v += S::load(b[i]);
+        yr[i] = S::store(v);
+    }
+}
+
 // gated_activation: y = act(g) * u elementwise over [rows, d] (g and u rows at strides gs, us: the two halves of one
 // fused projection are views); act 0 silu, 1 gelu (erf form), 2 gelu (tanh form). y is contiguous.
 template <class S>

@@ -1,13 +1,16 @@
-"""RMSNorm on the GPU: one fused kernel per row for the last dim (fused.cu), CuPy otherwise. LayerNorm and the
-other normalizations are portable."""
+"""RMSNorm and LayerNorm on the GPU: one fused kernel per row over the normalized dims (fused.cu) where x and the
+affine parameters are contiguous in one storage type; the portable kernels otherwise. The other normalizations
+are portable."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
+from kiln.runtime.backends.array_api import norm as portable
 from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.registry import contiguous, kernel
@@ -33,3 +36,18 @@ def rms_norm(x: Any, weight: Any, axes: int, eps: float | None) -> Any:
     if weight is not None:
         out = out * weight
     return out.astype(dtype, copy=False)
+
+
+@kernel("layer_norm")
+def layer_norm(x: Any, weight: Any, bias: Any, axes: int, eps: float) -> Any:
+    d = math.prod(x.shape[x.ndim - axes:])
+    affine = tuple(a for a in (weight, bias) if a is not None)
+    if not (x.ndim and x.size and d and contiguous(x, *affine) and nvrtc.supports(x, *affine)
+            and all(a.size == d for a in affine)):
+        return portable.layer_norm(cp, x, weight, bias, axes, eps)
+    out = cp.empty_like(x)
+    block = min(1024, 32 * ((d + 31) // 32))
+    nvrtc.function("fused", "layer_norm", x.dtype)(
+        (x.size // d,), (block,), (x, x if weight is None else weight, x if bias is None else bias, out, np.int32(d),
+                                   np.float32(eps), np.int32(weight is not None), np.int32(bias is not None)))
+    return out

@@ -1,3 +1,18 @@
+// softmax over contiguous rows of d elements, read and written in the storage type (the math in float32, each
+// output rounded once). One block per row.
+template <class S>
+__global__ void softmax_rows(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, int d) {
+    const typename S::T* xr = x + (long long)blockIdx.x * d;
+    typename S::T* yr = y + (long long)blockIdx.x * d;
+    float top = -KILN_INF;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) top = fmaxf(top, S::load(xr[j]));
+    top = block_max(top);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) sum += expf(S::load(xr[j]) - top);
+    const float inv = 1.0f / block_sum(sum);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) yr[j] = S::store(expf(S::load(xr[j]) - top) * inv);
+}
+
 // The softmax between attention's two products: one block per score row, the scale, the causal limit and the
 // mask (bool or float, any broadcast, read through strides) applied as the row is read, probabilities written in
 // the storage type the second product reads. Rows are grouped as the GQA products lay them out: row r is query
