@@ -210,6 +210,8 @@ def embedding_bag(xp: Any, weight: Any, indices: Any, offsets: Any, per_sample_w
     wide = np.dtype(np.float32) if dtype in LOW_PRECISION else dtype
     if on_host(xp):
         _check_bags(offsets, idx, bags, padding_idx, rows_in)
+    if bags == 0:
+        return xp.zeros((0,) + tuple(weight.shape[1:]), dtype)
     position = xp.arange(n)
     bag = binary_search(xp, offsets[:bags], position, right=True) - 1
     keep = bag >= 0
