@@ -41,16 +41,26 @@ struct F16 {
     }
 };
 
+// Sum and maximum of v over the warp, returned to every lane (kernels that give each warp a row of its own).
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
 __device__ float block_sum(float v) {
     __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum(v);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     if (warp == 0) {
         v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        v = warp_sum(v);
         if (lane == 0) partial[0] = v;
     }
     __syncthreads();
@@ -62,13 +72,13 @@ __device__ float block_sum(float v) {
 // Maximum of v over the block (as block_sum), returned to every thread.
 __device__ float block_max(float v) {
     __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_max(v);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     if (warp == 0) {
         v = lane < (int)(blockDim.x >> 5) ? partial[lane] : -KILN_INF;
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+        v = warp_max(v);
         if (lane == 0) partial[0] = v;
     }
     __syncthreads();

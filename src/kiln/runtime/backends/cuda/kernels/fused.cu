@@ -50,6 +50,34 @@ __global__ void layer_norm(const typename S::T* __restrict__ x, const typename S
     }
 }
 
+// layer_norm for rows of at most ROW_WARP_MAX (registry.py) elements: a warp per row (rows = blockDim.x / 32 per block), the
+// reductions in shuffles, without the block-wide barriers that dominate short rows.
+template <class S>
+__global__ void layer_norm_warp(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
+                                const typename S::T* __restrict__ b, typename S::T* __restrict__ y, long long rows,
+                                int d, float eps, int has_w, int has_b) {
+    const long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const typename S::T* xr = x + row * d;
+    typename S::T* yr = y + row * d;
+    float s = 0.0f;
+    for (int i = lane; i < d; i += 32) s += S::load(xr[i]);
+    const float mean = warp_sum(s) / (float)d;
+    float q = 0.0f;
+    for (int i = lane; i < d; i += 32) {
+        const float c = S::load(xr[i]) - mean;
+        q += c * c;
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(q) / (float)d + eps);
+    for (int i = lane; i < d; i += 32) {
+        float v = (S::load(xr[i]) - mean) * inv;
+        if (has_w) v *= S::load(w[i]);
+        if (has_b) v += S::load(b[i]);
+        yr[i] = S::store(v);
+    }
+}
+
 // gated_activation: y = act(g) * u elementwise over [rows, d] (g and u rows at strides gs, us: the two halves of one
 // fused projection are views); act 0 silu, 1 gelu (erf form), 2 gelu (tanh form). y is contiguous.
 template <class S>

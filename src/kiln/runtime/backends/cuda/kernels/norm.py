@@ -1,6 +1,6 @@
-"""RMSNorm and LayerNorm on the GPU: one fused kernel per row over the normalized dims (fused.cu) where x and the
-affine parameters are contiguous in one storage type; the portable kernels otherwise. The other normalizations
-are portable."""
+"""RMSNorm and LayerNorm on the GPU: fused kernels over the normalized dims (fused.cu; LayerNorm gives rows of up
+to ROW_WARP_MAX elements a warp each, longer rows a block) where x and the affine parameters are contiguous in one
+storage type; the portable kernels otherwise. The other normalizations are portable."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from kiln.runtime.backends.array_api import norm as portable
 from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.cuda import nvrtc
-from kiln.runtime.backends.cuda.kernels.registry import contiguous, kernel
+from kiln.runtime.backends.cuda.kernels.registry import ROW_WARP_MAX, ROWS_PER_BLOCK, contiguous, kernel
 
 
 @kernel("rms_norm")
@@ -45,9 +45,13 @@ def layer_norm(x: Any, weight: Any, bias: Any, axes: int, eps: float) -> Any:
     if not (x.ndim and x.size and d and contiguous(x, *affine) and nvrtc.supports(x, *affine)
             and all(a.size == d for a in affine)):
         return portable.layer_norm(cp, x, weight, bias, axes, eps)
-    out = cp.empty_like(x)
-    block = min(1024, 32 * ((d + 31) // 32))
-    nvrtc.function("fused", "layer_norm", x.dtype)(
-        (x.size // d,), (block,), (x, x if weight is None else weight, x if bias is None else bias, out, np.int32(d),
-                                   np.float32(eps), np.int32(weight is not None), np.int32(bias is not None)))
+    out, rows = cp.empty_like(x), x.size // d
+    w, b = x if weight is None else weight, x if bias is None else bias
+    flags = (np.float32(eps), np.int32(weight is not None), np.int32(bias is not None))
+    if d <= ROW_WARP_MAX:
+        nvrtc.function("fused", "layer_norm_warp", x.dtype)(
+            (-(-rows // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (x, w, b, out, np.int64(rows), np.int32(d), *flags))
+    else:
+        nvrtc.function("fused", "layer_norm", x.dtype)(
+            (rows,), (min(1024, 32 * ((d + 31) // 32)),), (x, w, b, out, np.int32(d), *flags))
     return out

@@ -19,6 +19,11 @@ class OnHost(Exception):  # noqa: N818 - a signal, not an error
     instead (and reports it in host_ops)."""
 
 
+ROW_WARP_MAX, ROWS_PER_BLOCK = 2048, 8
+"""Row kernels (LayerNorm, softmax) give each row up to ROW_WARP_MAX elements a warp of its own, ROWS_PER_BLOCK
+rows per block: short rows then pay no block-wide barriers. Longer rows get a block each."""
+
+
 def contiguous(*arrays: Any) -> bool:
     return all(a.flags.c_contiguous for a in arrays)
 

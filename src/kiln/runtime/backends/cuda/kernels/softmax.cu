@@ -13,6 +13,24 @@ __global__ void softmax_rows(const typename S::T* __restrict__ x, typename S::T*
     for (int j = threadIdx.x; j < d; j += blockDim.x) yr[j] = S::store(expf(S::load(xr[j]) - top) * inv);
 }
 
+// softmax_rows for rows of at most ROW_WARP_MAX (registry.py) elements: a warp per row, reductions in shuffles.
+template <class S>
+__global__ void softmax_warp(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, long long rows,
+                             int d) {
+    const long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const typename S::T* xr = x + row * d;
+    typename S::T* yr = y + row * d;
+    float top = -KILN_INF;
+    for (int j = lane; j < d; j += 32) top = fmaxf(top, S::load(xr[j]));
+    top = warp_max(top);
+    float sum = 0.0f;
+    for (int j = lane; j < d; j += 32) sum += expf(S::load(xr[j]) - top);
+    const float inv = 1.0f / warp_sum(sum);
+    for (int j = lane; j < d; j += 32) yr[j] = S::store(expf(S::load(xr[j]) - top) * inv);
+}
+
 // The softmax between attention's two products: one block per score row, the scale, the causal limit and the
 // mask (bool or float, any broadcast, read through strides) applied as the row is read, probabilities written in
 // the storage type the second product reads. Rows are grouped as the GQA products lay them out: row r is query
