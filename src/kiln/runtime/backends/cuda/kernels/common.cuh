@@ -51,16 +51,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum of v over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
-__device__ float block_sum(float v) {
+// v reduced over the block by a warp reducer (blockDim.x a multiple of 32, at most 1024), returned to every
+// thread; `identity` fills the slots of warps the block does not have.
+template <float (*WarpReduce)(float)>
+__device__ float block_reduce(float v, float identity) {
     __shared__ float partial[32];
-    v = warp_sum(v);
+    v = WarpReduce(v);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
-        v = warp_sum(v);
+        v = WarpReduce(lane < (int)(blockDim.x >> 5) ? partial[lane] : identity);
         if (lane == 0) partial[0] = v;
     }
     __syncthreads();
@@ -69,23 +70,8 @@ __device__ float block_sum(float v) {
     return total;
 }
 
-// Maximum of v over the block (as block_sum), returned to every thread.
-__device__ float block_max(float v) {
-    __shared__ float partial[32];
-    v = warp_max(v);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : -KILN_INF;
-        v = warp_max(v);
-        if (lane == 0) partial[0] = v;
-    }
-    __syncthreads();
-    const float total = partial[0];
-    __syncthreads();
-    return total;
-}
+__device__ float block_sum(float v) { return block_reduce<warp_sum>(v, 0.0f); }
+__device__ float block_max(float v) { return block_reduce<warp_max>(v, -KILN_INF); }
 
 __device__ __forceinline__ float sigmoid(float v) {  // without overflow for either sign
     const float e = expf(-fabsf(v));

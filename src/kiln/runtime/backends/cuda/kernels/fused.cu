@@ -23,26 +23,23 @@ __global__ void rms_norm(const typename S::T* __restrict__ x, const typename S::
     }
 }
 
-// layer_norm over the last d elements: y = (x - mean) / sqrt(var + eps) * w + b (w, b read only when given). One
-// block per row; the variance is the mean of the centered squares (a second pass over the row, from cache), as the
-// CPU kernel computes it.
-template <class S>
-__global__ void layer_norm(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
-                           const typename S::T* __restrict__ b, typename S::T* __restrict__ y, int d, float eps,
-                           int has_w, int has_b) {
-    const long long row = blockIdx.x;
-    const typename S::T* xr = x + row * d;
-    typename S::T* yr = y + row * d;
+// layer_norm of one row of d elements: y = (x - mean) / sqrt(var + eps) * w + b (w, b read only when given), by
+// the threads first, first + step, ... with Sum reducing over them (a warp's or the block's). The variance is the
+// mean of the centered squares (a second pass over the row, from cache), as the CPU kernel computes it.
+template <class S, float (*Sum)(float)>
+__device__ void layer_norm_row(const typename S::T* __restrict__ xr, const typename S::T* __restrict__ w,
+                               const typename S::T* __restrict__ b, typename S::T* __restrict__ yr, int d,
+                               float eps, int has_w, int has_b, int first, int step) {
     float s = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) s += S::load(xr[i]);
-    const float mean = block_sum(s) / (float)d;
+    for (int i = first; i < d; i += step) s += S::load(xr[i]);
+    const float mean = Sum(s) / (float)d;
     float q = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    for (int i = first; i < d; i += step) {
         const float c = S::load(xr[i]) - mean;
         q += c * c;
     }
-    const float inv = 1.0f / sqrtf(block_sum(q) / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float inv = 1.0f / sqrtf(Sum(q) / (float)d + eps);
+    for (int i = first; i < d; i += step) {
         float v = (S::load(xr[i]) - mean) * inv;
         if (has_w) v *= S::load(w[i]);
         if (has_b) v += S::load(b[i]);
@@ -50,32 +47,23 @@ __global__ void layer_norm(const typename S::T* __restrict__ x, const typename S
     }
 }
 
-// layer_norm for rows of at most ROW_WARP_MAX (registry.py) elements: a warp per row (rows = blockDim.x / 32 per block), the
-// reductions in shuffles, without the block-wide barriers that dominate short rows.
+// layer_norm with a block per row (rows longer than ROW_WARP_MAX, registry.py).
+template <class S>
+__global__ void layer_norm(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
+                           const typename S::T* __restrict__ b, typename S::T* __restrict__ y, int d, float eps,
+                           int has_w, int has_b) {
+    const long long row = blockIdx.x;
+    layer_norm_row<S, block_sum>(x + row * d, w, b, y + row * d, d, eps, has_w, has_b, threadIdx.x, blockDim.x);
+}
+
+// layer_norm with a warp per row (blockDim.x / 32 rows per block): short rows pay no block-wide barriers.
 template <class S>
 __global__ void layer_norm_warp(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
                                 const typename S::T* __restrict__ b, typename S::T* __restrict__ y, long long rows,
                                 int d, float eps, int has_w, int has_b) {
     const long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31;
-    const typename S::T* xr = x + row * d;
-    typename S::T* yr = y + row * d;
-    float s = 0.0f;
-    for (int i = lane; i < d; i += 32) s += S::load(xr[i]);
-    const float mean = warp_sum(s) / (float)d;
-    float q = 0.0f;
-    for (int i = lane; i < d; i += 32) {
-        const float c = S::load(xr[i]) - mean;
-        q += c * c;
-    }
-    const float inv = 1.0f / sqrtf(warp_sum(q) / (float)d + eps);
-    for (int i = lane; i < d; i += 32) {
-        float v = (S::load(xr[i]) - mean) * inv;
-        if (has_w) v *= S::load(w[i]);
-        if (has_b) v += S::load(b[i]);
-        yr[i] = S::store(v);
-    }
+    if (row >= rows) return;  // (whole warps: the shuffles see every lane)
+    layer_norm_row<S, warp_sum>(x + row * d, w, b, y + row * d, d, eps, has_w, has_b, threadIdx.x & 31, 32);
 }
 
 // gated_activation: y = act(g) * u elementwise over [rows, d] (g and u rows at strides gs, us: the two halves of one

@@ -1,34 +1,31 @@
-// softmax over contiguous rows of d elements, read and written in the storage type (the math in float32, each
-// output rounded once). One block per row.
-template <class S>
-__global__ void softmax_rows(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, int d) {
-    const typename S::T* xr = x + (long long)blockIdx.x * d;
-    typename S::T* yr = y + (long long)blockIdx.x * d;
+// softmax of one row of d elements, read and written in the storage type (the math in float32, each output
+// rounded once), by the threads first, first + step, ... with Max and Sum reducing over them.
+template <class S, float (*Max)(float), float (*Sum)(float)>
+__device__ void softmax_row(const typename S::T* __restrict__ xr, typename S::T* __restrict__ yr, int d, int first,
+                            int step) {
     float top = -KILN_INF;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) top = fmaxf(top, S::load(xr[j]));
-    top = block_max(top);
+    for (int j = first; j < d; j += step) top = fmaxf(top, S::load(xr[j]));
+    top = Max(top);
     float sum = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) sum += expf(S::load(xr[j]) - top);
-    const float inv = 1.0f / block_sum(sum);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) yr[j] = S::store(expf(S::load(xr[j]) - top) * inv);
+    for (int j = first; j < d; j += step) sum += expf(S::load(xr[j]) - top);
+    const float inv = 1.0f / Sum(sum);
+    for (int j = first; j < d; j += step) yr[j] = S::store(expf(S::load(xr[j]) - top) * inv);
 }
 
-// softmax_rows for rows of at most ROW_WARP_MAX (registry.py) elements: a warp per row, reductions in shuffles.
+// softmax with a block per row (rows longer than ROW_WARP_MAX, registry.py).
+template <class S>
+__global__ void softmax_rows(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, int d) {
+    const long long row = blockIdx.x;
+    softmax_row<S, block_max, block_sum>(x + row * d, y + row * d, d, threadIdx.x, blockDim.x);
+}
+
+// softmax with a warp per row (blockDim.x / 32 rows per block).
 template <class S>
 __global__ void softmax_warp(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, long long rows,
                              int d) {
     const long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31;
-    const typename S::T* xr = x + row * d;
-    typename S::T* yr = y + row * d;
-    float top = -KILN_INF;
-    for (int j = lane; j < d; j += 32) top = fmaxf(top, S::load(xr[j]));
-    top = warp_max(top);
-    float sum = 0.0f;
-    for (int j = lane; j < d; j += 32) sum += expf(S::load(xr[j]) - top);
-    const float inv = 1.0f / warp_sum(sum);
-    for (int j = lane; j < d; j += 32) yr[j] = S::store(expf(S::load(xr[j]) - top) * inv);
+    if (row >= rows) return;  // (whole warps: the shuffles see every lane)
+    softmax_row<S, warp_max, warp_sum>(x + row * d, y + row * d, d, threadIdx.x & 31, 32);
 }
 
 // The softmax between attention's two products: one block per score row, the scale, the causal limit and the
