@@ -169,7 +169,8 @@ def scatter_reduce(xp: Any, x: Any, index: Any, source: Any, dim: int, reduce: s
         multiply_at(out, key, src)
     else:
         getattr(xp, _AT[reduce]).at(out, key, src)
-    if reduce in ("amax", "amin") and wide.kind == "f":  # a GPU's atomic max/min skips NaN; PyTorch propagates it
+    if reduce in ("amax", "amin") and wide.kind == "f" and not on_host(xp):
+        # a GPU's atomic max/min skips NaN, which PyTorch (and NumPy's maximum.at) propagate
         nan = xp.zeros(out.shape, np.int32)
         xp.add.at(nan, key, xp.isnan(src).astype(np.int32))
         out = xp.where(nan > 0, wide.type(np.nan), out)
@@ -224,19 +225,18 @@ def embedding_bag(xp: Any, weight: Any, indices: Any, offsets: Any, per_sample_w
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.reshape((-1,) + (1,) * (rows.ndim - 1)).astype(wide)
     shape = (bags + 1,) + tuple(weight.shape[1:])
-    counts = xp.zeros(bags + 1, np.int64)
-    xp.add.at(counts, slot, 1)
-    counts = counts[:bags].reshape((-1,) + (1,) * (rows.ndim - 1))
     if mode == "max":
         out = xp.full(shape, -np.inf if wide.kind == "f" else np.iinfo(wide).min, wide)
         xp.maximum.at(out, slot, rows)
-        out = xp.where(counts == 0, wide.type(0), out[:bags])
     else:
         out = xp.zeros(shape, wide)
         xp.add.at(out, slot, rows)
-        out = out[:bags]
-        if mode == "mean":
-            out = out / xp.maximum(counts, 1).astype(wide)
+    out = out[:bags]
+    if mode != "sum":  # empty bags: 0 for max, and the divisor of mean
+        counts = xp.zeros(bags + 1, np.int64)
+        xp.add.at(counts, slot, 1)
+        counts = counts[:bags].reshape((-1,) + (1,) * (rows.ndim - 1))
+        out = xp.where(counts == 0, wide.type(0), out) if mode == "max" else out / xp.maximum(counts, 1).astype(wide)
     return out.astype(dtype, copy=False)
 
 

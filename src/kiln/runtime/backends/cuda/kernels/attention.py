@@ -44,7 +44,8 @@ def _rope_fused(x: Any, cos: Any, sin: Any, interleaved: bool) -> Any:
 
 @kernel("sdpa")
 def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
-    """softmax(q k^T * scale + mask) v with batched cuBLAS products; GQA by grouping q heads per kv head.
+    """softmax(q k^T * scale + mask) v: one query per head by the split-key decode kernel, several by two cuBLAS
+    products around the fused masked softmax, anything else by the portable path (products on cuBLAS).
 
     Unlike the CPU kernel it attends every cache slot: narrowing to the visible keys needs the mask on the host,
     and that synchronization per layer cost more than it saved (SmolLM2-shaped decode at 128 of 512 slots on an
@@ -52,26 +53,36 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     to get that back."""
     if _decode_attention_applies(q, k, v, mask, causal):
         return _decode_attention(q, k, v, mask, scale)
-    if _products_attention_applies(q, k, v, mask):
+    if _grouped_attention(q, k, v, mask) and cublas.supports(q.dtype):
         return _products_attention(q, k, v, mask, causal, scale)
     dtype = q.dtype
     q, k, v, mask = upcast(q, k, v, mask)
     return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas).astype(dtype, copy=False)
 
 
-SOFTMAX_MASKS = {None: 0, "bool": 1, "float": 2}  # as softmax.cu numbers them
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # as fused.cu's and softmax.cu's attention kernels number them
 
 
-def _products_attention_applies(q: Any, k: Any, v: Any, mask: Any) -> bool:
-    """Several queries (a prefill) over 4-d q/k/v of one storage type that cuBLAS multiplies."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not nvrtc.supports(q, k, v) or not cublas.supports(q.dtype):
+def _grouped_attention(q: Any, k: Any, v: Any, mask: Any) -> bool:
+    """What both fused attention paths take: 4-d q/k/v of one storage type, q heads a multiple of kv heads (grouped
+    per kv head, k/v never repeated), no empty dim, and a bool or float mask of at most 4 dims."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not nvrtc.supports(q, k, v) or 0 in q.shape + k.shape + v.shape:
         return False
-    b, hq, _, e = q.shape
-    if 0 in q.shape + k.shape or k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != e:
-        return False
-    if hq % k.shape[1]:
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
         return False
     return mask is None or (mask.ndim <= 4 and (mask.dtype == cp.bool_ or mask.dtype.kind == "f"))
+
+
+def _mask_operand(mask: Any, shape: tuple[int, ...], placeholder: Any) -> tuple[np.int32, Any, list[np.int64]]:
+    """The mask as the attention kernels read it: its kind, the array (placeholder without one: a pointer the
+    kernel never reads) and its strides in elements over [batch, q head, query, key], 0 along broadcast dims."""
+    if mask is None:
+        return np.int32(MASK_NONE), placeholder, [np.int64(0)] * 4
+    if mask.dtype != cp.bool_ and mask.dtype != cp.float32:
+        mask = mask.astype(cp.float32)
+    mask = cp.broadcast_to(mask, shape)
+    kind = MASK_BOOL if mask.dtype == cp.bool_ else MASK_FLOAT
+    return np.int32(kind), mask, elements(mask.strides, mask.itemsize)
 
 
 def _products_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
@@ -85,17 +96,11 @@ def _products_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: 
     scores = cublas.matmul(grouped, cp.swapaxes(k, -1, -2),
                            out=cp.empty((b, kv_heads, groups * queries, keys), dtype=cp.float32))
     probs = cp.empty(scores.shape, dtype=q.dtype)
-    kind, mask_arg, strides = SOFTMAX_MASKS[None], scores, [np.int64(0)] * 4
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-        if mask.dtype != cp.bool_ and mask.dtype != cp.float32:
-            mask = mask.astype(cp.float32)
-        kind, mask_arg = SOFTMAX_MASKS["bool" if mask.dtype == cp.bool_ else "float"], mask
-        strides = [np.int64(0 if n == 1 else s // mask.itemsize) for n, s in zip(mask.shape, mask.strides)]
+    kind, mask_arg, strides = _mask_operand(mask, (b, hq, queries, keys), scores)
     threads = 128 if keys <= 1024 else 256
     nvrtc.function("softmax", "masked_softmax", q.dtype)(
         (b * hq * queries,), (threads,),
-        (scores, probs, mask_arg, np.int32(kind), *strides, np.int32(kv_heads), np.int32(groups),
+        (scores, probs, mask_arg, kind, *strides, np.int32(kv_heads), np.int32(groups),
          np.int32(queries), np.int32(keys), np.float32(1 / math.sqrt(e) if scale is None else scale),
          np.int32(causal)))
     return cublas.matmul(probs, v).reshape(b, hq, queries, v.shape[3])
@@ -106,17 +111,13 @@ COMBINE_THREADS, COMBINE_MAX_SPLITS = 256, 2048
 
 
 def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> bool:
-    """One query per head over a cache in its own layout: the split-key kernel of fused.cu."""
-    if causal or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[2] != 1 or not nvrtc.supports(q, k, v):
+    """One query per head over a cache in its own layout (unit stride along the head dim): the split-key kernel of
+    fused.cu, within its limits on head width, group size and splits."""
+    if causal or not _grouped_attention(q, k, v, mask) or q.shape[2] != 1 or k.shape != v.shape:
         return False
-    if k.shape[2] > ATTN_CHUNK * COMBINE_MAX_SPLITS:
+    if k.shape[2] > ATTN_CHUNK * COMBINE_MAX_SPLITS or q.shape[3] > ATTN_MAX_E or q.shape[1] // k.shape[1] > ATTN_MAX_G:
         return False
-    b, hq, _, e = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != e or e > ATTN_MAX_E or k.shape[2] == 0:
-        return False
-    if hq % k.shape[1] or hq // k.shape[1] > ATTN_MAX_G or k.strides[3] != k.itemsize or v.strides[3] != v.itemsize:
-        return False
-    return mask is None or (mask.ndim <= 4 and (mask.dtype == cp.bool_ or mask.dtype.kind == "f"))
+    return k.strides[3] == k.itemsize and v.strides[3] == v.itemsize
 
 
 def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) -> Any:
@@ -126,15 +127,7 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) ->
     b, hq, _, e = q.shape
     hkv, seq = k.shape[1], k.shape[2]
     q = cp.ascontiguousarray(q)
-    if mask is None:
-        kind, mask_b, mstrides = 0, q, [np.int64(0)] * 3
-    else:
-        kind = 1 if mask.dtype == cp.bool_ else 2
-        if kind == 2 and mask.dtype != cp.float32:
-            mask = mask.astype(cp.float32)
-        mask_b = cp.broadcast_to(mask, (b, hq, 1, seq))
-        ms = elements(mask_b.strides, mask_b.itemsize)
-        mstrides = [ms[0], ms[1], ms[3]]
+    kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
     splits = (seq + ATTN_CHUNK - 1) // ATTN_CHUNK
     part = cp.empty((b, hq, splits, e + 2), dtype=cp.float32)
     ks, vs = elements(k.strides, k.itemsize), elements(v.strides, v.itemsize)
@@ -142,7 +135,7 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) ->
     nvrtc.function("fused", "attend_split", q.dtype)(
         (splits, hkv, b), (ATTN_THREADS,),
         (q, k, v, mask_b, part, np.int32(hq // hkv), np.int32(seq), np.int32(e), np.float32(scale),
-         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], np.int32(kind), *mstrides, np.int32(splits)))
+         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     nvrtc.function("fused", "attend_combine", q.dtype)(
         (b * hq,), (COMBINE_THREADS,), (part, out, np.int32(e), np.int32(splits)))
