@@ -27,12 +27,38 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / best
 
 
+def spin(cp, cycles: int = 600_000_000) -> None:
+    """Hold the GPU with one spinning kernel (600M cycles: about 0.3 s) while Python queues work behind it, so the
+    events around that work time the kernels back to back, not Python's launch rate."""
+    import numpy as np
+
+    kernel = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        const long long t = clock64(); while (clock64() - t < cycles) {} }""", "spin")
+    kernel((1,), (1,), (np.int64(cycles),))
+
+
+def gpu_time(cp, fn: Callable[[], object], calls: int = 50, repeat: int = 5) -> float:
+    """GPU seconds per call of fn: `calls` calls queued behind a spinning kernel between two events; the median
+    of `repeat` such runs."""
+    fn()
+    cp.cuda.Device().synchronize()
+    runs = []
+    for _ in range(repeat):
+        spin(cp)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        runs.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / calls)
+    return statistics.median(runs)
+
+
 def gpu_op_times(program, cp, method: str, inputs: tuple, top: int) -> str:
     """GPU time per kiln op for one run of `method`, op by op: a spinning kernel holds the GPU while Python queues
     the whole run with an event after each op, so the events time the kernels back to back, as a graph runs them,
     not Python's pace."""
-    import numpy as np
-
     from kiln.runtime.bench import format_table
 
     session = program.session("cuda", graphs=False)
@@ -50,9 +76,7 @@ def gpu_op_times(program, cp, method: str, inputs: tuple, top: int) -> str:
 
     session.backend.kernels = {name: timed(name, fn) for name, fn in session.backend.kernels.items()}
     session._plans.clear()
-    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
-        const long long t = clock64(); while (clock64() - t < cycles) {} }""", "spin")
-    spin((1,), (1,), (np.int64(600_000_000),))  # about 0.3 s
+    spin(cp)
     start = cp.cuda.Event()
     start.record()
     session.run(method, *inputs)

@@ -43,6 +43,7 @@ def test_statistics_are_stored_per_method_and_pass(llama_file) -> None:
         assert fired["fuse_projections"] == 3 * 5  # q/k/v and gate/up of each layer
         assert fired["cse"] > 0 and fired["absorb_repeat_kv"] == 6 and fired["fuse_rms_norm"] == 7
         assert fired["in_place_state_writes"] == 6 and fired["fuse_rope"] == 6 and fired["fuse_gated_mlp"] == 3
+        assert fired["fuse_residual_norm"] == 6  # every norm but the first layer's, which reads the embeddings
     decode = stats["decode"]
     assert decode["passes"][-1][2] < 0.75 * decode["nodes"]  # the decode step loses over a quarter of its nodes
 

@@ -19,10 +19,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 3
+OPSET_VERSION = 4
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
-quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved."""
+quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
+4 add_rms_norm was added."""
 
 
 class AttrType(enum.IntEnum):
@@ -194,6 +195,9 @@ define("layer_norm", "x weight? bias?", A("axes", T.INT), A("eps", T.FLOAT, 1e-5
        doc="Normalize over the last `axes` dims: (x - mean) / sqrt(var + eps) * weight + bias.")
 define("rms_norm", "x weight?", A("axes", T.INT), A("eps", T.FLOAT, None),
        doc="x / sqrt(mean(x^2 over the last `axes` dims) + eps) * weight; eps absent: the dtype's epsilon.")
+define("add_rms_norm", "x residual weight?", A("axes", T.INT), A("eps", T.FLOAT, None), outputs=2,
+       doc="(s, rms_norm(s)) for s = x + residual, rounded to the dtype as add would: a transformer block's "
+           "residual add and the RMSNorm after it, in one pass. x and residual have one shape and one float dtype.")
 define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 

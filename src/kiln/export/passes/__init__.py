@@ -24,6 +24,7 @@ from kiln.export.passes.fuse_conv import fuse_conv
 from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
 from kiln.export.passes.fuse_norm import fuse_rms_norm
 from kiln.export.passes.fuse_projections import fuse_projections
+from kiln.export.passes.fuse_residual_norm import fuse_residual_norm
 from kiln.export.passes.fuse_rope import fuse_rope
 from kiln.export.passes.in_place import mark_in_place_state_writes
 from kiln.export.passes.simplify import collapse_chains, remove_noops
@@ -75,6 +76,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_conv", _method_only(fuse_conv), "zero pads and activations fused into convolutions"),
     Pass("absorb_repeat_kv", _method_only(absorb_repeat_kv), "GQA key/value repetition absorbed by sdpa"),
     Pass("fuse_rms_norm", _with_builder(fuse_rms_norm), "hand-written RMSNorm as one rms_norm node"),
+    Pass("fuse_residual_norm", _method_only(fuse_residual_norm), "residual add + rms_norm as one add_rms_norm node"),
     Pass("fuse_rope", _method_only(fuse_rope), "rotate-half rotary embeddings as one rope node"),
     Pass("fuse_gated_mlp", _method_only(fuse_gated_mlp), "act(gate) * up as one gated_activation node"),
     Pass("quantize_weights", _quantize, "linear/embedding weights quantized as the export asked (quantize=)"),

@@ -1,4 +1,5 @@
-"""RMSNorm on the CPU (the other normalizations are portable: kiln.runtime.backends.array_api.norm)."""
+"""RMSNorm on the CPU, alone and after a residual add (the other normalizations are portable:
+kiln.runtime.backends.array_api.norm)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ def rms_norm(x: np.ndarray, weight, axes: int, eps: float | None) -> np.ndarray:
     if weight is not None:
         out = out * weight
     return out.astype(dtype, copy=False)
+
+
+@kernel("add_rms_norm")
+def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight, axes: int, eps: float | None) -> tuple:
+    total = x + residual  # in x's dtype, as the add kernel computes it
+    return total, rms_norm(total, weight, axes, eps)

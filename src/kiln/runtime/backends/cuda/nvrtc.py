@@ -6,7 +6,8 @@ compilation once per machine; this module keeps the loaded modules and kernel lo
 
 A source's kernels are templates over their storage type (`template <class S> __global__ void name(...)`), each
 instantiated for float32, float16 and bfloat16 (the F32, F16 and BF16 structs of common.cuh, which is put in front
-of every source).
+of every source). A kernel may take one int parameter more (`template <class S, int N>`, a size its registers are
+laid out for), instantiated for the values a `// name<N>: 1 2 4 8` line of the source lists.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ OPTIONS = ("--std=c++17",)
 
 STORAGE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", BFLOAT16: "BF16"}
 
-_TEMPLATE = re.compile(r"template <class S>\s*__global__\s+void\s+(\w+)")
+_TEMPLATE = re.compile(r"template <class S(, int \w+)?>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)")
+_INSTANCES = re.compile(r"^// (\w+)<N>: ([\d ]+)$", re.MULTILINE)
 
 
 @functools.cache
@@ -34,14 +36,22 @@ def module(name: str) -> Any:
     """The compiled module of kernels/<name>.cu, every template kernel instantiated for every storage type."""
     files = resources.files("kiln.runtime.backends.cuda.kernels")
     source = files.joinpath("common.cuh").read_text() + "\n" + files.joinpath(f"{name}.cu").read_text()
-    expressions = [f"{kernel}<{s}>" for kernel in _TEMPLATE.findall(source) for s in STORAGE.values()]
+    values = {kernel: numbers.split() for kernel, numbers in _INSTANCES.findall(source)}
+    expressions = []
+    for sized, kernel in _TEMPLATE.findall(source):
+        if sized and kernel not in values:
+            raise ValueError(f"{name}.cu: kernel {kernel} takes an int parameter but no '// {kernel}<N>:' line")
+        for s in STORAGE.values():
+            expressions += [f"{kernel}<{s}, {n}>" for n in values[kernel]] if sized else [f"{kernel}<{s}>"]
     return cp.RawModule(code=source, options=OPTIONS, name_expressions=expressions)
 
 
 @functools.cache
-def function(source: str, kernel: str, dtype: np.dtype) -> Any:
-    """kernels/<source>.cu's `kernel` for arrays of `dtype` (looked up once: a lookup costs as much as a launch)."""
-    return module(source).get_function(f"{kernel}<{STORAGE[np.dtype(dtype)]}>")
+def function(source: str, kernel: str, dtype: np.dtype, size: int | None = None) -> Any:
+    """kernels/<source>.cu's `kernel` for arrays of `dtype` (and its int parameter `size`, if it takes one), looked
+    up once: a lookup costs as much as a launch."""
+    storage = STORAGE[np.dtype(dtype)]
+    return module(source).get_function(f"{kernel}<{storage}>" if size is None else f"{kernel}<{storage}, {size}>")
 
 
 def supports(*arrays: Any) -> bool:

@@ -1,5 +1,5 @@
 """Attention on the GPU: RoPE in one kernel over q/k in any layout, one-token decode attention split over the
-keys (fused.cu), several queries (prefill) as two cuBLAS products around one fused masked softmax (softmax.cu),
+keys (decode.cu), several queries (prefill) as two cuBLAS products around one fused masked softmax (softmax.cu),
 and the portable sdpa (products on cuBLAS) for what neither takes."""
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     """softmax(q k^T * scale + mask) v: one query per head by the split-key decode kernel, several by two cuBLAS
     products around the fused masked softmax, anything else by the portable path (products on cuBLAS).
 
-    Unlike the CPU kernel it attends every cache slot: narrowing to the visible keys needs the mask on the host,
-    and that synchronization per layer cost more than it saved (SmolLM2-shaped decode at 128 of 512 slots on an
-    H100: 78.6 ms with it, 73.1 without); a fused decode kernel that skips unwritten slots on the device is the way
-    to get that back."""
+    The keys the mask hides are skipped on the device (the decode kernel reads the mask before k and v), not by
+    narrowing the cache on the host as the CPU kernel does: that needs the mask on the host, and the
+    synchronization per layer cost more than it saved (SmolLM2-shaped decode at 128 of 512 slots on an H100: 78.6
+    ms with it, 73.1 without)."""
     if _decode_attention_applies(q, k, v, mask, causal):
         return _decode_attention(q, k, v, mask, scale)
     if _grouped_attention(q, k, v, mask) and cublas.supports(q.dtype):
@@ -106,37 +106,45 @@ def _products_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: 
     return cublas.matmul(probs, v).reshape(b, hq, queries, v.shape[3])
 
 
-ATTN_CHUNK, ATTN_MAX_E, ATTN_MAX_G, ATTN_THREADS = 32, 256, 16, 256  # as fused.cu defines them
-COMBINE_THREADS, COMBINE_MAX_SPLITS = 256, 2048
+DECODE_CHUNK, DECODE_THREADS, DECODE_GROUPS = 64, 128, (1, 2, 4, 8)  # as decode.cu defines and instantiates them
+COMBINE_THREADS, COMBINE_MAX_SPLITS = 128, 1024
 
 
 def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> bool:
-    """One query per head over a cache in its own layout (unit stride along the head dim): the split-key kernel of
-    fused.cu, within its limits on head width, group size and splits."""
+    """One query per head over a cache whose rows the decode kernel reads 16 bytes at a time: unit stride along the
+    head dim, rows 16-byte aligned, at most 32 such pieces per row, at most 8 q heads per kv head, at most
+    COMBINE_MAX_SPLITS chunks."""
     if causal or not _grouped_attention(q, k, v, mask) or q.shape[2] != 1 or k.shape != v.shape:
         return False
-    if k.shape[2] > ATTN_CHUNK * COMBINE_MAX_SPLITS or q.shape[3] > ATTN_MAX_E or q.shape[1] // k.shape[1] > ATTN_MAX_G:
+    per16 = 16 // q.itemsize
+    e = q.shape[3]
+    if e % per16 or e // per16 > 32 or q.shape[1] // k.shape[1] > DECODE_GROUPS[-1] or \
+            k.shape[2] > DECODE_CHUNK * COMBINE_MAX_SPLITS:
         return False
-    return k.strides[3] == k.itemsize and v.strides[3] == v.itemsize
+    return all(a.strides[3] == a.itemsize and a.data.ptr % 16 == 0 and all(st % 16 == 0 for st in a.strides[:3])
+               for a in (k, v))
 
 
 def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) -> Any:
-    """Keys split in chunks of ATTN_CHUNK, each block serving the q heads of one kv head (k and v read once per
-    group) and skipping the keys the mask hides (a static cache's unwritten slots cost no reads); a second kernel
-    combines the chunks' softmax partials."""
+    """decode.cu: the keys in chunks of DECODE_CHUNK, a block per chunk and kv head serving the group's q heads
+    (k and v read once per group, keys the mask hides not read), then a kernel combining the chunks' partials."""
     b, hq, _, e = q.shape
     hkv, seq = k.shape[1], k.shape[2]
+    groups = hq // hkv
     q = cp.ascontiguousarray(q)
+    if q.data.ptr % 16:  # a view at an odd offset: the kernel loads q 16 bytes at a time
+        q = q.copy()
     kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
-    splits = (seq + ATTN_CHUNK - 1) // ATTN_CHUNK
+    splits = (seq + DECODE_CHUNK - 1) // DECODE_CHUNK
     part = cp.empty((b, hq, splits, e + 2), dtype=cp.float32)
     ks, vs = elements(k.strides, k.itemsize), elements(v.strides, v.itemsize)
     scale = 1 / math.sqrt(e) if scale is None else scale
-    nvrtc.function("fused", "attend_split", q.dtype)(
-        (splits, hkv, b), (ATTN_THREADS,),
-        (q, k, v, mask_b, part, np.int32(hq // hkv), np.int32(seq), np.int32(e), np.float32(scale),
+    bound = next(g for g in DECODE_GROUPS if g >= groups)
+    nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
+        (splits, hkv, b), (DECODE_THREADS,),
+        (q, k, v, mask_b, part, np.int32(groups), np.int32(seq), np.int32(e), np.float32(scale),
          ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
-    nvrtc.function("fused", "attend_combine", q.dtype)(
-        (b * hq,), (COMBINE_THREADS,), (part, out, np.int32(e), np.int32(splits)))
+    nvrtc.function("decode", "attend_combine", q.dtype)((b * hq,), (COMBINE_THREADS,),
+                                                         (part, out, np.int32(e), np.int32(splits)))
     return out

@@ -8,14 +8,39 @@
 
 #define KILN_INF __int_as_float(0x7f800000)
 
+// 16 bytes moved by one load or store instruction (8 halves or 4 floats): the unit of the memory-bound kernels.
+struct alignas(16) U4 {
+    unsigned int x, y, z, w;
+};
+
+// A 16-byte load that bypasses L1 (streamed weights read once: L1 stays for what is reused, such as x).
+__device__ __forceinline__ U4 load_stream(const void* p) {
+    U4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// Each type also unpacks a U4 into its PER16 values as floats.
 struct F32 {
     typedef float T;
+    static constexpr int PER16 = 4;
     static __device__ __forceinline__ float load(float v) { return v; }
     static __device__ __forceinline__ float store(float v) { return v; }
+    static __device__ __forceinline__ void unpack(const U4& u, float* f) {
+        f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z);
+        f[3] = __uint_as_float(u.w);
+    }
 };
 
 struct BF16 {
     typedef unsigned short T;
+    static constexpr int PER16 = 8;
+    static __device__ __forceinline__ void unpack(const U4& u, float* f) {  // low half first
+        const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
 
     static __device__ __forceinline__ float load(unsigned short v) { return __uint_as_float(((unsigned int)v) << 16); }
     static __device__ __forceinline__ unsigned short store(float v) {  // round to nearest even, NaN kept quiet
@@ -28,6 +53,7 @@ struct BF16 {
 
 struct F16 {
     typedef unsigned short T;
+    static constexpr int PER16 = 8;
 
     static __device__ __forceinline__ float load(unsigned short v) {
         float f;
@@ -38,6 +64,11 @@ struct F16 {
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
         return h;
+    }
+    static __device__ __forceinline__ void unpack(const U4& u, float* f) {
+        const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[2 * i] = load((unsigned short)(w[i] & 0xffffu)), f[2 * i + 1] = load((unsigned short)(w[i] >> 16));
     }
 };
 

@@ -1,6 +1,7 @@
-"""RMSNorm and LayerNorm on the GPU: fused kernels over the normalized dims (fused.cu; LayerNorm gives rows of up
-to ROW_WARP_MAX elements a warp each, longer rows a block) where x and the affine parameters are contiguous in one
-storage type; the portable kernels otherwise. The other normalizations are portable."""
+"""RMSNorm (alone or after a residual add) and LayerNorm on the GPU: fused kernels over the normalized dims
+(fused.cu; LayerNorm gives rows of up to ROW_WARP_MAX elements a warp each, longer rows a block) where x and the
+affine parameters are contiguous in one storage type; the portable kernels otherwise. The other normalizations
+are portable."""
 
 from __future__ import annotations
 
@@ -16,26 +17,49 @@ from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.registry import ROW_WARP_MAX, ROWS_PER_BLOCK, contiguous, kernel
 
 
+def _rms_norm_fused(x: Any, residual: Any, weight: Any, axes: int, eps: float | None) -> tuple[Any, Any] | None:
+    """fused.cu's rms_norm (a block per row, the residual added first when given): (sum, normalized), or None for
+    what it does not take."""
+    d = x.shape[-1] if x.ndim else 1
+    extra = tuple(a for a in (residual, weight) if a is not None)
+    if not (axes == 1 and x.ndim and x.size and contiguous(x, *extra) and nvrtc.supports(x, *extra)
+            and (weight is None or weight.size == d) and (residual is None or residual.shape == x.shape)):
+        return None
+    if eps is None:
+        eps = float(np.finfo(x.dtype).eps)
+    out = cp.empty_like(x)
+    total = x if residual is None else cp.empty_like(x)
+    block = min(1024, 32 * ((d + 31) // 32))
+    args = (x, x if residual is None else residual, x if weight is None else weight, total, out, np.int32(d),
+            np.float32(eps), np.int32(weight is not None), np.int32(residual is not None))
+    nvrtc.function("fused", "rms_norm", x.dtype)((x.size // d,), (block,), args)
+    return total, out
+
+
 @kernel("rms_norm")
 def rms_norm(x: Any, weight: Any, axes: int, eps: float | None) -> Any:
+    fused = _rms_norm_fused(x, None, weight, axes, eps)
+    if fused is not None:
+        return fused[1]
     dtype = x.dtype
     if eps is None:
         eps = float(np.finfo(dtype).eps)
-    d = x.shape[-1] if x.ndim else 1
-    extra = () if weight is None else (weight,)
-    if axes == 1 and x.ndim and x.size and contiguous(x, *extra) and nvrtc.supports(x, *extra) and (
-            weight is None or weight.size == d):
-        out = cp.empty_like(x)
-        block = min(1024, 32 * ((d + 31) // 32))
-        args = (x, x if weight is None else weight, out, np.int32(d), np.float32(eps), np.int32(weight is not None))
-        nvrtc.function("fused", "rms_norm", dtype)((x.size // d,), (block,), args)
-        return out
     xf, weight = upcast(x, weight)
     dims = tuple(range(x.ndim - axes, x.ndim))
     out = xf * (1 / cp.sqrt(cp.mean(xf * xf, axis=dims, keepdims=True) + xf.dtype.type(eps)))
     if weight is not None:
         out = out * weight
     return out.astype(dtype, copy=False)
+
+
+@kernel("add_rms_norm")
+def add_rms_norm(x: Any, residual: Any, weight: Any, axes: int, eps: float | None) -> tuple[Any, Any]:
+    """The residual add and the RMSNorm after it in one kernel (one launch less per norm of a decode step)."""
+    fused = _rms_norm_fused(x, residual, weight, axes, eps)
+    if fused is not None:
+        return fused
+    total = x + residual
+    return total, rms_norm(total, weight, axes, eps)
 
 
 @kernel("layer_norm")

@@ -1,0 +1,106 @@
+"""A decode step's kernels one by one on the GPU: kiln's kernels vs cuBLAS and PyTorch on the shapes of a decoder.
+
+    PYTHONPATH=src python3 benchmarks/gpu_kernels.py [--shape llama-3.2-1b] [--dtype bfloat16] [--markdown]
+
+For each linear layer of one decode step (batch 1; q/k/v and gate/up stacked as kiln's fuse_projections pass
+stacks them) the GPU time of kiln's `linear` kernel, of cuBLAS through kiln's bindings, and of torch's F.linear,
+with the weight bytes each reads per second as a fraction of the copy bandwidth (each call reads a weight copy not
+in L2, as a model's layers do); then the one-query attention
+over a static cache at two contexts, kiln's kernel vs torch's scaled_dot_product_attention. GPU time is taken with
+the calls queued behind a spinning kernel (gpu_harness.gpu_time): Python's launch cost is not in it, as it is not
+in a CUDA graph's replay. Every kiln result is checked against torch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_compare import LLAMA_SIZES  # noqa: E402
+from gpu_harness import copy_bandwidth, device_line, gpu_time, print_table  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="decoder shape")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--rows", type=int, default=1, help="input rows of the linear layers (default 1)")
+    parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
+    parser.add_argument("--contexts", default="128,1024", help="attention contexts (default 128,1024)")
+    parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    from kiln.runtime.backends.array_api import BFLOAT16
+    from kiln.runtime.backends.cuda import cublas
+    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS
+
+    def to_cupy(t: torch.Tensor):  # bfloat16 crosses as its bits
+        return cp.asarray(t.view(torch.int16)).view(BFLOAT16) if t.dtype == torch.bfloat16 else cp.asarray(t)
+
+    def to_torch(a) -> torch.Tensor:
+        if a.dtype == BFLOAT16:
+            return torch.as_tensor(a.view(cp.int16), device="cuda").view(torch.bfloat16)
+        return torch.as_tensor(a, device="cuda")
+
+    size = LLAMA_SIZES[args.shape]
+    d, inter, heads = size["hidden_size"], size["intermediate_size"], size["num_attention_heads"]
+    kv_heads, vocab = size["num_key_value_heads"], size["vocab_size"]
+    e = d // heads
+    dtype = getattr(torch, args.dtype)
+    bandwidth = copy_bandwidth(cp)
+    linear, sdpa = CUDA_KERNELS.kernels["linear"], CUDA_KERNELS.kernels["sdpa"]
+    print(f"{args.shape}, {args.dtype}, on {device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); "
+          f"GPU time per call, median of 5 runs of {args.calls} queued calls")
+
+    shapes = {"q/k/v": (d + 2 * kv_heads * e, d), "o": (d, d), "gate/up": (2 * inter, d), "down": (d, inter),
+              "lm head": (vocab, d)}
+    body = []
+    torch.manual_seed(0)
+    for name, (n, k) in shapes.items():
+        w_t = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+        x_t = torch.randn(args.rows, k, device="cuda", dtype=dtype)
+        w, x = to_cupy(w_t), to_cupy(x_t)
+        want = F.linear(x_t, w_t).float()
+        got = to_torch(linear(x, w, None)).float()
+        error = (got - want).abs().max().item() / want.abs().max().item()
+        times = {"kiln": gpu_time(cp, lambda x=x, w=w: linear(x, w, None), args.calls),
+                 "cuBLAS": gpu_time(cp, lambda x=x, w=w: cublas.matmul(x, w.T), args.calls),
+                 "torch": gpu_time(cp, lambda x=x_t, w=w_t: F.linear(x, w), args.calls)}
+        nbytes = w_t.numel() * w_t.element_size()
+        body.append([f"{name} [{n}, {k}]"] + [f"{t * 1e6:.1f}" for t in times.values()]
+                    + [f"{100 * nbytes / t / bandwidth:.0f}%" for t in times.values()] + [f"{error:.1e}"])
+    print_table(body, ["linear", "kiln us", "cuBLAS us", "torch us", "kiln % bw", "cuBLAS % bw", "torch % bw",
+                       "kiln rel err"], args.markdown)
+
+    body = []
+    slots = args.max_context
+    q_t = torch.randn(1, heads, 1, e, device="cuda", dtype=dtype)
+    k_t = torch.randn(1, kv_heads, slots, e, device="cuda", dtype=dtype)
+    v_t = torch.randn(1, kv_heads, slots, e, device="cuda", dtype=dtype)
+    q, k, v = to_cupy(q_t), to_cupy(k_t), to_cupy(v_t)
+    for context in (int(c) for c in args.contexts.split(",")):
+        mask_t = (torch.arange(slots, device="cuda") <= context)[None, None, None, :]
+        mask = cp.asarray(mask_t)
+        want = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask_t, enable_gqa=True).float()
+        got = to_torch(sdpa(q, k, v, mask, False, None)).float()
+        error = (got - want).abs().max().item() / want.abs().max().item()
+        times = {"kiln": gpu_time(cp, lambda mask=mask: sdpa(q, k, v, mask, False, None), args.calls),
+                 "torch": gpu_time(cp, lambda mask=mask_t: F.scaled_dot_product_attention(
+                     q_t, k_t, v_t, attn_mask=mask, enable_gqa=True), args.calls)}
+        nbytes = 2 * kv_heads * (context + 1) * e * k_t.element_size()
+        body.append([f"context {context} of {slots}"] + [f"{t * 1e6:.1f}" for t in times.values()]
+                    + [f"{nbytes / bandwidth * 1e6:.1f}", f"{error:.1e}"])
+    print_table(body, ["decode attention", "kiln us", "torch us", "bound us", "kiln rel err"], args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

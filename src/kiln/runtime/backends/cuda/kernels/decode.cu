@@ -1,0 +1,252 @@
+// One-query attention (a decode step) over a KV cache, flash-decoding style: the keys split in chunks of
+// DECODE_CHUNK, a block per (chunk, kv head, batch) serving the G q heads of its kv head (k and v read once per
+// group), and a second kernel combining the chunks' softmax partials.
+//
+// The kernel is built for latency, not throughput: at batch 1 a layer's whole cache is a few MB, so what costs is
+// the chain of dependent steps. Every lane issues all its 16-byte k and v loads of a phase before using any; a key
+// row of E values is read by E / PER16 lanes at once (8 lanes for E = 64 in half precision: a warp reads 4 keys
+// per load); each lane keeps a running max, sum and output per head over its keys (online softmax, no shared
+// scores), merged across lanes by shuffles and across warps once at the end.
+//
+// q [B, Hkv * G, 1, E] contiguous; k, v [B, Hkv, S, E], unit stride on E, rows 16-byte aligned (strides kb, kh,
+// ks in elements); mask (kind 0 none, 1 bool keep, 2 additive float32) read through strides mb, mh, ms. A key
+// that the mask hides from every head of the group (false, or -inf) is not read: a static cache's unwritten
+// slots cost nothing, and a chunk with no visible key only writes an empty partial. part [B, Hq, splits, E + 2]
+// gets each head's unnormalized output, its max score and its exp-sum.
+
+#ifndef DECODE_WARPS  // (the #ifndef guards let benchmarks try other sizes)
+#define DECODE_WARPS 4    // warps per block (attention.py's DECODE_THREADS / 32)
+#endif
+#ifndef DECODE_CHUNK
+#define DECODE_CHUNK 64   // keys per block (attention.py's DECODE_CHUNK)
+#endif
+#ifndef DECODE_LOADS
+#define DECODE_LOADS 4    // key rows each lane has in flight per phase
+#endif
+
+// The mask's additive term for key s of q head h: 0 or -inf for a bool mask, the value for a float one.
+__device__ __forceinline__ float mask_term(const void* mask, int kind, long long at) {
+    if (kind == 1) return static_cast<const unsigned char*>(mask)[at] ? 0.0f : -KILN_INF;
+    if (kind == 2) return static_cast<const float*>(mask)[at];
+    return 0.0f;
+}
+
+// (m, l, o) of one head merged with another partial (m2, l2, o2): both rescaled to the larger max.
+template <int V>
+__device__ __forceinline__ void merge_partial(float& m, float& l, float* o, float m2, float l2, const float* o2) {
+    const float top = fmaxf(m, m2);
+    if (top == -KILN_INF) return;  // neither saw a key
+    const float a = expf(m - top), b = expf(m2 - top);
+    l = l * a + l2 * b;
+#pragma unroll
+    for (int i = 0; i < V; ++i) o[i] = o[i] * a + o2[i] * b;
+    m = top;
+}
+
+// attend_chunk<N>: 1 2 4 8
+// (G, the group size its registers hold: q heads per kv head up to 1, 2, 4 or 8)
+template <class S, int G>
+__global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename S::T* __restrict__ q, const typename S::T* __restrict__ k,
+                             const typename S::T* __restrict__ v, const void* __restrict__ mask,
+                             float* __restrict__ part, int groups, int seq, int e, float scale, long long kb,
+                             long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
+                             long long mb, long long mh, long long ms, int splits) {
+    constexpr int V = S::PER16;
+    __shared__ float merged[DECODE_WARPS][G][2];
+    __shared__ float out_s[DECODE_WARPS][G][256];
+    const int pieces = e / V;  // 16-byte pieces per row, at most 32
+    int lpk = 1;               // lanes per key row: a power of two, so a key's lanes are one shuffle group
+    while (lpk < pieces) lpk <<= 1;
+    const int kpw = 32 / lpk;  // keys a warp reads per load
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane & (lpk - 1), slot = lane / lpk;
+    const bool reads = sub < pieces;
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int heads = gridDim.y * groups;
+    const int s0 = split * DECODE_CHUNK, s1 = min(seq, s0 + DECODE_CHUNK);
+    const int h0 = hk * groups;                       // the group's first q head
+    const long long qh = (long long)b * heads + h0;  // its row in q and part
+
+    float qf[G][V];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        U4 u = {0u, 0u, 0u, 0u};
+        if (g < groups && reads) u = *reinterpret_cast<const U4*>(q + (qh + g) * e + sub * V);
+        S::unpack(u, qf[g]);
+#pragma unroll
+        for (int i = 0; i < V; ++i) qf[g][i] *= scale;
+    }
+    float m[G], l[G], o[G][V];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = -KILN_INF, l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[g][i] = 0.0f;
+    }
+    const typename S::T* kp = k + b * kb + hk * kh + sub * V;
+    const typename S::T* vp = v + b * vb + hk * vh + sub * V;
+    const int step = DECODE_WARPS * kpw;  // keys the block reads per load
+    // the loop bound is the warp's, not the lane's: every lane must reach the shuffles below
+    for (int first = s0 + warp * kpw; first < s1; first += step * DECODE_LOADS) {
+        const int base = first + slot;
+        float term[DECODE_LOADS][G];
+        bool seen[DECODE_LOADS];
+#pragma unroll
+        for (int j = 0; j < DECODE_LOADS; ++j) {
+            const int s = base + j * step;
+            seen[j] = false;
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                term[j][g] = -KILN_INF;
+                if (g < groups && s < s1) {
+                    term[j][g] = mask_term(mask, mask_kind, b * mb + (long long)(h0 + g) * mh + s * ms);
+                    seen[j] |= term[j][g] != -KILN_INF;
+                }
+            }
+        }
+        U4 kr[DECODE_LOADS], vr[DECODE_LOADS];
+#pragma unroll
+        for (int j = 0; j < DECODE_LOADS; ++j) {
+            const long long s = base + j * step;
+            kr[j] = vr[j] = U4{0u, 0u, 0u, 0u};
+            if (seen[j] && reads) {
+                kr[j] = *reinterpret_cast<const U4*>(kp + s * ks);
+                vr[j] = *reinterpret_cast<const U4*>(vp + s * vs);
+            }
+        }
+        // the phase's scores first, all of them (their shuffles overlap), then one rescale per head
+        float score[DECODE_LOADS][G];
+#pragma unroll
+        for (int j = 0; j < DECODE_LOADS; ++j) {
+            float kf[V];
+            S::unpack(kr[j], kf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float a = 0.0f;
+#pragma unroll
+                for (int i = 0; i < V; ++i) a += qf[g][i] * kf[i];
+                score[j][g] = a;
+            }
+        }
+        for (int off = 1; off < lpk; off <<= 1) {
+#pragma unroll
+            for (int j = 0; j < DECODE_LOADS; ++j) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) score[j][g] += __shfl_xor_sync(0xffffffffu, score[j][g], off);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float top = m[g];
+#pragma unroll
+            for (int j = 0; j < DECODE_LOADS; ++j) {
+                score[j][g] += term[j][g];  // -inf for a hidden or absent key
+                top = fmaxf(top, score[j][g]);
+            }
+            if (top == -KILN_INF) continue;  // nothing seen yet
+            const float a = expf(m[g] - top);
+            l[g] *= a;
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[g][i] *= a;
+#pragma unroll
+            for (int j = 0; j < DECODE_LOADS; ++j) {
+                const float p = expf(score[j][g] - top);
+                float vf[V];
+                S::unpack(vr[j], vf);
+                l[g] += p;
+#pragma unroll
+                for (int i = 0; i < V; ++i) o[g][i] += p * vf[i];
+            }
+            m[g] = top;
+        }
+    }
+    // merge the lanes that read other keys (same sub, other slot), then the warps
+    for (int off = lpk; off < 32; off <<= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float o2[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) o2[i] = __shfl_xor_sync(0xffffffffu, o[g][i], off);
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], off), l2 = __shfl_xor_sync(0xffffffffu, l[g], off);
+            merge_partial<V>(m[g], l[g], o[g], m2, l2, o2);
+        }
+    }
+    if (slot == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (reads) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) out_s[warp][g][sub * V + i] = o[g][i];
+            }
+            if (sub == 0) merged[warp][g][0] = m[g], merged[warp][g][1] = l[g];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < groups * e; i += DECODE_WARPS * 32) {
+        const int g = i / e, c = i - g * e;
+        float top = -KILN_INF;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) top = fmaxf(top, merged[w][g][0]);
+        float sum = 0.0f, acc = 0.0f;
+        if (top != -KILN_INF) {
+#pragma unroll
+            for (int w = 0; w < DECODE_WARPS; ++w) {
+                const float a = expf(merged[w][g][0] - top);
+                sum += merged[w][g][1] * a;
+                acc += out_s[w][g][c] * a;
+            }
+        }
+        float* row = part + ((qh + g) * splits + split) * (e + 2);
+        row[c] = acc;
+        if (c == 0) row[e] = top, row[e + 1] = sum;
+    }
+}
+
+// Combines the chunks: out [B, Hq, 1, E] = sum_i w_i o_i / sum_i w_i l_i with w_i = exp(m_i - M), a block per
+// (batch, q head): the weights once into shared memory, then each warp sums a quarter of the chunks for every
+// output element (independent loads, several in flight per lane), and the warps' sums are added in a fixed order.
+// A query that sees no key gives NaN, as softmax over only -inf does.
+#define COMBINE_THREADS 128       // attention.py's COMBINE_THREADS
+#define COMBINE_MAX_SPLITS 1024   // attention.py's COMBINE_MAX_SPLITS
+template <class S>
+__global__ void __launch_bounds__(COMBINE_THREADS) attend_combine(const float* __restrict__ part,
+                                                                  typename S::T* __restrict__ out, int e, int splits) {
+    constexpr int WARPS = COMBINE_THREADS / 32, PER_LANE = 256 / 32;
+    __shared__ float weight[COMBINE_MAX_SPLITS];
+    __shared__ float sums[WARPS][256];
+    const long long row = blockIdx.x;
+    const float* p = part + row * splits * (e + 2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float top = -KILN_INF;
+    for (int i = threadIdx.x; i < splits; i += COMBINE_THREADS) top = fmaxf(top, p[i * (e + 2) + e]);
+    top = block_max(top);
+    float den = 0.0f;
+    for (int i = threadIdx.x; i < splits; i += COMBINE_THREADS) {
+        const float m = p[i * (e + 2) + e];
+        const float w = m == -KILN_INF ? 0.0f : expf(m - top);
+        weight[i] = w;
+        den += w * p[i * (e + 2) + e + 1];
+    }
+    den = block_sum(den);  // (its barriers also publish weight[]); 0 when no key is seen: 0 / 0 = NaN below
+    float acc[PER_LANE];
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.0f;
+#pragma unroll 4
+    for (int i = warp; i < splits; i += WARPS) {
+        const float w = weight[i];
+        if (w == 0.0f) continue;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j)
+            if (lane + 32 * j < e) acc[j] += w * p[i * (e + 2) + lane + 32 * j];
+    }
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j)
+        if (lane + 32 * j < e) sums[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    for (int c = threadIdx.x; c < e; c += COMBINE_THREADS) {
+        float num = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) num += sums[w][c];
+        out[row * e + c] = S::store(num / den);
+    }
+}
