@@ -7,9 +7,7 @@
 
 #define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS
 #define GEMV_ROWS 4      // input rows at most: linalg.py's GEMV_ROWS
-#ifndef GEMV_LOADS       // (guarded so benchmarks can try other depths)
 #define GEMV_LOADS 4     // 16-byte weight loads per lane in flight (4, 8 and 16 measured: 4 was best or tied)
-#endif
 
 template <class S>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __restrict__ x, long long x_row,

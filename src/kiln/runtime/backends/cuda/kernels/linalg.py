@@ -38,9 +38,10 @@ GEMV_ROWS, GEMV_WARPS, GEMV_ASPECT = 4, 8, 4
 weights at least GEMV_ASPECT times taller than wide (an LM head, an MLP's up projection); cuBLAS otherwise.
 
 Measured on an H100 (benchmarks/gpu_kernels.py: one bfloat16 row, Llama-3.2-1B's shapes, calls back to back, each
-reading a weight not in L2): LM head [128256, 2048] 168.6 us against cuBLAS's 189.8, gate/up [16384, 2048] 25.4
-against 26.5; q/k/v [3072, 2048] and o [2048, 2048] tie (6.2 and 5.9 us); on the wide down projection [2048, 8192]
-cuBLAS's split-K kernel is faster (10.7 against 12.0, also with K split over warps here)."""
+reading a weight not in L2): LM head [128256, 2048] 169.1 us against cuBLAS's 189.6, gate/up [16384, 2048] 25.2
+against 26.6; q/k/v [3072, 2048] and o [2048, 2048] tie with cuBLAS. On the wide down projection [2048, 8192]
+cuBLAS takes 16.7 us; splitting K over warps here measured 17.5 against its 19.1 under ncu (cold caches) but lost
+with warm ones, and was not kept."""
 
 
 def _gemv_applies(x2: Any, weight: Any, bias: Any) -> bool:
