@@ -6,7 +6,10 @@ For each linear layer of one decode step (batch 1; q/k/v and gate/up stacked as 
 stacks them) the GPU time of kiln's `linear` kernel, of cuBLAS through kiln's bindings, and of torch's F.linear,
 with the weight bytes each reads per second as a fraction of the copy bandwidth (each call reads a weight copy not
 in L2, as a model's layers do); then the one-query attention
-over a static cache at two contexts, kiln's kernel vs torch's scaled_dot_product_attention. GPU time is taken with
+over a static cache at two contexts, kiln's kernel vs torch's scaled_dot_product_attention; then a prompt's
+attention written at the start of that cache (a bool mask over [query, slot], as an exported prefill has it):
+kiln's kernel, kiln's products path, torch's sdpa with that mask, and torch's causal sdpa over the prompt's keys
+only (what a kernel that skips the hidden slots could reach). GPU time is taken with
 the calls queued behind a spinning kernel (gpu_harness.gpu_time): Python's launch cost is not in it, as it is not
 in a CUDA graph's replay. Every kiln result is checked against torch's.
 """
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1, help="input rows of the linear layers (default 1)")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--contexts", default="128,1024", help="attention contexts (default 128,1024)")
+    parser.add_argument("--prompts", default="128,512", help="prefill attention lengths (default 128,512)")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args(argv)
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.runtime.backends.array_api import BFLOAT16
     from kiln.runtime.backends.cuda import cublas
     from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS
+    from kiln.runtime.backends.cuda.kernels.attention import _products_attention
 
     def to_cupy(t: torch.Tensor):  # bfloat16 crosses as its bits
         return cp.asarray(t.view(torch.int16)).view(BFLOAT16) if t.dtype == torch.bfloat16 else cp.asarray(t)
@@ -104,6 +109,31 @@ def main(argv: list[str] | None = None) -> int:
         body.append([f"context {context} of {slots}"] + [f"{t * 1e6:.1f}" for t in times.values()]
                     + [f"{nbytes / bandwidth * 1e6:.1f}", f"{error:.1e}"])
     print_table(body, ["decode attention", "kiln us", "torch us", "bound us", "kiln rel err"], args.markdown)
+
+    body = []
+    for prompt in (int(p) for p in args.prompts.split(",")):
+        q_t = torch.randn(1, heads, prompt, e, device="cuda", dtype=dtype)
+        q = to_cupy(q_t)
+        mask_t = (torch.arange(slots, device="cuda")[None] <= torch.arange(prompt, device="cuda")[:, None])[None, None]
+        mask = cp.asarray(mask_t)
+        want = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask_t, enable_gqa=True).float()
+        got = to_torch(sdpa(q, k, v, mask, False, None)).float()
+        error = (got - want).abs().max().item() / want.abs().max().item()
+        k_p, v_p = k_t[:, :, :prompt].contiguous(), v_t[:, :, :prompt].contiguous()
+        times = {"kiln": gpu_time(cp, lambda q=q, mask=mask: sdpa(q, k, v, mask, False, None), args.calls)}
+        if cublas.supports(q.dtype):
+            times["products"] = gpu_time(cp, lambda q=q, mask=mask: _products_attention(q, k, v, mask, False, None),
+                                         args.calls)
+        times["torch"] = gpu_time(cp, lambda q=q_t, mask=mask_t: F.scaled_dot_product_attention(
+            q, k_t, v_t, attn_mask=mask, enable_gqa=True), args.calls)
+        times["torch causal"] = gpu_time(cp, lambda q=q_t, k=k_p, v=v_p: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True), args.calls)
+        flops = 4 * heads * e * prompt * (prompt + 1) / 2  # the visible (causal) part only
+        body.append([f"{prompt} tokens into {slots} slots"] + [f"{t * 1e6:.1f}" for t in times.values()]
+                    + [f"{flops / times['kiln'] / 1e12:.1f}", f"{error:.1e}"])
+    print_table(body, ["prefill attention", "kiln us"] + (["products us"] if cublas.supports(q.dtype) else [])
+                + ["torch (mask) us", "torch (causal, prompt keys) us", "kiln TFLOP/s", "kiln rel err"],
+                args.markdown)
     return 0
 
 

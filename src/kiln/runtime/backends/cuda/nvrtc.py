@@ -7,7 +7,9 @@ compilation once per machine; this module keeps the loaded modules and kernel lo
 A source's kernels are templates over their storage type (`template <class S> __global__ void name(...)`), each
 instantiated for float32, float16 and bfloat16 (the F32, F16 and BF16 structs of common.cuh, which is put in front
 of every source). A kernel may take one int parameter more (`template <class S, int N>`, a size its registers are
-laid out for), instantiated for the values a `// name<N>: 1 2 4 8` line of the source lists.
+laid out for), instantiated for the values a `// name<N>: 1 2 4 8` line of the source lists. A
+`// name<S>: F16 BF16` line narrows a kernel to the storage types listed (the tensor-core kernels have no float32
+product).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ STORAGE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", BFLOAT16: "
 
 _TEMPLATE = re.compile(r"template <class S(, int \w+)?>\s*__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)")
 _INSTANCES = re.compile(r"^// (\w+)<N>: ([\d ]+)$", re.MULTILINE)
+_TYPES = re.compile(r"^// (\w+)<S>: ([A-Z\d ]+)$", re.MULTILINE)
 
 
 @functools.cache
@@ -37,11 +40,12 @@ def module(name: str) -> Any:
     files = resources.files("kiln.runtime.backends.cuda.kernels")
     source = files.joinpath("common.cuh").read_text() + "\n" + files.joinpath(f"{name}.cu").read_text()
     values = {kernel: numbers.split() for kernel, numbers in _INSTANCES.findall(source)}
+    types = {kernel: names.split() for kernel, names in _TYPES.findall(source)}
     expressions = []
     for sized, kernel in _TEMPLATE.findall(source):
         if sized and kernel not in values:
             raise ValueError(f"{name}.cu: kernel {kernel} takes an int parameter but no '// {kernel}<N>:' line")
-        for s in STORAGE.values():
+        for s in types.get(kernel, STORAGE.values()):
             expressions += [f"{kernel}<{s}, {n}>" for n in values[kernel]] if sized else [f"{kernel}<{s}>"]
     return cp.RawModule(code=source, options=OPTIONS, name_expressions=expressions)
 

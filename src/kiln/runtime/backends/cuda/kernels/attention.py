@@ -1,16 +1,18 @@
 """Attention on the GPU: RoPE in one kernel over q/k in any layout, one-token decode attention split over the
-keys (decode.cu), several queries (prefill) as two cuBLAS products around one fused masked softmax (softmax.cu),
-and the portable sdpa (products on cuBLAS) for what neither takes."""
+keys (decode.cu), several queries (prefill) in float16/bfloat16 flash-style on the tensor cores (flash.cu), other
+types as two cuBLAS products around one fused masked softmax (softmax.cu), and the portable sdpa (products on
+cuBLAS) for what none takes."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.backends.array_api import rotate, upcast
+from kiln.runtime.backends.array_api import BFLOAT16, rotate, upcast
 from kiln.runtime.backends.array_api import sdpa as portable_sdpa
 from kiln.runtime.backends.cuda import cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.linalg import matmul_cublas
@@ -44,8 +46,9 @@ def _rope_fused(x: Any, cos: Any, sin: Any, interleaved: bool) -> Any:
 
 @kernel("sdpa")
 def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
-    """softmax(q k^T * scale + mask) v: one query per head by the split-key decode kernel, several by two cuBLAS
-    products around the fused masked softmax, anything else by the portable path (products on cuBLAS).
+    """softmax(q k^T * scale + mask) v: one query per head by the split-key decode kernel, several by the flash
+    kernel (float16/bfloat16) or two cuBLAS products around the fused masked softmax, anything else by the
+    portable path (products on cuBLAS).
 
     The keys the mask hides are skipped on the device (the decode kernel reads the mask before k and v), not by
     narrowing the cache on the host as the CPU kernel does: that needs the mask on the host, and the
@@ -53,6 +56,8 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     ms with it, 73.1 without)."""
     if _decode_attention_applies(q, k, v, mask, causal):
         return _decode_attention(q, k, v, mask, scale)
+    if _flash_attention_applies(q, k, v, mask):
+        return _flash_attention(q, k, v, mask, causal, scale)
     if _grouped_attention(q, k, v, mask) and cublas.supports(q.dtype):
         return _products_attention(q, k, v, mask, causal, scale)
     dtype = q.dtype
@@ -106,6 +111,63 @@ def _products_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: 
     return cublas.matmul(probs, v).reshape(b, hq, queries, v.shape[3])
 
 
+FLASH_M, FLASH_N, FLASH_THREADS = 64, 64, 128  # as flash.cu defines them
+FLASH_WIDTHS = (32, 64, 80, 96, 128)  # the head widths flash.cu is instantiated for
+FLASH_TYPES = (np.dtype(np.float16), BFLOAT16)
+
+
+def _rows_of_16_bytes(*arrays: Any) -> bool:
+    """Whether each array's rows (along its last dim, which must be contiguous) can be read 16 bytes at a time."""
+    return all(a.strides[-1] == a.itemsize and a.data.ptr % 16 == 0 and all(st % 16 == 0 for st in a.strides[:-1])
+               for a in arrays)
+
+
+def _flash_attention_applies(q: Any, k: Any, v: Any, mask: Any) -> bool:
+    """float16/bfloat16 with a head width flash.cu is instantiated for, k and v rows readable 16 bytes at a time
+    and q's 4 (its fragments are loaded as pairs)."""
+    if not _grouped_attention(q, k, v, mask) or q.dtype not in FLASH_TYPES or q.shape[3] not in FLASH_WIDTHS:
+        return False
+    if k.shape != v.shape or not _rows_of_16_bytes(k, v):
+        return False
+    return q.strides[3] == q.itemsize and q.data.ptr % 4 == 0 and all(st % 4 == 0 for st in q.strides[:3])
+
+
+def _flash_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
+    """flash.cu: a block per FLASH_M rows of a kv head's stacked group of q heads (k and v read once per group), the
+    key tiles the causal limit or the mask hide skipped."""
+    b, hq, queries, e = q.shape
+    hkv, keys = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    out = cp.empty((b, hq, queries, e), dtype=q.dtype)
+    kind, mask_b, ms = _mask_operand(mask, (b, hq, queries, keys), q)
+    qs, ks, vs = (elements(a.strides, a.itemsize) for a in (q, k, v))
+    # a bool mask whose rows the kernel can copy 16 bytes at a time
+    aligned = kind == MASK_BOOL and ms[3] == 1 and mask_b.data.ptr % 16 == 0 and all(m % 16 == 0 for m in ms[:3])
+    row_tiles = (groups * queries + FLASH_M - 1) // FLASH_M
+    smem = flash_smem_bytes(e, q.itemsize)
+    _flash_function(q.dtype, e)(
+        (row_tiles, hkv, b), (FLASH_THREADS,),
+        (q, k, v, mask_b, out, *qs[:3], *ks[:3], *vs[:3], kind, np.int32(aligned), *ms, np.int32(groups),
+         np.int32(queries), np.int32(keys), np.float32(1 / math.sqrt(e) if scale is None else scale), np.int32(causal)),
+        shared_mem=smem)
+    return out
+
+
+def flash_smem_bytes(e: int, itemsize: int) -> int:
+    """flash.cu's dynamic shared memory: k and v tiles in two stages ([FLASH_N][e + 8] each) and the mask bytes of
+    two tiles ([FLASH_M][FLASH_N + 16] each)."""
+    return 4 * FLASH_N * (e + 8) * itemsize + 2 * FLASH_M * (FLASH_N + 16)
+
+
+@functools.cache
+def _flash_function(dtype: np.dtype, e: int) -> Any:
+    """The flash kernel for this type and width, allowed the dynamic shared memory it takes (over the 48 KB a
+    kernel gets without asking from a head width of 80 on)."""
+    function = nvrtc.function("flash", "flash_attention", dtype, e)
+    function.max_dynamic_shared_size_bytes = flash_smem_bytes(e, np.dtype(dtype).itemsize)
+    return function
+
+
 DECODE_CHUNK, DECODE_THREADS, DECODE_GROUPS = 64, 128, (1, 2, 4, 8)  # as decode.cu defines and instantiates them
 COMBINE_THREADS, COMBINE_MAX_SPLITS = 128, 1024
 
@@ -121,8 +183,7 @@ def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -
     if e % per16 or e // per16 > 32 or q.shape[1] // k.shape[1] > DECODE_GROUPS[-1] or \
             k.shape[2] > DECODE_CHUNK * COMBINE_MAX_SPLITS:
         return False
-    return all(a.strides[3] == a.itemsize and a.data.ptr % 16 == 0 and all(st % 16 == 0 for st in a.strides[:3])
-               for a in (k, v))
+    return _rows_of_16_bytes(k, v)
 
 
 def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) -> Any:

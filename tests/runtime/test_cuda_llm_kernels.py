@@ -1,0 +1,213 @@
+"""The LLM's own GPU kernels against float64 references: the matrix-vector kernel (gemv.cu) on the weight shapes it
+takes, the split-key one-query attention (decode.cu) over group sizes, head widths, masks and cache lengths that
+are not a multiple of its chunk, and the flash prefill attention (flash.cu) over the same and over causal limits,
+query counts that are not a multiple of its tile and queries read through a transposed view. Each test first
+checks that the kernel under test is the one that runs, so a change of dispatch cannot leave them testing cuBLAS
+or the products path instead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.runtime.backends.array_api import BFLOAT16
+from tests.conftest import BACKENDS
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif("cuda" not in BACKENDS, reason="needs an NVIDIA GPU with CuPy")]
+
+DTYPES = [np.float32, np.float16, BFLOAT16]
+IDS = ["float32", "float16", "bfloat16"]
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3, BFLOAT16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("n,k", [(512, 64), (2051, 200), (4000, 1000)], ids=["tall", "odd-n", "long-k"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gemv_matches_float64(dtype, n, k, rows, with_bias) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.linalg import _gemv_applies, linear
+
+    rng = np.random.default_rng(n + k + rows)
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)
+    bias = rng.standard_normal(n).astype(dtype) if with_bias else None
+    xd, wd, bd = (None if a is None else cp.asarray(a) for a in (x, w, bias))
+    assert _gemv_applies(xd, wd, bd)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (0 if bias is None else bias.astype(np.float64))
+    got = linear(xd, wd, bd)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol)
+
+
+def test_gemv_leaves_what_it_cannot_read_to_cublas() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.linalg import _gemv_applies, linear
+
+    w = cp.asarray(np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32))
+    x = cp.asarray(np.random.default_rng(1).standard_normal((1, 65)).astype(np.float32))[:, 1:]  # 4 bytes off
+    assert not _gemv_applies(x, w, None)
+    assert not _gemv_applies(x[:, :0], w[:, :0], None)
+    assert not _gemv_applies(cp.ones((5, 64), cp.float32), w, None)  # more rows than the kernel takes
+    assert not _gemv_applies(cp.ones((1, 512), cp.float32), w.T[:64].copy(), None)  # not tall
+    np.testing.assert_allclose(cp.asnumpy(linear(x, w, None)), cp.asnumpy(x) @ cp.asnumpy(w).T, rtol=1e-5,
+                               atol=1e-5)
+
+
+def _attention64(q, k, v, mask, scale):
+    """softmax(q k^T * scale + mask) v in float64, kv heads repeated for the groups; -inf everywhere gives NaN."""
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    scores = q @ np.swapaxes(k, -1, -2) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf) if mask.dtype == np.bool_ else scores + mask
+    with np.errstate(invalid="ignore"):
+        top = scores.max(-1, keepdims=True)
+        p = np.exp(scores - top)
+        return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("heads,kv_heads,e", [(4, 4, 64), (6, 2, 128), (8, 2, 80), (7, 1, 32), (16, 2, 256)],
+                         ids=["mha", "g3", "g4-e80", "g7", "g8-e256"])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+@pytest.mark.parametrize("seq,visible", [(150, 37), (64, 64), (300, 1)])
+def test_decode_attention_matches_float64(dtype, heads, kv_heads, e, mask_kind, seq, visible) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import _decode_attention_applies, sdpa
+
+    if np.dtype(dtype) == np.float32 and e > 128:
+        pytest.skip("float32 rows over 128 wide take the products path")
+    rng = np.random.default_rng(heads * seq + e)
+    q = rng.standard_normal((2, heads, 1, e)).astype(dtype)
+    k = rng.standard_normal((2, kv_heads, seq, e)).astype(dtype)
+    v = rng.standard_normal((2, kv_heads, seq, e)).astype(dtype)
+    keep = np.arange(seq) < visible  # a static cache: the first `visible` slots written
+    mask = {"bool": keep[None, None, None], "none": None,
+            "float": np.where(keep, rng.uniform(-1, 0, seq), -np.inf).astype(np.float32)[None, None, None]}[mask_kind]
+    qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    md = None if mask is None else cp.asarray(mask)
+    assert _decode_attention_applies(qd, kd, vd, md, False)
+    scale = 1 / np.sqrt(e)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, False, None)).astype(np.float64)
+    want = _attention64(q, k, v, mask, scale)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_decode_attention_of_a_query_that_sees_nothing_is_nan() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import sdpa
+
+    q, k = cp.ones((1, 2, 1, 64), cp.float32), cp.ones((1, 1, 100, 64), cp.float32)
+    mask = cp.zeros((1, 1, 1, 100), cp.bool_)
+    mask[..., 50] = True
+    mask = cp.concatenate([mask, cp.zeros_like(mask)], axis=1)  # head 0 sees one key, head 1 none
+    out = cp.asnumpy(sdpa(q, k, k, mask, False, None))
+    assert np.allclose(out[0, 0], 1.0) and np.isnan(out[0, 1]).all()
+
+
+def _prefill_case(mode: str, queries: int, keys: int, rng: np.random.Generator):
+    """The mask and causal flag of a prefill: 'causal' (queries == keys, is_causal), 'cache' (the queries are the
+    last positions written into a longer cache, a bool mask over [query, slot]), 'float' (an additive float mask
+    with some -inf, per head), 'causal+bool' (both), 'none'."""
+    if mode == "cache":
+        first = keys // 3
+        return (np.arange(keys)[None] <= (first + np.arange(queries))[:, None])[None, None], False
+    if mode == "float":
+        m = rng.uniform(-2, 0, (1, 2, queries, keys)).astype(np.float32)
+        m[rng.uniform(size=m.shape) < 0.3] = -np.inf
+        m[..., 0] = 0.0  # every query sees key 0
+        return m, False
+    if mode == "causal+bool":
+        return (rng.uniform(size=(1, 1, 1, keys)) < 0.7) | (np.arange(keys) == 0), True
+    return None, mode == "causal"
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=IDS[1:])
+@pytest.mark.parametrize("heads,kv_heads,e", [(4, 4, 64), (6, 2, 128), (8, 2, 80), (7, 1, 32), (4, 2, 96)],
+                         ids=["mha", "g3-e128", "g4-e80", "g7-e32", "g2-e96"])
+@pytest.mark.parametrize("mode", ["causal", "cache", "float", "causal+bool", "none"])
+@pytest.mark.parametrize("queries,keys", [(100, 100), (7, 150), (130, 333), (64, 320)],
+                         ids=["q100", "q7", "q130", "q64"])
+def test_flash_attention_matches_float64(dtype, heads, kv_heads, e, mode, queries, keys) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import _flash_attention_applies, sdpa
+
+    if mode in ("causal", "causal+bool") and queries != keys:
+        keys = queries
+    rng = np.random.default_rng(heads * queries + keys + e)
+    q = rng.standard_normal((2, queries, heads, e)).astype(dtype)  # transposed to [b, h, l, e] as a view below
+    k = rng.standard_normal((2, kv_heads, keys, e)).astype(dtype)
+    v = rng.standard_normal((2, kv_heads, keys, e)).astype(dtype)
+    mask, causal = _prefill_case(mode, queries, keys, rng)
+    if mode == "float":
+        mask = np.repeat(mask, heads // 2, axis=1) if heads % 2 == 0 else mask[:, :1]
+    qd = cp.asarray(q).transpose(0, 2, 1, 3)
+    kd, vd = cp.asarray(k), cp.asarray(v)
+    md = None if mask is None else cp.asarray(mask)
+    assert _flash_attention_applies(qd, kd, vd, md)
+    full = np.tril(np.ones((queries, keys), bool)) if causal else None
+    want_mask = mask if full is None else (full if mask is None else mask & full)
+    want = _attention64(q.transpose(0, 2, 1, 3), k, v, want_mask, 1 / np.sqrt(e))
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, causal, None)).astype(np.float64)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_flash_attention_scale_and_a_query_that_sees_nothing() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import _flash_attention_applies, sdpa
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 70, 64)).astype(np.float16) for _ in range(3))
+    mask = np.ones((1, 1, 70, 70), bool)
+    mask[..., 5, :] = False  # query 5 sees no key
+    qd, kd, vd, md = (cp.asarray(a) for a in (q, k, v, mask))
+    assert _flash_attention_applies(qd, kd, vd, md)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, False, 0.3)).astype(np.float64)
+    assert np.isnan(got[:, :, 5]).all()
+    want = _attention64(q, k, v, mask, 0.3)
+    keep = np.arange(70) != 5
+    np.testing.assert_allclose(got[:, :, keep], want[:, :, keep], rtol=2e-3, atol=2e-3)
+
+
+def test_flash_attention_leaves_what_it_cannot_take_to_the_products_path() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import _flash_attention_applies
+
+    q = cp.ones((1, 4, 16, 64), cp.float16)
+    assert _flash_attention_applies(q, q, q, None)
+    assert not _flash_attention_applies(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32), None)
+    wide = cp.ones((1, 4, 16, 256), cp.float16)
+    assert not _flash_attention_applies(wide, wide, wide, None)  # no instance that wide
+    odd = cp.ones((1, 4, 16, 68), cp.float16)[..., 4:]  # rows 8 bytes off 16-byte alignment
+    assert not _flash_attention_applies(q, odd, odd, None)
+
+
+def test_flash_attention_past_the_tiles_it_flags() -> None:
+    """The kernel notes which of the first 1024 key tiles the mask shows; tiles past them are visited anyway."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import _flash_attention_applies, sdpa
+
+    rng = np.random.default_rng(4)
+    keys = 1024 * 64 + 100
+    q = rng.standard_normal((1, 2, 3, 32)).astype(BFLOAT16)
+    k, v = (rng.standard_normal((1, 1, keys, 32)).astype(BFLOAT16) for _ in range(2))
+    mask = np.zeros((1, 1, 3, keys), bool)
+    mask[..., :5] = True
+    mask[..., 0, keys - 90:] = True  # query 0 also sees keys past the flagged tiles
+    qd, kd, vd, md = (cp.asarray(a) for a in (q, k, v, mask))
+    assert _flash_attention_applies(qd, kd, vd, md)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, False, None)).astype(np.float64)
+    np.testing.assert_allclose(got, _attention64(q, k, v, mask, 1 / np.sqrt(32)), rtol=1.6e-2, atol=1.6e-2)
