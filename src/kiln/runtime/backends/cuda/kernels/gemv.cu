@@ -1,8 +1,8 @@
-// Matrix-vector products for a few input rows (a decode step's LM head): out[r, n] = x[r] . W[n] + bias[n] for
-// W [N, K] row-major. At batch 1 a linear layer is a stream of its weight, so the kernel is built to keep enough
-// bytes in flight: a warp per output feature, every lane issuing GEMV_LOADS 16-byte weight loads before it uses the
-// first (GEMV_LOADS * 512 bytes per warp in flight), the weight read past L1 (read once), x read through L1 (every
-// warp of the SM reads it). Sums in float32, one rounding at the end.
+// Matrix-vector products for a few input rows (every linear layer of a decode step): out[r, n] = x[r] . W[n] +
+// bias[n] for W [N, K] row-major. At batch 1 a linear layer is a stream of its weight, so the kernel is built to
+// keep enough bytes in flight: a warp per output feature, every lane issuing GEMV_LOADS 16-byte weight loads before
+// it uses the first (GEMV_LOADS * 512 bytes per warp in flight), the weight read past L1 (read once), x read
+// through L1 (every warp of the SM reads it). Sums in float32, one rounding at the end.
 // Needs K a multiple of PER16 and x, W 16-byte aligned (linalg.py checks).
 
 #define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS

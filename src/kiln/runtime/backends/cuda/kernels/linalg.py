@@ -33,26 +33,24 @@ def matmul(a: Any, b: Any) -> Any:
     return matmul_cublas(a, b)
 
 
-GEMV_ROWS, GEMV_WARPS, GEMV_ASPECT = 4, 8, 4
-"""Up to GEMV_ROWS input rows the matrix-vector kernel runs (gemv.cu's GEMV_ROWS), GEMV_WARPS warps per block, on
-weights at least GEMV_ASPECT times taller than wide (an LM head, an MLP's up projection); cuBLAS otherwise.
+GEMV_ROWS, GEMV_WARPS = 4, 8
+"""Up to GEMV_ROWS input rows the matrix-vector kernel runs (gemv.cu's GEMV_ROWS), GEMV_WARPS warps per block;
+cuBLAS from GEMV_ROWS + 1 rows on.
 
 Measured on an H100 (benchmarks/gpu_kernels.py: one bfloat16 row, Llama-3.2-1B's shapes, calls back to back, each
 reading a weight not in L2): LM head [128256, 2048] 169.1 us against cuBLAS's 189.6, gate/up [16384, 2048] 25.2
-against 26.6; q/k/v [3072, 2048] and o [2048, 2048] tie with cuBLAS. On the wide down projection [2048, 8192]
-cuBLAS takes 16.7 us; splitting K over warps here measured 17.5 against its 19.1 under ncu (cold caches) but lost
-with warm ones, and was not kept."""
+against 26.6; q/k/v [3072, 2048] and o [2048, 2048] tie with cuBLAS, and the wide down projection [2048, 8192]
+was not measured cold. It first ran only on weights at least 4x taller than wide; a whole decode step measured
+with every one-row linear on it instead (H200, gpu_llm.py, same run) went 1.198 -> 1.150 ms at context 128 and
+1.226 -> 1.183 at 1024, so it takes them all."""
 
 
 def _gemv_applies(x2: Any, weight: Any, bias: Any) -> bool:
-    """A tall weight, and what gemv.cu reads 16 bytes at a time: one storage type, K a multiple of 16 bytes, rows
-    aligned."""
+    """What gemv.cu reads 16 bytes at a time: one storage type, K a multiple of 16 bytes, rows aligned."""
     if not (1 <= x2.shape[0] <= GEMV_ROWS and weight.ndim == 2 and weight.size and nvrtc.supports(
             x2, weight, *(() if bias is None else (bias,)))):
         return False
-    n, k = weight.shape
-    if n < GEMV_ASPECT * k or k % (16 // weight.itemsize) or not weight.flags.c_contiguous \
-            or weight.data.ptr % 16:
+    if weight.shape[1] % (16 // weight.itemsize) or not weight.flags.c_contiguous or weight.data.ptr % 16:
         return False
     return x2.strides[1] == x2.itemsize and x2.strides[0] % 16 == 0 and x2.data.ptr % 16 == 0 and (
         bias is None or bias.flags.c_contiguous)
