@@ -24,21 +24,16 @@
 template <class S>
 __device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
 
-template <>
-__device__ __forceinline__ void mma16816<BF16>(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma16816<F16>(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define KILN_MMA16816(STORAGE, PTX_TYPE)                                                                       \
+    template <>                                                                                                 \
+    __device__ __forceinline__ void mma16816<STORAGE>(float* d, const unsigned* a, unsigned b0, unsigned b1) {  \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0, %1, %2, %3}, "   \
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                                            \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                           \
+    }
+KILN_MMA16816(BF16, "bf16")
+KILN_MMA16816(F16, "f16")
 
 #define LOG2E 1.4426950408889634f
 
