@@ -65,7 +65,7 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas).astype(dtype, copy=False)
 
 
-MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # as decode.cu's and softmax.cu's attention kernels number them
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # as common.cuh numbers them for the attention kernels
 
 
 def _grouped_attention(q: Any, k: Any, v: Any, mask: Any) -> bool:

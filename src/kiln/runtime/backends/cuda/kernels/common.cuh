@@ -8,6 +8,11 @@
 
 #define KILN_INF __int_as_float(0x7f800000)
 
+// What an attention kernel's mask argument points to (attention.py's MASK_NONE, MASK_BOOL, MASK_FLOAT).
+#define MASK_NONE 0
+#define MASK_BOOL 1
+#define MASK_FLOAT 2
+
 // 16 bytes moved by one load or store instruction (8 halves or 4 floats): the unit of the memory-bound kernels.
 struct alignas(16) U4 {
     unsigned int x, y, z, w;

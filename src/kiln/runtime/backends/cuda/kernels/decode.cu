@@ -20,8 +20,8 @@
 
 // The mask's additive term for key s of q head h: 0 or -inf for a bool mask, the value for a float one.
 __device__ __forceinline__ float mask_term(const void* mask, int kind, long long at) {
-    if (kind == 1) return static_cast<const unsigned char*>(mask)[at] ? 0.0f : -KILN_INF;
-    if (kind == 2) return static_cast<const float*>(mask)[at];
+    if (kind == MASK_BOOL) return static_cast<const unsigned char*>(mask)[at] ? 0.0f : -KILN_INF;
+    if (kind == MASK_FLOAT) return static_cast<const float*>(mask)[at];
     return 0.0f;
 }
 

@@ -13,9 +13,6 @@
 #define FLASH_M 64
 #define FLASH_N 64
 #define FLASH_THREADS 128
-#define MASK_NONE 0
-#define MASK_BOOL 1
-#define MASK_FLOAT 2
 
 // flash_attention<S>: F16 BF16
 // flash_attention<N>: 32 64 80 96 128

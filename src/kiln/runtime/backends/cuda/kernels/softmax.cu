@@ -33,10 +33,6 @@ __global__ void softmax_warp(const typename S::T* __restrict__ x, typename S::T*
 // the storage type the second product reads. Rows are grouped as the GQA products lay them out: row r is query
 // i = r % queries of q head (r / queries) % groups within kv head ((r / queries) / groups) % kv_heads of batch b.
 
-#define MASK_NONE 0
-#define MASK_BOOL 1
-#define MASK_FLOAT 2
-
 __device__ __forceinline__ float masked_score(const float* row, const void* mask, int mask_kind, long long mrow,
                                               long long m_j, int j, int limit, float scale) {
     if (j >= limit) return -KILN_INF;
