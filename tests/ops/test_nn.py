@@ -145,6 +145,17 @@ def _rope_half(x, cos, sin):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _attend_cache(q, k, v, cos, sin, k_cache, v_cache, pos):
+    """RoPE of q and k ([B, L, H, E] transposed), both written with v into the caches at pos, attention over the
+    caches: the exporter fuses the RoPE and the writes into one rope_cache_update node. q and k are scaled down so
+    the scores stay near 1: the GPU rounds the rotation once where eager PyTorch rounds each product, and larger
+    scores would magnify that half-precision ulp. The attention's output can still differ by two of its ulps, hence
+    the cases' wider tolerance in half precision."""
+    q, k = _rope_half(q * 0.25, cos, sin), _rope_half(k * 0.25, cos, sin)
+    k_cache, v_cache = k_cache.index_copy(2, pos, k), v_cache.index_copy(2, pos, v.transpose(1, 2))
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True), k_cache, v_cache
+
+
 def _cache_prefix_mask(q, k, v, visible: int):
     """A decode step over a static cache: only the first `visible` slots are written (whole chunks hidden)."""
     keep = (torch.arange(k.shape[-2]) < visible)[None]
@@ -167,6 +178,12 @@ for dt, tol in {torch.float32: None, **LOW}.items():
              (In((1, 3, 1, 32), dt), In((1, 3, 65, 32), dt), In((1, 3, 65, 32), dt), In((1, 3, 1, 65), dt)),
              tol=tol),
         Case(f"rope_transposed_{tag}", _rope_half, (In((1, 5, 3, 8), dt), In((5, 8), dt), In((5, 8), dt)), tol=tol),
+        Case(f"rope_cache_update_decode_{tag}", _attend_cache,
+             (In((2, 1, 4, 16), dt), In((2, 1, 2, 16), dt), In((2, 1, 2, 16), dt), In((1, 16), dt), In((1, 16), dt),
+              In((2, 2, 9, 16), dt), In((2, 2, 9, 16), dt), In((1,), torch.int64, "index:9")), tol=tol and 2.5 * tol),
+        Case(f"rope_cache_update_prefill_{tag}", _attend_cache,
+             (In((1, 3, 4, 8), dt), In((1, 3, 2, 8), dt), In((1, 3, 2, 8), dt), In((3, 8), dt), In((3, 8), dt),
+              In((1, 2, 6, 8), dt), In((1, 2, 6, 8), dt), In((3,), torch.int64, "index:6")), tol=tol and 2.5 * tol),
         Case(f"gated_silu_{tag}", lambda g, u: F.silu(g) * u, (In((3, 40), dt), In((3, 40), dt)), tol=tol),
         Case(f"gated_gelu_tanh_{tag}", lambda g, u: F.gelu(g, approximate="tanh") * u,
              (In((3, 40), dt), In((3, 40), dt)), tol=tol),

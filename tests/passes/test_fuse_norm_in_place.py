@@ -63,8 +63,8 @@ def llama_program():
 
 def test_kv_cache_writes_are_in_place(llama_program) -> None:
     for method in ("prefill", "decode"):
-        writes = nodes(llama_program, "index_put", method)
-        assert len(writes) == 4 and all(n.attrs.get("in_place") for n in writes), method
+        writes = nodes(llama_program, "rope_cache_update", method)  # a layer's k and v writes, with its RoPE
+        assert len(writes) == 2 and all(n.attrs.get("in_place") for n in writes), method
     session = llama_program.session()
     session.run("prefill", np.array([[1, 2, 3]], np.int64), np.arange(3, dtype=np.int64))
     caches = [a.__array_interface__["data"][0] for a in session.state]

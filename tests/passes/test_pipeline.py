@@ -44,6 +44,7 @@ def test_statistics_are_stored_per_method_and_pass(llama_file) -> None:
         assert fired["cse"] > 0 and fired["absorb_repeat_kv"] == 6 and fired["fuse_rms_norm"] == 7
         assert fired["in_place_state_writes"] == 6 and fired["fuse_rope"] == 6 and fired["fuse_gated_mlp"] == 3
         assert fired["fuse_residual_norm"] == 6  # every norm but the first layer's, which reads the embeddings
+        assert fired["fuse_rope_cache_update"] == 3  # each layer's RoPE of q and k with its two cache writes
     decode = stats["decode"]
     assert decode["passes"][-1][2] < 0.75 * decode["nodes"]  # the decode step loses over a quarter of its nodes
 

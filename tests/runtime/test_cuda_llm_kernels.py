@@ -1,9 +1,9 @@
 """The LLM's own GPU kernels against float64 references: the matrix-vector kernel (gemv.cu) on the weight shapes it
 takes, the split-key one-query attention (decode.cu) over group sizes, head widths, masks and cache lengths that
-are not a multiple of its chunk, and the flash prefill attention (flash.cu) over the same and over causal limits,
-query counts that are not a multiple of its tile and queries read through a transposed view. Each test first
-checks that the kernel under test is the one that runs, so a change of dispatch cannot leave them testing cuBLAS
-or the products path instead."""
+are not a multiple of its chunk, the fused RoPE and KV-cache write of a decode step, and the flash prefill
+attention (flash.cu) over the same and over causal limits, query counts that are not a multiple of its tile and
+queries read through a transposed view. Each test first checks that the kernel under test is the one that runs,
+so a change of dispatch cannot leave them testing cuBLAS or the products path instead."""
 
 from __future__ import annotations
 
@@ -111,6 +111,46 @@ def test_decode_attention_of_a_query_that_sees_nothing_is_nan() -> None:
     mask = cp.concatenate([mask, cp.zeros_like(mask)], axis=1)  # head 0 sees one key, head 1 none
     out = cp.asnumpy(sdpa(q, k, k, mask, False, None))
     assert np.allclose(out[0, 0], 1.0) and np.isnan(out[0, 1]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> None:
+    """q/k/v as transposed views of one projection (a Llama's layout), cos/sin [1, D], a negative slot, the caches
+    written in place; against the rope op's float64 formula."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    rng = np.random.default_rng(3)
+    b, hq, hkv, d, size = 2, 8, 2, 64, 40
+    qkv = cp.asarray(rng.standard_normal((b, 1, (hq + 2 * hkv) * d)).astype(dtype))
+    q, k, v = (qkv[..., lo * d:hi * d].reshape(b, 1, hi - lo, d).transpose(0, 2, 1, 3)
+               for lo, hi in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+    angles = rng.standard_normal((1, d))
+    cos, sin = (cp.asarray(f(angles).astype(dtype)) for f in (np.cos, np.sin))
+    caches = [cp.asarray(rng.standard_normal((b, hkv, size, d)).astype(dtype)) for _ in range(2)]
+    before = [cp.asnumpy(c).astype(np.float64) for c in caches]
+    index = cp.asarray(np.array([-3], np.int64))
+    assert attention._one_position_cos_sin(q, k, v, cos, sin, *caches, (index,), [2]) is not None
+
+    def rope64(x):
+        x, c, s = (cp.asnumpy(a).astype(np.float64) for a in (x, cos, sin))
+        if interleaved:
+            turned = np.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+        else:
+            turned = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+        return x * c + turned * s
+
+    q_out, k_out, v_out = attention.rope_cache_update(q, k, v, cos, sin, *caches, index, dims=[2],
+                                                      interleaved=interleaved, in_place=True)
+    assert k_out is caches[0] and v_out is caches[1]
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(cp.asnumpy(q_out).astype(np.float64), rope64(q), rtol=tol, atol=tol)
+    want_k, want_v = before
+    want_k[:, :, size - 3], want_v[:, :, size - 3] = rope64(k)[:, :, 0], cp.asnumpy(v).astype(np.float64)[:, :, 0]
+    np.testing.assert_allclose(cp.asnumpy(k_out).astype(np.float64), want_k, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(cp.asnumpy(v_out).astype(np.float64), want_v)
 
 
 def _prefill_case(mode: str, queries: int, keys: int, rng: np.random.Generator):

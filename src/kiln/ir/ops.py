@@ -19,11 +19,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 4
+OPSET_VERSION = 5
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
-4 add_rms_norm was added."""
+4 add_rms_norm was added; 5 rope_cache_update was added."""
 
 
 class AttrType(enum.IntEnum):
@@ -247,6 +247,13 @@ define("index_copy", "x index source", A("dim", T.INT), _IN_PLACE,
 define("slice_scatter", "x source", A("dim", T.INT), A("start", T.SYMINT), A("end", T.SYMINT),
        A("step", T.INT, 1), _IN_PLACE, doc="Copy of x with the slice (as in `slice`) replaced by source."
                                             + _IN_PLACE_DOC)
+define("rope_cache_update", "q k v cos sin k_cache v_cache *indices", A("dims", T.INTS),
+       A("interleaved", T.BOOL, False), _IN_PLACE, outputs=3,
+       doc="(rope(q), k_cache with k_cache[indices at dims] = rope(k), v_cache with v_cache[indices at dims] = v): "
+           "the attention inputs of a step over a KV cache, as rope and index_put compute them, in one node. rope "
+           "as the rope op (cos and sin broadcast against q and k, interleaved alike); the writes as index_put "
+           "without accumulation, repeated slots keeping the last. in_place: both caches are state buffers that "
+           "nothing reads after this node, each result replacing its buffer; a backend may write into their memory.")
 define("scatter", "x index source", A("dim", T.INT), A("reduce", T.STRING, "none"),
        doc="Copy of x with out[index[i][j]][j] = source[i][j] for dim 0 (and so on); reduce: none, add.")
 

@@ -26,6 +26,7 @@ from kiln.export.passes.fuse_norm import fuse_rms_norm
 from kiln.export.passes.fuse_projections import fuse_projections
 from kiln.export.passes.fuse_residual_norm import fuse_residual_norm
 from kiln.export.passes.fuse_rope import fuse_rope
+from kiln.export.passes.fuse_rope_cache import fuse_rope_cache_update
 from kiln.export.passes.in_place import mark_in_place_state_writes
 from kiln.export.passes.simplify import collapse_chains, remove_noops
 from kiln.ir.graph import Method
@@ -82,6 +83,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("quantize_weights", _quantize, "linear/embedding weights quantized as the export asked (quantize=)"),
     Pass("remove_noops_after", _method_only(remove_noops), "no-ops the fusions exposed"),
     Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),
+    Pass("fuse_rope_cache_update", _method_only(fuse_rope_cache_update),
+         "RoPE of q and k and the KV-cache writes before an attention as one rope_cache_update node"),
 )
 
 

@@ -1,7 +1,7 @@
-"""Attention on the GPU: RoPE in one kernel over q/k in any layout, one-token decode attention split over the
-keys (decode.cu), several queries (prefill) in float16/bfloat16 flash-style on the tensor cores (flash.cu), other
-types as two cuBLAS products around one fused masked softmax (softmax.cu), and the portable sdpa (products on
-cuBLAS) for what none takes."""
+"""Attention on the GPU: RoPE in one kernel over q/k in any layout (for a decode step, together with the KV-cache
+writes: rope_cache_update), one-token decode attention split over the keys (decode.cu), several queries (prefill)
+in float16/bfloat16 flash-style on the tensor cores (flash.cu), other types as two cuBLAS products around one fused
+masked softmax (softmax.cu), and the portable sdpa (products on cuBLAS) for what none takes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import numpy as np
 
 from kiln.runtime.backends.array_api import BFLOAT16, rotate, upcast
 from kiln.runtime.backends.array_api import sdpa as portable_sdpa
+from kiln.runtime.backends.array_api.index import target
 from kiln.runtime.backends.cuda import cublas, nvrtc
+from kiln.runtime.backends.cuda.kernels.index import index_put
 from kiln.runtime.backends.cuda.kernels.linalg import matmul_cublas
 from kiln.runtime.backends.cuda.kernels.registry import elements, grid, kernel
 
@@ -42,6 +44,50 @@ def _rope_fused(x: Any, cos: Any, sin: Any, interleaved: bool) -> Any:
             np.int64(x.size), np.int32(bool(interleaved)))
     nvrtc.function("fused", "rope", x.dtype)(grid(x.size), (256,), args)
     return out
+
+
+@kernel("rope_cache_update")
+def rope_cache_update(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any, *indices: Any,
+                      dims: list[int], interleaved: bool, in_place: bool) -> tuple[Any, Any, Any]:
+    """A decode step's (one position) in one kernel; otherwise the rope and index_put kernels it stands for."""
+    k_out, v_out = target(k_cache, in_place), target(v_cache, in_place)
+    shared = _one_position_cos_sin(q, k, v, cos, sin, k_out, v_out, indices, dims)
+    if shared is None:
+        return (rope(q, cos, sin, interleaved), index_put(k_out, rope(k, cos, sin, interleaved), *indices, dims=dims,
+                                                          accumulate=False, in_place=True),
+                index_put(v_out, v, *indices, dims=dims, accumulate=False, in_place=True))
+    cos_b, sin_b = shared
+    (b, hq, _, d), hkv = q.shape, k.shape[1]
+    q_out = cp.empty(q.shape, dtype=q.dtype)
+    qs, ks, vs, cs = (elements(a.strides, a.itemsize) for a in (q, k, v, cos_b))
+    total = b * (hq + 2 * hkv) * d
+    nvrtc.function("fused", "rope_cache_update", q.dtype)(
+        grid(total), (256,), (q, k, v, cos_b, sin_b, q_out, k_out, v_out, indices[0], np.int32(hq), np.int32(hkv),
+                              np.int32(d), np.int32(k_out.shape[2]), qs[0], qs[1], qs[3], ks[0], ks[1], ks[3],
+                              vs[0], vs[1], vs[3], cs[0], cs[3], np.int64(total), np.int32(bool(interleaved))))
+    return q_out, k_out, v_out
+
+
+def _one_position_cos_sin(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
+                          indices: tuple[Any, ...], dims: list[int]) -> tuple[Any, Any] | None:
+    """cos and sin as [B, 1, 1, D] views when the fused kernel takes the update: one position written along dim 2
+    of contiguous [B, Hkv, S, D] caches from k/v [B, Hkv, 1, D] and q [B, Hq, 1, D] of one storage type, cos/sin
+    the same for every head and laid out alike; else None."""
+    if len(indices) != 1 or list(dims) != [2] or indices[0].shape != (1,) or indices[0].dtype != cp.int64:
+        return None
+    if any(a.ndim != 4 for a in (q, k, v, k_cache, v_cache)) or not nvrtc.supports(q, k, v, cos, sin, k_cache,
+                                                                                   v_cache):
+        return None
+    b, hkv, _, d = k_cache.shape
+    if k.shape != (b, hkv, 1, d) or v.shape != k.shape or v_cache.shape != k_cache.shape or d % 2:
+        return None
+    if q.shape[0] != b or q.shape[2:] != (1, d) or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        return None
+    try:
+        cos_b, sin_b = cp.broadcast_to(cos, (b, 1, 1, d)), cp.broadcast_to(sin, (b, 1, 1, d))
+    except ValueError:  # cos/sin per head or per query: not this kernel's
+        return None
+    return (cos_b, sin_b) if cos_b.strides == sin_b.strides else None
 
 
 @kernel("sdpa")

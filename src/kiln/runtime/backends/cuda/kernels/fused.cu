@@ -97,6 +97,27 @@ __global__ void gated(const typename S::T* __restrict__ g, const typename S::T* 
     }
 }
 
+// x[j] of a row of d values (stride xs) rotated with its partner and scaled by cos/sin at j (stride cs): the rope
+// op's formula in float32, rotate-half or interleaved.
+template <class S>
+__device__ __forceinline__ typename S::T rotated(const typename S::T* __restrict__ x, long long xs,
+                                                 const typename S::T* __restrict__ cos_,
+                                                 const typename S::T* __restrict__ sin_, long long cs, int j, int d,
+                                                 int interleaved) {
+    int partner;
+    float sign;
+    if (interleaved) {
+        partner = j ^ 1;
+        sign = (j & 1) ? 1.0f : -1.0f;
+    } else {
+        const int half = d / 2;
+        partner = j < half ? j + half : j - half;
+        sign = j < half ? -1.0f : 1.0f;
+    }
+    const float v = S::load(x[j * xs]), p = S::load(x[partner * xs]);
+    return S::store(v * S::load(cos_[j * cs]) + sign * p * S::load(sin_[j * cs]));
+}
+
 // rope on x viewed as [n0, n1, n2, D] with element strides xs (any layout), cos/sin [.., D] broadcast to it through
 // strides cs (0 on broadcast dims; cos and sin share their layout); y is contiguous. One thread per output element.
 template <class S>
@@ -112,18 +133,42 @@ __global__ void rope(const typename S::T* __restrict__ x, const typename S::T* _
         r /= n2;
         const int i1 = (int)(r % n1);
         const long long i0 = r / n1;
-        const long long xb = i0 * xs0 + i1 * xs1 + i2 * xs2, cb = i0 * cs0 + i1 * cs1 + i2 * cs2;
-        int partner;
-        float sign;
-        if (interleaved) {
-            partner = j ^ 1;
-            sign = (j & 1) ? 1.0f : -1.0f;
+        const long long cb = i0 * cs0 + i1 * cs1 + i2 * cs2;
+        y[i] = rotated<S>(x + i0 * xs0 + i1 * xs1 + i2 * xs2, xs3, cos_ + cb, sin_ + cb, cs3, j, d, interleaved);
+    }
+}
+
+// rope_cache_update for one new position (a decode step) in one launch instead of four: q [B, hq, 1, D] rotated
+// into q_out (contiguous); k [B, hkv, 1, D] rotated and v copied into the caches [B, hkv, size, D] (contiguous) at
+// slot index[0]. q, k and v in any layout (element strides over batch, head and D); cos/sin the same for every
+// head (strides cs0 over batch, cs3 over D). One thread per element of q, k and v.
+template <class S>
+__global__ void rope_cache_update(const typename S::T* __restrict__ q, const typename S::T* __restrict__ k,
+                                  const typename S::T* __restrict__ v, const typename S::T* __restrict__ cos_,
+                                  const typename S::T* __restrict__ sin_, typename S::T* __restrict__ q_out,
+                                  typename S::T* __restrict__ k_cache, typename S::T* __restrict__ v_cache,
+                                  const long long* __restrict__ index, int hq, int hkv, int d, int size,
+                                  long long qs0, long long qs1, long long qs3, long long ks0, long long ks1,
+                                  long long ks3, long long vs0, long long vs1, long long vs3, long long cs0,
+                                  long long cs3, long long total, int interleaved) {
+    const long long slot = index[0] < 0 ? index[0] + size : index[0];
+    const int heads = hq + 2 * hkv;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int j = (int)(i % d);
+        const long long r = i / d;
+        const int h = (int)(r % heads);
+        const long long b = r / heads;
+        if (h < hq) {
+            q_out[(b * hq + h) * d + j] = rotated<S>(q + b * qs0 + h * qs1, qs3, cos_ + b * cs0, sin_ + b * cs0,
+                                                     cs3, j, d, interleaved);
+        } else if (h < hq + hkv) {
+            const int hk = h - hq;
+            k_cache[((b * hkv + hk) * size + slot) * d + j] =
+                rotated<S>(k + b * ks0 + hk * ks1, ks3, cos_ + b * cs0, sin_ + b * cs0, cs3, j, d, interleaved);
         } else {
-            const int half = d / 2;
-            partner = j < half ? j + half : j - half;
-            sign = j < half ? -1.0f : 1.0f;
+            const int hk = h - hq - hkv;
+            v_cache[((b * hkv + hk) * size + slot) * d + j] = v[b * vs0 + hk * vs1 + j * vs3];
         }
-        const float v = S::load(x[xb + j * xs3]), p = S::load(x[xb + partner * xs3]);
-        y[i] = S::store(v * S::load(cos_[cb + j * cs3]) + sign * p * S::load(sin_[cb + j * cs3]));
     }
 }
