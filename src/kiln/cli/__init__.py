@@ -21,10 +21,12 @@ from kiln.cli import (
     detect_cmd,
     export_cmd,
     export_llm_cmd,
+    export_whisper_cmd,
     generate_cmd,
     inspect_cmd,
     ops_cmd,
     run_cmd,
+    transcribe_cmd,
 )
 from kiln.cli.common import CliError, error
 from kiln.errors import (
@@ -35,8 +37,8 @@ from kiln.errors import (
     UnsupportedOpsError,
 )
 
-COMMANDS = (export_cmd, export_llm_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd, detect_cmd,
-            generate_cmd, chat_cmd)
+COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd,
+            detect_cmd, generate_cmd, chat_cmd, transcribe_cmd)
 
 USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
 """Errors the user can fix from the message alone: printed without a traceback, exit status 2."""

@@ -1,0 +1,61 @@
+"""`kiln transcribe`: the text of a WAV file from a speech program, with the real-time factor. Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kiln.cli.common import CliError, load_program
+from kiln.runtime.audio import AudioFormatError
+
+HELP = "transcribe a WAV file with a speech .kiln program (Whisper)"
+DESCRIPTION = """\
+Transcribe speech with a program made by `kiln export-whisper`. The WAV file (8-32-bit integer PCM or float, any
+channel count and sample rate) is mixed down to mono and resampled to 16 kHz; Whisper reads it in 30 s windows
+(log-mel features, the encoder once per window) and writes the text greedily, token by token.
+
+The text goes to stdout; the audio length, the time taken and the real-time factor (time taken / audio length,
+below 1 is faster than real time) go to stderr, with each window's text as it is done for audio over 30 s."""
+EPILOG = """\
+examples:
+  kiln transcribe tiny_en.kiln speech.wav
+  kiln transcribe base.kiln interview.wav --language de --task translate --backend cuda
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("transcribe", help=HELP, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="the .kiln file (from `kiln export-whisper`)")
+    p.add_argument("audio", help="a WAV file")
+    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
+    p.add_argument("--language", default="en", help="spoken language code for multilingual models (default: en)")
+    p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
+                   help="transcribe, or translate into English (multilingual models; default: transcribe)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens per 30 s window (default: the cache)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.runtime.speech import WhisperTranscriber
+
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    transcriber = WhisperTranscriber(load_program(args.model), args.backend)
+
+    def progress(index: int, count: int, text: str) -> None:
+        if count > 1:
+            print(f"  window {index + 1}/{count}: {text}", file=sys.stderr, flush=True)
+
+    try:
+        result = transcriber.transcribe(args.audio, language=args.language, task=args.task,
+                                        max_new_tokens=args.max_new_tokens, on_window=progress)
+    except FileNotFoundError:
+        raise CliError(f"{args.audio}: no such file") from None
+    except AudioFormatError as e:
+        raise CliError(str(e)) from None
+    print(result.text)
+    print(f"{result.audio_seconds:.1f} s of audio in {result.seconds:.2f} s: real-time factor "
+          f"{result.real_time_factor:.3f} ({args.backend}; features {result.timings['features']:.2f} s, encoder "
+          f"{result.timings['encode']:.2f} s, decoder {result.timings['decode']:.2f} s)", file=sys.stderr)
+    return 0

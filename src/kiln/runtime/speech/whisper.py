@@ -1,0 +1,137 @@
+"""Speech to text with an exported Whisper program, torch-free: features, the encoder once per 30 s window, greedy
+decoding one token at a time over the decoder's cache.
+
+The prompt is Whisper's: <|startoftranscript|>, then for multilingual checkpoints the language and the task
+(<|en|> <|transcribe|>), then <|notimestamps|>. Each step takes the highest-scoring token after removing the
+suppressed tokens (and, at the first step, the ones suppressed at the beginning: a blank, the end of text), as
+transformers' greedy `generate` does, until the end-of-text token or the window's token budget. Longer audio is
+cut in consecutive 30 s windows whose texts are joined.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import InputError
+from kiln.runtime.audio import SAMPLE_RATE, load_audio, whisper_log_mel
+from kiln.runtime.audio.features import WHISPER_WINDOW_SAMPLES
+from kiln.runtime.llm.tokenizer import LLMTokenizer
+from kiln.runtime.program import Program, load
+from kiln.runtime.speech.info import SpeechInfo
+
+TASKS = ("transcribe", "translate")
+
+
+@dataclass
+class Transcript:
+    text: str
+    windows: list[str]
+    """The text of each 30 s window."""
+    token_ids: list[list[int]]
+    """The generated token ids of each window (without the prompt and the end of text)."""
+    audio_seconds: float
+    seconds: float
+    """Wall time of the transcription: features, encoder and decoding."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in features, encode and decode."""
+
+    @property
+    def real_time_factor(self) -> float:
+        """Processing time over audio time: below 1 is faster than real time."""
+        return self.seconds / self.audio_seconds if self.audio_seconds else float("nan")
+
+
+class WhisperTranscriber:
+    """Transcribes audio with one Whisper program on one backend (a session of its own)."""
+
+    def __init__(self, program: Program | str | os.PathLike, backend: str = "cpu"):
+        self.program = program if isinstance(program, Program) else load(program)
+        self.info = SpeechInfo.from_metadata(self.program.metadata)
+        self.session = self.program.session(backend)
+        self.tokenizer = LLMTokenizer(self.info.tokenizer_json)
+        self.end_of_text = self._special("<|endoftext|>")
+        self.start = self._special("<|startoftranscript|>")
+        self.no_timestamps = self._special("<|notimestamps|>")
+
+    def _special(self, token: str) -> int:
+        token_id = self.tokenizer.token_id(token)
+        if token_id is None:
+            raise InputError(f"the program's tokenizer has no {token} token: not a Whisper tokenizer")
+        return token_id
+
+    def prompt(self, language: str | None = "en", task: str = "transcribe") -> list[int]:
+        """The decoder's first tokens for a window."""
+        if task not in TASKS:
+            raise InputError(f"task must be one of {TASKS}, got {task!r}")
+        if not self.info.multilingual:
+            if task != "transcribe" or (language or "en") != "en":
+                raise InputError(f"this Whisper model is English-only: it cannot {task} {language!r}")
+            return [self.start, self.no_timestamps]
+        language_id = self.tokenizer.token_id(f"<|{language or 'en'}|>")
+        if language_id is None:
+            raise InputError(f"this Whisper model has no language {language!r} (give a code such as en, de, fr)")
+        return [self.start, language_id, self._special(f"<|{task}|>"), self.no_timestamps]
+
+    def transcribe(self, audio: np.ndarray | str | os.PathLike, language: str | None = "en",
+                   task: str = "transcribe", max_new_tokens: int | None = None,
+                   on_window: Callable[[int, int, str], None] | None = None) -> Transcript:
+        """The text of `audio`: a WAV file, or mono float samples at 16 kHz. on_window(index, count, text) is
+        called as each 30 s window is done (progress for long audio)."""
+        started = time.perf_counter()
+        samples = load_audio(audio, SAMPLE_RATE) if isinstance(audio, (str, os.PathLike)) else \
+            np.asarray(audio, dtype=np.float32).reshape(-1)
+        prompt = self.prompt(language, task)
+        budget = self.info.max_tokens - len(prompt)
+        limit = budget if max_new_tokens is None else min(max_new_tokens, budget)
+        timings = {"features": 0.0, "encode": 0.0, "decode": 0.0}
+        starts = range(0, max(len(samples), 1), WHISPER_WINDOW_SAMPLES)
+        texts, ids = [], []
+        for index, begin in enumerate(starts):
+            t0 = time.perf_counter()
+            features = whisper_log_mel(samples[begin:begin + WHISPER_WINDOW_SAMPLES], self.info.n_mels)
+            t1 = time.perf_counter()
+            self.session.run("encode", features[None])
+            t2 = time.perf_counter()
+            window_ids = self._greedy(prompt, limit)
+            t3 = time.perf_counter()
+            timings["features"] += t1 - t0
+            timings["encode"] += t2 - t1
+            timings["decode"] += t3 - t2
+            text = self.tokenizer.decode(window_ids, skip_special_tokens=True).strip()
+            texts.append(text)
+            ids.append(window_ids)
+            if on_window is not None:
+                on_window(index, len(starts), text)
+        return Transcript(" ".join(t for t in texts if t), texts, ids, len(samples) / SAMPLE_RATE,
+                          time.perf_counter() - started, timings)
+
+    def _greedy(self, prompt: list[int], limit: int) -> list[int]:
+        """Generated token ids after `prompt` (its positions from 0), up to the end of text or `limit` tokens."""
+        logits: Any = None
+        for position, token in enumerate(prompt):
+            logits = self._step(token, position)
+        suppress = np.array(self.info.suppress_tokens, dtype=np.int64)
+        begin = np.array(self.info.begin_suppress_tokens, dtype=np.int64)
+        out: list[int] = []
+        while len(out) < limit:
+            scores = np.array(self.session.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
+            scores[suppress] = -np.inf
+            if not out:
+                scores[begin] = -np.inf
+            token = int(np.argmax(scores))
+            if token == self.end_of_text:
+                break
+            out.append(token)
+            if len(out) < limit:
+                logits = self._step(token, len(prompt) + len(out) - 1)
+        return out
+
+    def _step(self, token: int, position: int) -> Any:
+        return self.session.run("decode", np.array([[token]], dtype=np.int64),
+                                np.array([position], dtype=np.int64))[0]
