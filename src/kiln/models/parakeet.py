@@ -1,0 +1,321 @@
+"""Parakeet TDT (NeMo's FastConformer encoder with a token-and-duration transducer), written here from the NeMo
+architecture, loaded from a `.nemo` archive by reading the archive itself (no NeMo install).
+
+The modules carry NeMo's names, so a checkpoint's state dict loads as it is (docs/parakeet-tdt-notes.md lists the
+names and where each fact comes from):
+
+  encoder  `pre_encode`: dw_striding subsampling by 8 (a 3x3 stride-2 convolution, then twice a depthwise 3x3
+           stride-2 and a pointwise one, ReLU after each stage; the [C, T, F] result flattened channel-major into a
+           linear layer), optional x sqrt(d) scaling, then `layers` of Conformer blocks: half feed-forward,
+           relative-position self-attention (Transformer-XL: content and position biases per head, the position
+           scores shifted into place), convolution module (pointwise + GLU, depthwise, batch norm, SiLU,
+           pointwise), half feed-forward, each pre-normed, and a final layer norm.
+  decoder  `prediction`: an embedding of the vocabulary plus blank (the last id, a zero row) and an LSTM.
+  joint    `enc` and `pred` projections, added, then ReLU and a linear layer to the tokens, the blank and one logit
+           per duration.
+
+One utterance at a time, with exactly its valid feature frames (kiln.runtime.audio.nemo_log_mel's first `frames`):
+then NeMo's padding masks change nothing, because every position they would mask lies past the end, where the
+convolutions' zero padding already is.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NemoArchiveError(ValueError):
+    """A .nemo archive kiln cannot use: missing members, or a model other than the Parakeet TDT it implements."""
+
+
+@dataclass(frozen=True)
+class ParakeetConfig:
+    """The sizes of a Parakeet TDT model, from its model_config.yaml."""
+
+    n_mels: int = 128
+    d_model: int = 1024
+    n_layers: int = 24
+    n_heads: int = 8
+    ff_expansion: int = 4
+    conv_kernel: int = 9
+    subsampling_channels: int = 256
+    subsampling_factor: int = 8
+    xscaling: bool = True
+    use_bias: bool = True
+    vocab_size: int = 1024
+    pred_hidden: int = 640
+    pred_layers: int = 2
+    joint_hidden: int = 640
+    joint_dropout: float = 0.2
+    durations: tuple[int, ...] = (0, 1, 2, 3, 4)
+    max_symbols: int = 10
+    labels: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def blank(self) -> int:
+        return self.vocab_size
+
+    @classmethod
+    def from_nemo(cls, cfg: dict[str, Any]) -> ParakeetConfig:
+        """From a parsed model_config.yaml; what this implementation does not cover is refused, by name."""
+        enc, dec, joint = cfg.get("encoder", {}), cfg.get("decoder", {}), cfg.get("joint", {})
+        unsupported = {
+            "encoder.subsampling": (enc.get("subsampling", "dw_striding"), "dw_striding"),
+            "encoder.self_attention_model": (enc.get("self_attention_model", "rel_pos"), "rel_pos"),
+            "encoder.conv_norm_type": (enc.get("conv_norm_type", "batch_norm"), "batch_norm"),
+            "encoder.untie_biases": (enc.get("untie_biases", True), True),
+            "encoder.causal_downsampling": (enc.get("causal_downsampling", False), False),
+            "joint.jointnet.activation": (joint.get("jointnet", {}).get("activation", "relu"), "relu"),
+        }
+        wrong = {k: v for k, (v, want) in unsupported.items() if v != want}
+        if wrong:
+            raise NemoArchiveError(f"kiln implements the Parakeet TDT architecture; this model has {wrong}")
+        durations = (cfg.get("model_defaults", {}).get("tdt_durations")
+                     or cfg.get("loss", {}).get("tdt_kwargs", {}).get("durations")
+                     or cfg.get("decoding", {}).get("durations"))
+        if not durations:
+            raise NemoArchiveError("the model config names no TDT durations (model_defaults.tdt_durations): "
+                                   "not a TDT model")
+        prednet, jointnet = dec.get("prednet", {}), joint.get("jointnet", {})
+        return cls(
+            n_mels=int(enc.get("feat_in", cfg.get("preprocessor", {}).get("features", 128))),
+            d_model=int(enc["d_model"]), n_layers=int(enc["n_layers"]), n_heads=int(enc["n_heads"]),
+            ff_expansion=int(enc.get("ff_expansion_factor", 4)), conv_kernel=int(enc.get("conv_kernel_size", 31)),
+            subsampling_channels=int(enc.get("subsampling_conv_channels", 256)),
+            subsampling_factor=int(enc.get("subsampling_factor", 8)), xscaling=bool(enc.get("xscaling", True)),
+            use_bias=bool(enc.get("use_bias", True)), vocab_size=int(dec["vocab_size"]),
+            pred_hidden=int(prednet["pred_hidden"]), pred_layers=int(prednet.get("pred_rnn_layers", 1)),
+            joint_hidden=int(jointnet["joint_hidden"]), joint_dropout=float(jointnet.get("dropout", 0.0)),
+            durations=tuple(int(d) for d in durations),
+            max_symbols=int(cfg.get("decoding", {}).get("greedy", {}).get("max_symbols", 10) or 10),
+            labels=tuple(cfg.get("labels") or ()),
+        )
+
+
+class ConvSubsampling(nn.Module):
+    """dw_striding: [1, T, n_mels] -> [1, T / 8, d_model] (NeMo's `pre_encode`)."""
+
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        ch = c.subsampling_channels
+        stages = int(math.log2(c.subsampling_factor))
+        layers: list[nn.Module] = [nn.Conv2d(1, ch, 3, stride=2, padding=1), nn.ReLU()]
+        for _ in range(stages - 1):
+            layers += [nn.Conv2d(ch, ch, 3, stride=2, padding=1, groups=ch), nn.Conv2d(ch, ch, 1), nn.ReLU()]
+        self.conv = nn.Sequential(*layers)
+        freq = c.n_mels
+        for _ in range(stages):
+            freq = (freq - 1) // 2 + 1
+        self.out = nn.Linear(ch * freq, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x.unsqueeze(1))  # [B, C, T', F']
+        b, ch, t, f = x.shape
+        return self.out(x.transpose(1, 2).reshape(b, t, ch * f))
+
+
+def relative_positions(length: int, d_model: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 2T-1, d] sinusoids of the relative positions T-1 ... -(T-1), sin and cos interleaved (NeMo's
+    RelPositionalEncoding, centered on the utterance)."""
+    positions = torch.arange(length - 1, -length, -1, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
+    angles = positions * inv_freq
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(1, 2 * length - 1, d_model).to(dtype)
+
+
+class RelPositionAttention(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.heads, self.d_k = c.n_heads, c.d_model // c.n_heads
+        for name in ("linear_q", "linear_k", "linear_v", "linear_out"):
+            setattr(self, name, nn.Linear(c.d_model, c.d_model, bias=c.use_bias))
+        self.linear_pos = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.zeros(self.heads, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(self.heads, self.d_k))
+
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.linear_q(x).view(b, t, self.heads, self.d_k)
+        k = self.linear_k(x).view(b, t, self.heads, self.d_k).transpose(1, 2)
+        v = self.linear_v(x).view(b, t, self.heads, self.d_k).transpose(1, 2)
+        p = self.linear_pos(pos_emb).view(1, -1, self.heads, self.d_k).transpose(1, 2)  # [1, h, 2T-1, d_k]
+        q_u = (q + self.pos_bias_u).transpose(1, 2)
+        q_v = (q + self.pos_bias_v).transpose(1, 2)
+        bd = q_v @ p.transpose(-1, -2)  # [B, h, T, 2T-1]: query i against relative position T-1-r
+        # shift so that column j holds relative position i - j: pad a zero column, fold, drop the first row
+        bd = F.pad(bd, (1, 0)).view(b, self.heads, 2 * t, t)[:, :, 1:].reshape(b, self.heads, t, 2 * t - 1)[..., :t]
+        scores = (q_u @ k.transpose(-1, -2) + bd) / math.sqrt(self.d_k)
+        out = scores.softmax(dim=-1) @ v
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.linear1 = nn.Linear(c.d_model, c.d_model * c.ff_expansion, bias=c.use_bias)
+        self.linear2 = nn.Linear(c.d_model * c.ff_expansion, c.d_model, bias=c.use_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.silu(self.linear1(x)))
+
+
+class ConvolutionModule(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        d = c.d_model
+        self.pointwise_conv1 = nn.Conv1d(d, 2 * d, 1, bias=c.use_bias)
+        self.depthwise_conv = nn.Conv1d(d, d, c.conv_kernel, padding=(c.conv_kernel - 1) // 2, groups=d,
+                                        bias=c.use_bias)
+        self.batch_norm = nn.BatchNorm1d(d)
+        self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=c.use_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)
+        x = F.silu(self.batch_norm(self.depthwise_conv(x)))
+        return self.pointwise_conv2(x).transpose(1, 2)
+
+
+class ConformerLayer(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        for name in ("norm_feed_forward1", "norm_self_att", "norm_conv", "norm_feed_forward2", "norm_out"):
+            setattr(self, name, nn.LayerNorm(c.d_model))
+        self.feed_forward1, self.feed_forward2 = FeedForward(c), FeedForward(c)
+        self.self_attn = RelPositionAttention(c)
+        self.conv = ConvolutionModule(c)
+
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor) -> torch.Tensor:
+        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb)
+        x = x + self.conv(self.norm_conv(x))
+        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
+        return self.norm_out(x)
+
+
+class FastConformerEncoder(nn.Module):
+    """features [1, n_mels, T] (valid frames only) -> [1, T / 8, d_model]."""
+
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.d_model = c.d_model
+        self.scale = math.sqrt(c.d_model) if c.xscaling else 1.0
+        self.pre_encode = ConvSubsampling(c)
+        self.layers = nn.ModuleList(ConformerLayer(c) for _ in range(c.n_layers))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.pre_encode(features.transpose(1, 2)) * self.scale
+        pos_emb = relative_positions(x.shape[1], self.d_model, x.dtype)
+        for layer in self.layers:
+            x = layer(x, pos_emb)
+        return x
+
+
+class _LSTMHolder(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.lstm = nn.LSTM(c.pred_hidden, c.pred_hidden, num_layers=c.pred_layers)
+
+
+class PredictionNetwork(nn.Module):
+    """NeMo's `decoder.prediction`: the last emitted token (blank = none yet, a zero embedding) through an LSTM."""
+
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab_size + 1, c.pred_hidden, padding_idx=c.vocab_size)
+        self.dec_rnn = _LSTMHolder(c)
+
+
+class _DecoderHolder(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.prediction = PredictionNetwork(c)
+
+
+class Joint(nn.Module):
+    def __init__(self, c: ParakeetConfig):
+        super().__init__()
+        self.pred = nn.Linear(c.pred_hidden, c.joint_hidden)
+        self.enc = nn.Linear(c.d_model, c.joint_hidden)
+        head = nn.Linear(c.joint_hidden, c.vocab_size + 1 + len(c.durations))
+        self.joint_net = nn.Sequential(nn.ReLU(), nn.Dropout(c.joint_dropout), head) if c.joint_dropout \
+            else nn.Sequential(nn.ReLU(), head)
+
+    def forward(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Logits from the projected encoder frame f and projected prediction g ([..., joint_hidden] each)."""
+        return self.joint_net(f + g)
+
+
+class ParakeetTDT(nn.Module):
+    """encoder, decoder.prediction and joint, named as in NeMo's EncDecRNNTBPEModel."""
+
+    def __init__(self, config: ParakeetConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = FastConformerEncoder(config)
+        self.decoder = _DecoderHolder(config)
+        self.joint = Joint(config)
+
+    def predict(self, token: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(the projected prediction g [1, joint_hidden], the LSTM's next (h, c)) after `token` [1, 1]."""
+        prediction = self.decoder.prediction
+        out, state = prediction.dec_rnn.lstm(prediction.embed(token).transpose(0, 1), state)
+        return self.joint.pred(out[0]), state
+
+    def initial_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        zeros = torch.zeros(c.pred_layers, 1, c.pred_hidden)
+        return zeros, zeros.clone()
+
+
+NEMO_CONFIG, NEMO_WEIGHTS = "model_config.yaml", "model_weights.ckpt"
+
+
+def read_nemo(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, bytes]]:
+    """(the parsed model_config.yaml, the state dict, the other members by name) of a .nemo archive: a tar, plain
+    or gzip'd, whose members may sit under './'. The weights are read with torch.load(weights_only=True)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        archive = tarfile.open(path, "r:*")
+    except (tarfile.ReadError, OSError) as e:
+        raise NemoArchiveError(f"{path} is not a .nemo archive (a tar file): {e}") from None
+    members: dict[str, bytes] = {}
+    with archive:
+        for member in archive.getmembers():
+            if member.isfile():
+                members[PurePosixPath(member.name).name] = archive.extractfile(member).read()
+    for needed in (NEMO_CONFIG, NEMO_WEIGHTS):
+        if needed not in members:
+            raise NemoArchiveError(f"{path} has no {needed}; its members: {sorted(members)}")
+    config = yaml.safe_load(members.pop(NEMO_CONFIG).decode("utf-8"))
+    state = torch.load(io.BytesIO(members.pop(NEMO_WEIGHTS)), map_location="cpu", weights_only=True)
+    return config, state, members
+
+
+def load_nemo(path: str | os.PathLike) -> tuple[ParakeetTDT, dict[str, bytes]]:
+    """A Parakeet TDT model from a .nemo archive (in eval mode, float32), and the archive's other members (the
+    tokenizer's files, named as NeMo stores them: '<hex>_tokenizer.model' and so on)."""
+    config, state, members = read_nemo(path)
+    model = ParakeetTDT(ParakeetConfig.from_nemo(config)).eval()
+    state = {k: v for k, v in state.items() if not k.startswith("preprocessor.")}  # kiln computes the features
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise NemoArchiveError(f"{path}: the weights do not fit the Parakeet TDT built from its config: missing "
+                               f"{missing[:8]}, unexpected {unexpected[:8]}")
+    return model.float(), members
+
+
+__all__ = ["ConformerLayer", "FastConformerEncoder", "NemoArchiveError", "ParakeetConfig", "ParakeetTDT",
+           "load_nemo", "read_nemo", "relative_positions"]
