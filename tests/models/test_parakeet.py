@@ -152,3 +152,64 @@ def test_encoder_and_joint_match_transformers(xscaling):
         their_logits = twin.joint(their_g, twin.encoder_projector(theirs[0, :4]))
         torch.testing.assert_close(logits, their_logits, rtol=1e-4, atol=1e-4)
         assert logits.shape == (4, 40 + 1 + 5)
+
+
+def eager_tdt(model: ParakeetTDT, features: torch.Tensor) -> list[int]:
+    """Greedy TDT decoding written out plainly over the PyTorch model, NeMo's greedy_batch rules: a blank moves on
+    by at least one frame and leaves the prediction network alone; a token is fed to it and moves on by its
+    duration; after max_symbols tokens on one frame, decoding moves on."""
+    c = model.config
+    with torch.no_grad():
+        f = model.joint.enc(model.encoder(features))[0]
+        g, state = model.predict(torch.tensor([[c.blank]]), model.initial_state())
+        out, t, last_frame, on_frame = [], 0, -1, 0
+        while t < f.shape[0]:
+            frame = t
+            logits = model.joint(f[t], g[0])
+            label, duration = int(logits[:c.blank + 1].argmax()), c.durations[int(logits[c.blank + 1:].argmax())]
+            if label == c.blank:
+                t += max(duration, 1)
+                continue
+            out.append(label)
+            g, state = model.predict(torch.tensor([[label]]), state)
+            t += duration
+            on_frame = on_frame + 1 if frame == last_frame else 1
+            last_frame = frame
+            if on_frame >= c.max_symbols and t == frame:
+                t += 1
+    return out
+
+
+def test_exported_transcription_equals_the_eager_greedy_loop(tmp_path):
+    from kiln.models.parakeet import export_parakeet
+    from kiln.runtime.audio import nemo_log_mel, read_wav
+    from kiln.runtime.speech import ParakeetTranscriber, transcriber
+    from tests.models.test_whisper import beckett_path
+
+    model = random_parakeet(V2_CONFIG, seed=3)
+    path = export_parakeet(write_nemo(model, V2_CONFIG, tmp_path / "m.nemo")).save(tmp_path / "p.kiln")
+    samples = read_wav(beckett_path()).samples
+    result = transcriber(path).transcribe(samples)
+    features, frames = nemo_log_mel(samples, 128)
+    want = eager_tdt(model, torch.from_numpy(features[None, :, :frames]))
+    assert result.token_ids == [want] and len(want) > 10
+    assert result.text == "".join(f"tok{t}" for t in want)
+    short = ParakeetTranscriber(path).transcribe(samples[:800])  # 50 ms: padded to the encoder's shortest input
+    assert len(short.windows) == 1
+
+
+def test_parakeet_commands(tmp_path):
+    from tests.models.test_whisper import beckett_path
+    from tests.test_cli import cli
+
+    nemo = write_nemo(random_parakeet(V2_CONFIG, seed=4), V2_CONFIG, tmp_path / "m.nemo")
+    code, out, err = cli("export-parakeet", nemo, "-o", tmp_path / "p.kiln", "--max-seconds", "4")
+    assert code == 0, err
+    assert "methods: encode" in out
+    code, out, err = cli("transcribe", tmp_path / "p.kiln", beckett_path())
+    assert code == 0, err
+    assert "window 3/3" in err and "real-time factor" in err and out.strip().startswith("tok")
+    code, _, err = cli("transcribe", tmp_path / "p.kiln", beckett_path(), "--language", "de")
+    assert code == 2 and "Whisper programs only" in err
+    code, _, err = cli("export-parakeet", tmp_path / "missing.nemo", "-o", tmp_path / "x.kiln")
+    assert code == 2 and "not a file" in err

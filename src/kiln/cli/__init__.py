@@ -21,6 +21,7 @@ from kiln.cli import (
     detect_cmd,
     export_cmd,
     export_llm_cmd,
+    export_parakeet_cmd,
     export_whisper_cmd,
     generate_cmd,
     inspect_cmd,
@@ -37,8 +38,8 @@ from kiln.errors import (
     UnsupportedOpsError,
 )
 
-COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, inspect_cmd, run_cmd, bench_cmd, ops_cmd, classify_cmd,
-            detect_cmd, generate_cmd, chat_cmd, transcribe_cmd)
+COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, export_parakeet_cmd, inspect_cmd, run_cmd, bench_cmd,
+            ops_cmd, classify_cmd, detect_cmd, generate_cmd, chat_cmd, transcribe_cmd)
 
 USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
 """Errors the user can fix from the message alone: printed without a traceback, exit status 2."""

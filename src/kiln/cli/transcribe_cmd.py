@@ -8,11 +8,13 @@ import sys
 from kiln.cli.common import CliError, load_program
 from kiln.runtime.audio import AudioFormatError
 
-HELP = "transcribe a WAV file with a speech .kiln program (Whisper)"
+HELP = "transcribe a WAV file with a speech .kiln program (Whisper or Parakeet TDT)"
 DESCRIPTION = """\
-Transcribe speech with a program made by `kiln export-whisper`. The WAV file (8-32-bit integer PCM or float, any
-channel count and sample rate) is mixed down to mono and resampled to 16 kHz; Whisper reads it in 30 s windows
-(log-mel features, the encoder once per window) and writes the text greedily, token by token.
+Transcribe speech with a program made by `kiln export-whisper` or `kiln export-parakeet`. The WAV file (8-32-bit
+integer PCM or float, any channel count and sample rate) is mixed down to mono and resampled to 16 kHz. Whisper
+reads it in 30 s windows (log-mel features, the encoder once per window) and writes the text greedily, token by
+token; Parakeet TDT takes NeMo's features of up to its encoder's window (2 minutes by default) at once and decodes
+tokens with their durations greedily.
 
 The text goes to stdout; the audio length, the time taken and the real-time factor (time taken / audio length,
 below 1 is faster than real time) go to stderr, with each window's text as it is done for audio over 30 s."""
@@ -20,36 +22,45 @@ EPILOG = """\
 examples:
   kiln transcribe tiny_en.kiln speech.wav
   kiln transcribe base.kiln interview.wav --language de --task translate --backend cuda
+  kiln transcribe parakeet.kiln speech.wav
 """
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transcribe", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="the .kiln file (from `kiln export-whisper`)")
+    p.add_argument("model", help="the .kiln file (from `kiln export-whisper` or `kiln export-parakeet`)")
     p.add_argument("audio", help="a WAV file")
     p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
-    p.add_argument("--language", default="en", help="spoken language code for multilingual models (default: en)")
-    p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
-                   help="transcribe, or translate into English (multilingual models; default: transcribe)")
-    p.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens per 30 s window (default: the cache)")
+    p.add_argument("--language", help="Whisper: spoken language code for multilingual models (default: en)")
+    p.add_argument("--task", choices=("transcribe", "translate"),
+                   help="Whisper: transcribe, or translate into English (multilingual models; default: transcribe)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="Whisper: most tokens per 30 s window (default: the cache)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.runtime.speech import WhisperTranscriber
+    from kiln.runtime.speech import WhisperTranscriber, transcriber
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    transcriber = WhisperTranscriber(load_program(args.model), args.backend)
+    model = transcriber(load_program(args.model), args.backend)  # InputError when it is not a speech program
+    options = {"language": args.language or "en", "task": args.task or "transcribe",
+               "max_new_tokens": args.max_new_tokens}
+    if not isinstance(model, WhisperTranscriber):
+        given = [flag for flag, value in (("--language", args.language), ("--task", args.task),
+                                          ("--max-new-tokens", args.max_new_tokens)) if value is not None]
+        if given:
+            raise CliError(f"{', '.join(given)} apply to Whisper programs only")
+        options = {}
 
     def progress(index: int, count: int, text: str) -> None:
         if count > 1:
             print(f"  window {index + 1}/{count}: {text}", file=sys.stderr, flush=True)
 
     try:
-        result = transcriber.transcribe(args.audio, language=args.language, task=args.task,
-                                        max_new_tokens=args.max_new_tokens, on_window=progress)
+        result = model.transcribe(args.audio, on_window=progress, **options)
     except FileNotFoundError:
         raise CliError(f"{args.audio}: no such file") from None
     except AudioFormatError as e:

@@ -62,9 +62,23 @@ def bound(module: torch.nn.Module, function: str) -> torch.nn.Module:
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
-    ep = torch.export.export(module, tuple(args), kwargs=kwargs or None, dynamic_shapes=dynamic_shapes,
+    ep = torch.export.export(module, _distinct(args), kwargs=kwargs or None, dynamic_shapes=dynamic_shapes,
                              strict=False)
     return ep.run_decompositions(decomposition_table())
+
+
+def _distinct(args: tuple) -> tuple:
+    """The example arguments with a tensor given twice (an LSTM's h and c made from one zeros tensor) copied:
+    torch.export would otherwise trace the two inputs as one, and the program would read one where the model reads
+    the other."""
+    seen: set[int] = set()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and id(a) in seen:
+            a = a.clone()
+        seen.add(id(a))
+        out.append(a)
+    return tuple(out)
 
 
 def _is_dim(x: Any) -> bool:

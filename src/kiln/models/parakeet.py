@@ -22,6 +22,7 @@ convolutions' zero padding already is.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import tarfile
@@ -127,7 +128,7 @@ class ConvSubsampling(nn.Module):
 def relative_positions(length: int, d_model: int, dtype: torch.dtype) -> torch.Tensor:
     """[1, 2T-1, d] sinusoids of the relative positions T-1 ... -(T-1), sin and cos interleaved (NeMo's
     RelPositionalEncoding, centered on the utterance)."""
-    positions = torch.arange(length - 1, -length, -1, dtype=torch.float32)[:, None]
+    positions = torch.arange(length - 1, -length, -1).to(torch.float32)[:, None]  # integer arange, then cast
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
     angles = positions * inv_freq
     return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(1, 2 * length - 1, d_model).to(dtype)
@@ -148,15 +149,17 @@ class RelPositionAttention(nn.Module):
         q = self.linear_q(x).view(b, t, self.heads, self.d_k)
         k = self.linear_k(x).view(b, t, self.heads, self.d_k).transpose(1, 2)
         v = self.linear_v(x).view(b, t, self.heads, self.d_k).transpose(1, 2)
-        p = self.linear_pos(pos_emb).view(1, -1, self.heads, self.d_k).transpose(1, 2)  # [1, h, 2T-1, d_k]
+        p = self.linear_pos(pos_emb).view(1, 2 * t - 1, self.heads, self.d_k).transpose(1, 2)  # [1, h, 2T-1, d_k]
         q_u = (q + self.pos_bias_u).transpose(1, 2)
         q_v = (q + self.pos_bias_v).transpose(1, 2)
         bd = q_v @ p.transpose(-1, -2)  # [B, h, T, 2T-1]: query i against relative position T-1-r
-        # shift so that column j holds relative position i - j: pad a zero column, fold, drop the first row
-        bd = F.pad(bd, (1, 0)).view(b, self.heads, 2 * t, t)[:, :, 1:].reshape(b, self.heads, t, 2 * t - 1)[..., :t]
+        # column j of row i takes relative position i - j, at index T-1-i+j (NeMo's rel_shift; a gather rather
+        # than its pad-and-fold, whose reshapes torch.export cannot keep symbolic in T)
+        rows, cols = torch.arange(t, device=x.device)[:, None], torch.arange(t, device=x.device)[None, :]
+        bd = bd.gather(-1, (t - 1 - rows + cols).expand(b, self.heads, t, t))
         scores = (q_u @ k.transpose(-1, -2) + bd) / math.sqrt(self.d_k)
         out = scores.softmax(dim=-1) @ v
-        return self.linear_out(out.transpose(1, 2).reshape(b, t, -1))
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.heads * self.d_k))
 
 
 class FeedForward(nn.Module):
@@ -317,5 +320,62 @@ def load_nemo(path: str | os.PathLike) -> tuple[ParakeetTDT, dict[str, bytes]]:
     return model.float(), members
 
 
-__all__ = ["ConformerLayer", "FastConformerEncoder", "NemoArchiveError", "ParakeetConfig", "ParakeetTDT",
-           "load_nemo", "read_nemo", "relative_positions"]
+
+
+class _Methods(nn.Module):
+    """The three methods a transcription calls: the encoder once per window (its frames already projected for the
+    joint, as NeMo's greedy decoding projects them once), the prediction network once per emitted token (its LSTM
+    state passed in and out, since a blank must leave it unchanged), and the joint once per decoding step."""
+
+    def __init__(self, model: ParakeetTDT):
+        super().__init__()
+        self.model = model
+
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.joint.enc(self.model.encoder(features))
+
+    def predict(self, token: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        g, (h, c) = self.model.predict(token, (h, c))
+        return g, h, c
+
+    def joint(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return self.model.joint(f, g)
+
+
+MIN_FRAMES = 16
+"""Fewest feature frames `encode` takes (0.16 s; the transcriber pads shorter audio with silence)."""
+
+
+def export_parakeet(source: ParakeetTDT | str | os.PathLike, max_frames: int = 12000,
+                    **export_options: Any) -> Any:
+    """A Parakeet TDT program that `kiln transcribe` runs alone, from a model or a .nemo archive: `encode` (feature
+    frames [1, n_mels, T], MIN_FRAMES <= T <= max_frames: 12000 is 2 minutes; longer audio is transcribed in windows),
+    `predict` and `joint`, and in the metadata the vocabulary, the blank, the durations and max symbols per frame."""
+    from kiln.export import Method, export
+    from kiln.runtime.speech import info as keys
+
+    model = source if isinstance(source, ParakeetTDT) else load_nemo(source)[0]
+    c = model.config
+    if len(c.labels) != c.vocab_size:
+        raise NemoArchiveError(f"the model config has {len(c.labels)} labels for a vocabulary of {c.vocab_size}: "
+                               "kiln needs the labels (the SentencePiece pieces) to write the text")
+    # DYNAMIC rather than a named Dim: the encoder's shapes are (frames - 1) // 8 + 1, about which torch.export asks
+    # questions (is it 1?) that it cannot answer from a named Dim's range, and refuses; a hint lets it decide them
+    frames = torch.export.Dim.DYNAMIC(min=MIN_FRAMES, max=max_frames)
+    h, c_state = torch.zeros(c.pred_layers, 1, c.pred_hidden), torch.zeros(c.pred_layers, 1, c.pred_hidden)
+    methods = {  # (h and c must be distinct tensors: torch.export takes one tensor passed twice as one input)
+        "encode": Method((torch.zeros(1, c.n_mels, 2 * MIN_FRAMES),), dynamic_shapes=({2: frames},)),
+        "predict": Method((torch.zeros(1, 1, dtype=torch.long), h, c_state)),
+        "joint": Method((torch.zeros(1, c.joint_hidden), torch.zeros(1, c.joint_hidden))),
+    }
+    metadata = {keys.MODEL_KIND_KEY: "parakeet", keys.N_MELS_KEY: str(c.n_mels),
+                keys.LABELS_KEY: json.dumps(list(c.labels)), keys.DURATIONS_KEY: json.dumps(list(c.durations)),
+                keys.MAX_SYMBOLS_KEY: str(c.max_symbols), keys.SUBSAMPLING_KEY: str(c.subsampling_factor)}
+    if not isinstance(source, ParakeetTDT):
+        metadata[keys.NAME_KEY] = Path(source).stem
+    metadata.update(export_options.pop("metadata", None) or {})
+    return export(_Methods(model).eval(), methods=methods, metadata=metadata, **export_options)
+
+
+__all__ = ["MIN_FRAMES", "ConformerLayer", "FastConformerEncoder", "NemoArchiveError", "ParakeetConfig", "ParakeetTDT",
+           "export_parakeet", "load_nemo", "read_nemo", "relative_positions"]

@@ -1,7 +1,25 @@
 """Speech recognition with exported programs, torch-free: the audio front end (kiln.runtime.audio), the program's
-speech metadata (info) and each model family's decoding (whisper)."""
+speech metadata (info) and each model family's decoding (whisper, parakeet); `transcriber` opens any of them."""
 
-from kiln.runtime.speech.info import SpeechInfo
-from kiln.runtime.speech.whisper import Transcript, WhisperTranscriber
+from __future__ import annotations
 
-__all__ = ["SpeechInfo", "Transcript", "WhisperTranscriber"]
+import os
+
+from kiln.runtime.program import Program, load
+from kiln.runtime.speech.info import ParakeetInfo, SpeechInfo, speech_kind
+from kiln.runtime.speech.parakeet import ParakeetTranscriber
+from kiln.runtime.speech.transcript import Transcript
+from kiln.runtime.speech.whisper import WhisperTranscriber
+
+TRANSCRIBERS = {"whisper": WhisperTranscriber, "parakeet": ParakeetTranscriber}
+"""The transcriber of each speech model family, by the program's kiln.speech.kind."""
+
+
+def transcriber(program: Program | str | os.PathLike, backend: str = "cpu") -> WhisperTranscriber | ParakeetTranscriber:
+    """The transcriber for a speech program of any family."""
+    program = program if isinstance(program, Program) else load(program)
+    return TRANSCRIBERS[speech_kind(program.metadata)](program, backend)
+
+
+__all__ = ["TRANSCRIBERS", "ParakeetInfo", "ParakeetTranscriber", "SpeechInfo", "Transcript", "WhisperTranscriber",
+           "speech_kind", "transcriber"]

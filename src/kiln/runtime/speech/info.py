@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kiln.errors import InputError
 
 MODEL_KIND_KEY = "kiln.speech.kind"
-"""The model family, which decides the features and the decoding: "whisper"."""
+"""The model family, which decides the features and the decoding: "whisper" or "parakeet"."""
 MAX_TOKENS_KEY = "kiln.speech.max_tokens"
 """Decoder cache slots: the prompt and the generated tokens of one 30 s window together."""
 N_MELS_KEY = "kiln.speech.n_mels"
@@ -28,7 +28,25 @@ BEGIN_SUPPRESS_KEY = "kiln.speech.begin_suppress_tokens"
 MULTILINGUAL_KEY = "kiln.speech.multilingual"
 """"1" when the prompt names a language and a task (multilingual checkpoints); "0" for the English-only ones."""
 NAME_KEY = "kiln.speech.name"
-KINDS = ("whisper",)
+LABELS_KEY = "kiln.speech.labels"
+"""Parakeet: JSON list of the vocabulary's SentencePiece pieces in id order (the blank is the id after them)."""
+DURATIONS_KEY = "kiln.speech.durations"
+"""Parakeet: JSON list of the durations (in encoder frames) the joint's last outputs score."""
+MAX_SYMBOLS_KEY = "kiln.speech.max_symbols"
+"""Parakeet: most tokens emitted at one encoder frame before decoding moves on."""
+SUBSAMPLING_KEY = "kiln.speech.subsampling"
+"""Parakeet: feature frames per encoder frame (8)."""
+KINDS = ("whisper", "parakeet")
+
+
+def speech_kind(meta: Mapping[str, str]) -> str:
+    """The program's speech model family, or an InputError saying it is not a speech program."""
+    kind = meta.get(MODEL_KIND_KEY)
+    if kind not in KINDS:
+        raise InputError(f"this program is not a speech model kiln can transcribe with (its {MODEL_KIND_KEY!r} is "
+                         f"{kind!r}; expected one of {list(KINDS)}): export one with `kiln export-whisper` or "
+                         "`kiln export-parakeet`")
+    return kind
 
 
 @dataclass(frozen=True)
@@ -47,10 +65,9 @@ class SpeechInfo:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str]) -> SpeechInfo:
-        kind = meta.get(MODEL_KIND_KEY)
-        if kind not in KINDS:
-            raise InputError(f"this program is not a speech model kiln can transcribe with (its {MODEL_KIND_KEY!r} is "
-                             f"{kind!r}; expected one of {list(KINDS)}): export one with `kiln export-whisper`")
+        kind = speech_kind(meta)
+        if kind != "whisper":
+            raise InputError(f"this is a {kind} program, not a Whisper one")
         try:
             return cls(kind=kind, max_tokens=int(meta[MAX_TOKENS_KEY]), n_mels=int(meta[N_MELS_KEY]),
                        vocab_size=int(meta[VOCAB_SIZE_KEY]), tokenizer_json=meta[TOKENIZER_KEY],
@@ -60,3 +77,33 @@ class SpeechInfo:
         except (KeyError, ValueError) as e:
             raise InputError(f"this {kind} program's speech metadata is incomplete or malformed ({e}); export it "
                              "again with `kiln export-whisper`") from None
+
+
+@dataclass(frozen=True)
+class ParakeetInfo:
+    """The speech metadata of a Parakeet TDT program, parsed."""
+
+    n_mels: int
+    labels: tuple[str, ...]
+    durations: tuple[int, ...]
+    max_symbols: int
+    subsampling: int
+    name: str | None = None
+
+    @property
+    def blank(self) -> int:
+        return len(self.labels)
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, str]) -> ParakeetInfo:
+        kind = speech_kind(meta)
+        if kind != "parakeet":
+            raise InputError(f"this is a {kind} program, not a Parakeet one")
+        try:
+            return cls(n_mels=int(meta[N_MELS_KEY]), labels=tuple(json.loads(meta[LABELS_KEY])),
+                       durations=tuple(json.loads(meta[DURATIONS_KEY])), max_symbols=int(meta[MAX_SYMBOLS_KEY]),
+                       subsampling=int(meta[SUBSAMPLING_KEY]),
+                       name=meta.get(NAME_KEY) or None)
+        except (KeyError, ValueError) as e:
+            raise InputError(f"this parakeet program's speech metadata is incomplete or malformed ({e}); export it "
+                             "again with `kiln export-parakeet`") from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,27 +23,9 @@ from kiln.runtime.audio.features import WHISPER_WINDOW_SAMPLES
 from kiln.runtime.llm.tokenizer import LLMTokenizer
 from kiln.runtime.program import Program, load
 from kiln.runtime.speech.info import SpeechInfo
+from kiln.runtime.speech.transcript import Transcript
 
 TASKS = ("transcribe", "translate")
-
-
-@dataclass
-class Transcript:
-    text: str
-    windows: list[str]
-    """The text of each 30 s window."""
-    token_ids: list[list[int]]
-    """The generated token ids of each window (without the prompt and the end of text)."""
-    audio_seconds: float
-    seconds: float
-    """Wall time of the transcription: features, encoder and decoding."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent in features, encode and decode."""
-
-    @property
-    def real_time_factor(self) -> float:
-        """Processing time over audio time: below 1 is faster than real time."""
-        return self.seconds / self.audio_seconds if self.audio_seconds else float("nan")
 
 
 class WhisperTranscriber:
