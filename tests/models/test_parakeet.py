@@ -211,7 +211,7 @@ def test_exported_transcription_equals_the_eager_greedy_loop(tmp_path):
     from kiln.models.parakeet import export_parakeet
     from kiln.runtime.audio import nemo_log_mel, read_wav
     from kiln.runtime.speech import ParakeetTranscriber, transcriber
-    from tests.models.test_whisper import beckett_path
+    from tests.runtime.test_audio import beckett_path
 
     model = random_parakeet(V2_CONFIG, seed=3)
     path = export_parakeet(write_nemo(model, V2_CONFIG, tmp_path / "m.nemo")).save(tmp_path / "p.kiln")
@@ -226,7 +226,7 @@ def test_exported_transcription_equals_the_eager_greedy_loop(tmp_path):
 
 
 def test_parakeet_commands(tmp_path):
-    from tests.models.test_whisper import beckett_path
+    from tests.runtime.test_audio import beckett_path
     from tests.test_cli import cli
 
     nemo = write_nemo(random_parakeet(V2_CONFIG, seed=4), V2_CONFIG, tmp_path / "m.nemo")

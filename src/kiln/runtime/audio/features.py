@@ -16,6 +16,8 @@ extractors (transformers' WhisperFeatureExtractor and ParakeetFeatureExtractor, 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 SAMPLE_RATE = 16000
@@ -63,9 +65,21 @@ def power_spectrogram(x: np.ndarray, n_fft: int, hop: int, window: np.ndarray, p
     return (spectrum.real ** 2 + spectrum.imag ** 2).T
 
 
+@functools.lru_cache(maxsize=8)
 def _hann(length: int, periodic: bool) -> np.ndarray:
     n = length if periodic else length - 1
-    return 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(length) / n)
+    return _frozen(0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(length) / n))
+
+
+@functools.lru_cache(maxsize=8)
+def _filter_bank(n_fft: int, n_mels: int, fmax: float | None) -> np.ndarray:
+    """mel_filters at 16 kHz, made once per shape (every window of a transcription uses the same)."""
+    return _frozen(mel_filters(n_fft, n_mels, fmax=fmax))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)  # shared by every caller of the caches above
+    return a
 
 
 def whisper_log_mel(samples: np.ndarray, n_mels: int = 80) -> np.ndarray:
@@ -74,7 +88,7 @@ def whisper_log_mel(samples: np.ndarray, n_mels: int = 80) -> np.ndarray:
     piece = np.asarray(samples, dtype=np.float64)[:WHISPER_WINDOW_SAMPLES]
     x[:len(piece)] = piece
     power = power_spectrogram(x, WHISPER_N_FFT, WHISPER_HOP, _hann(WHISPER_N_FFT, periodic=True), "reflect")
-    mel = mel_filters(WHISPER_N_FFT, n_mels, fmax=8000.0) @ power[:, :-1]
+    mel = _filter_bank(WHISPER_N_FFT, n_mels, 8000.0) @ power[:, :-1]
     log = np.log10(np.maximum(mel, 1e-10))
     log = np.maximum(log, log.max() - 8.0)
     return ((log + 4.0) / 4.0).astype(np.float32)
@@ -88,7 +102,7 @@ def nemo_log_mel(samples: np.ndarray, n_mels: int = 128) -> tuple[np.ndarray, in
         raise ValueError(f"NeMo features need at least 2 samples, got {len(x)}")
     x = np.concatenate([x[:1], x[1:] - NEMO_PREEMPHASIS * x[:-1]])
     power = power_spectrogram(x, NEMO_N_FFT, NEMO_HOP, _hann(NEMO_WINDOW, periodic=False), "constant")
-    log = np.log(mel_filters(NEMO_N_FFT, n_mels) @ power + NEMO_LOG_GUARD)
+    log = np.log(_filter_bank(NEMO_N_FFT, n_mels, None) @ power + NEMO_LOG_GUARD)
     valid = len(x) // NEMO_HOP
     audio = log[:, :valid]
     mean = audio.mean(axis=1, keepdims=True)

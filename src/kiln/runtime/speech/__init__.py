@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from kiln.runtime.program import Program, load
-from kiln.runtime.speech.info import ParakeetInfo, SpeechInfo, speech_kind
+from kiln.runtime.speech.info import ParakeetInfo, WhisperInfo, speech_kind
 from kiln.runtime.speech.parakeet import ParakeetTranscriber
 from kiln.runtime.speech.transcript import Transcript
 from kiln.runtime.speech.whisper import WhisperTranscriber
@@ -21,5 +21,5 @@ def transcriber(program: Program | str | os.PathLike, backend: str = "cpu") -> W
     return TRANSCRIBERS[speech_kind(program.metadata)](program, backend)
 
 
-__all__ = ["TRANSCRIBERS", "ParakeetInfo", "ParakeetTranscriber", "SpeechInfo", "Transcript", "WhisperTranscriber",
+__all__ = ["TRANSCRIBERS", "ParakeetInfo", "ParakeetTranscriber", "WhisperInfo", "Transcript", "WhisperTranscriber",
            "speech_kind", "transcriber"]

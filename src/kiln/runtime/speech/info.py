@@ -50,8 +50,8 @@ def speech_kind(meta: Mapping[str, str]) -> str:
 
 
 @dataclass(frozen=True)
-class SpeechInfo:
-    """The speech metadata of one program, parsed."""
+class WhisperInfo:
+    """The speech metadata of a Whisper program, parsed."""
 
     kind: str
     max_tokens: int
@@ -64,7 +64,7 @@ class SpeechInfo:
     name: str | None = None
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, str]) -> SpeechInfo:
+    def from_metadata(cls, meta: Mapping[str, str]) -> WhisperInfo:
         kind = speech_kind(meta)
         if kind != "whisper":
             raise InputError(f"this is a {kind} program, not a Whisper one")

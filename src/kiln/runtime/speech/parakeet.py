@@ -11,17 +11,16 @@ frame again. After max_symbols tokens on one frame, t moves on by one.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kiln.runtime.audio import SAMPLE_RATE, load_audio, nemo_log_mel
+from kiln.runtime.audio import nemo_log_mel
 from kiln.runtime.audio.features import NEMO_HOP
 from kiln.runtime.program import Program, load
 from kiln.runtime.speech.info import ParakeetInfo
-from kiln.runtime.speech.transcript import Transcript
+from kiln.runtime.speech.transcript import Lap, Transcript, host_scores, transcribe_windows
 
 WORD_START = "\u2581"
 """SentencePiece's word-boundary mark at the start of a piece: a space in the text."""
@@ -47,33 +46,20 @@ class ParakeetTranscriber:
                    on_window: Callable[[int, int, str], None] | None = None) -> Transcript:
         """The text of `audio`: a WAV file, or mono float samples at 16 kHz. Audio longer than the program's
         encoder takes at once is cut into windows; on_window(index, count, text) reports each."""
-        started = time.perf_counter()
-        samples = load_audio(audio, SAMPLE_RATE) if isinstance(audio, (str, os.PathLike)) else \
-            np.asarray(audio, dtype=np.float32).reshape(-1)
-        window = self.max_frames * NEMO_HOP
-        starts = range(0, max(len(samples), 1), window)
-        timings = {"features": 0.0, "encode": 0.0, "decode": 0.0}
-        texts, ids = [], []
-        for index, begin in enumerate(starts):
-            t0 = time.perf_counter()
-            piece = samples[begin:begin + window]
-            if len(piece) < self.min_frames * NEMO_HOP:  # too short for the encoder: pad with silence
-                piece = np.pad(piece, (0, self.min_frames * NEMO_HOP - len(piece)))
-            features, frames = nemo_log_mel(piece, self.info.n_mels)
-            t1 = time.perf_counter()
+        shortest = self.min_frames * NEMO_HOP
+
+        def window(samples: np.ndarray, lap: Lap) -> tuple[list[int], str]:
+            if len(samples) < shortest:  # too short for the encoder: pad with silence
+                samples = np.pad(samples, (0, shortest - len(samples)))
+            features, frames = nemo_log_mel(samples, self.info.n_mels)
+            lap("features")
             (encoded,) = self.session.run("encode", features[None, :, :frames])
-            t2 = time.perf_counter()
-            window_ids = self._greedy(encoded[0])
-            t3 = time.perf_counter()
-            timings["features"] += t1 - t0
-            timings["encode"] += t2 - t1
-            timings["decode"] += t3 - t2
-            texts.append(self.text(window_ids))
-            ids.append(window_ids)
-            if on_window is not None:
-                on_window(index, len(starts), texts[-1])
-        return Transcript(" ".join(t for t in texts if t), texts, ids, len(samples) / SAMPLE_RATE,
-                          time.perf_counter() - started, timings)
+            lap("encode")
+            ids = self._greedy(encoded[0])
+            lap("decode")
+            return ids, self.text(ids)
+
+        return transcribe_windows(audio, self.max_frames * NEMO_HOP, window, on_window)
 
     def _greedy(self, encoded: Any) -> list[int]:
         """Token ids of one window from its projected encoder frames [T, joint_hidden]."""
@@ -83,7 +69,7 @@ class ParakeetTranscriber:
 
         def score(t: int) -> tuple[int, int]:
             logits = self.session.run("joint", encoded[t:t + 1], g)[0]
-            logits = np.asarray(self.session.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
+            logits = host_scores(self.session, logits)
             label = int(np.argmax(logits[:blank + 1]))
             duration = durations[int(np.argmax(logits[blank + 1:]))]
             return label, 1 if label == blank and duration == 0 else duration

@@ -11,19 +11,18 @@ cut in consecutive 30 s windows whose texts are joined.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kiln.errors import InputError
-from kiln.runtime.audio import SAMPLE_RATE, load_audio, whisper_log_mel
+from kiln.runtime.audio import whisper_log_mel
 from kiln.runtime.audio.features import WHISPER_WINDOW_SAMPLES
 from kiln.runtime.llm.tokenizer import LLMTokenizer
 from kiln.runtime.program import Program, load
-from kiln.runtime.speech.info import SpeechInfo
-from kiln.runtime.speech.transcript import Transcript
+from kiln.runtime.speech.info import WhisperInfo
+from kiln.runtime.speech.transcript import Lap, Transcript, host_scores, transcribe_windows
 
 TASKS = ("transcribe", "translate")
 
@@ -33,7 +32,7 @@ class WhisperTranscriber:
 
     def __init__(self, program: Program | str | os.PathLike, backend: str = "cpu"):
         self.program = program if isinstance(program, Program) else load(program)
-        self.info = SpeechInfo.from_metadata(self.program.metadata)
+        self.info = WhisperInfo.from_metadata(self.program.metadata)
         self.session = self.program.session(backend)
         self.tokenizer = LLMTokenizer(self.info.tokenizer_json)
         self.end_of_text = self._special("<|endoftext|>")
@@ -64,33 +63,20 @@ class WhisperTranscriber:
                    on_window: Callable[[int, int, str], None] | None = None) -> Transcript:
         """The text of `audio`: a WAV file, or mono float samples at 16 kHz. on_window(index, count, text) is
         called as each 30 s window is done (progress for long audio)."""
-        started = time.perf_counter()
-        samples = load_audio(audio, SAMPLE_RATE) if isinstance(audio, (str, os.PathLike)) else \
-            np.asarray(audio, dtype=np.float32).reshape(-1)
         prompt = self.prompt(language, task)
         budget = self.info.max_tokens - len(prompt)
         limit = budget if max_new_tokens is None else min(max_new_tokens, budget)
-        timings = {"features": 0.0, "encode": 0.0, "decode": 0.0}
-        starts = range(0, max(len(samples), 1), WHISPER_WINDOW_SAMPLES)
-        texts, ids = [], []
-        for index, begin in enumerate(starts):
-            t0 = time.perf_counter()
-            features = whisper_log_mel(samples[begin:begin + WHISPER_WINDOW_SAMPLES], self.info.n_mels)
-            t1 = time.perf_counter()
+
+        def window(samples: np.ndarray, lap: Lap) -> tuple[list[int], str]:
+            features = whisper_log_mel(samples, self.info.n_mels)
+            lap("features")
             self.session.run("encode", features[None])
-            t2 = time.perf_counter()
-            window_ids = self._greedy(prompt, limit)
-            t3 = time.perf_counter()
-            timings["features"] += t1 - t0
-            timings["encode"] += t2 - t1
-            timings["decode"] += t3 - t2
-            text = self.tokenizer.decode(window_ids, skip_special_tokens=True).strip()
-            texts.append(text)
-            ids.append(window_ids)
-            if on_window is not None:
-                on_window(index, len(starts), text)
-        return Transcript(" ".join(t for t in texts if t), texts, ids, len(samples) / SAMPLE_RATE,
-                          time.perf_counter() - started, timings)
+            lap("encode")
+            ids = self._greedy(prompt, limit)
+            lap("decode")
+            return ids, self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+        return transcribe_windows(audio, WHISPER_WINDOW_SAMPLES, window, on_window)
 
     def _greedy(self, prompt: list[int], limit: int) -> list[int]:
         """Generated token ids after `prompt` (its positions from 0), up to the end of text or `limit` tokens."""
@@ -101,7 +87,7 @@ class WhisperTranscriber:
         begin = np.array(self.info.begin_suppress_tokens, dtype=np.int64)
         out: list[int] = []
         while len(out) < limit:
-            scores = np.array(self.session.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
+            scores = host_scores(self.session, logits)
             scores[suppress] = -np.inf
             if not out:
                 scores[begin] = -np.inf
