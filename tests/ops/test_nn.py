@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops.harness import Case, In, check
+from tests.ops.harness import TOLERANCE, Case, In, check
 
 Dim = torch.export.Dim
 CASES = [
@@ -156,6 +156,22 @@ def _attend_cache(q, k, v, cos, sin, k_cache, v_cache, pos):
     return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True), k_cache, v_cache
 
 
+def _gated_linear(x, w, b=None, act=F.silu):
+    """The gated MLP's projection over stacked gate/up weights: one gated_linear node once exported."""
+    h = F.linear(x, w, b)
+    n = h.shape[-1] // 2
+    return act(h[..., :n]) * h[..., n:]
+
+
+def _norm_linear(x, r, nw, w, b=None, act=None):
+    """A residual add, its RMSNorm and the projection reading it: one add_rms_norm_linear node once exported. kiln
+    rounds the norm once, eager PyTorch's half-precision norm may round twice, and a one-ulp difference in a
+    normalized input moves the product by that ulp times its weight, hence the cases' wider tolerance."""
+    s = x + r
+    n = F.rms_norm(s, (x.shape[-1],), nw, 1e-5)
+    return s, (F.linear(n, w, b) if act is None else _gated_linear(n, w, b, act))
+
+
 def _cache_prefix_mask(q, k, v, visible: int):
     """A decode step over a static cache: only the first `visible` slots are written (whole chunks hidden)."""
     keep = (torch.arange(k.shape[-2]) < visible)[None]
@@ -166,6 +182,7 @@ def _cache_prefix_mask(q, k, v, visible: int):
 # activation) in every storage type, beside the general path's cases above.
 for dt, tol in {torch.float32: None, **LOW}.items():
     tag = str(dt)[6:]
+    norm_tol = 4 * (tol or TOLERANCE[dt])  # (_norm_linear)
     CASES += [
         Case(f"sdpa_decode_gqa_cache_{tag}", lambda q, k, v: _cache_prefix_mask(q, k, v, 70),
              (In((1, 8, 1, 16), dt), In((1, 2, 200, 16), dt), In((1, 2, 200, 16), dt)), tol=tol),
@@ -190,6 +207,19 @@ for dt, tol in {torch.float32: None, **LOW}.items():
         Case(f"linear_rows_bias_{tag}", F.linear, (In((3, 64), dt), In((40, 64), dt), In((40,), dt)), tol=tol),
         Case(f"linear_one_row_{tag}", F.linear, (In((1, 1, 128), dt), In((33, 128), dt)), tol=tol),
         Case(f"gated_halves_{tag}", lambda h: F.silu(h[..., :40]) * h[..., 40:], (In((2, 3, 80), dt),), tol=tol),
+        Case(f"gated_linear_one_row_{tag}", _gated_linear, (In((1, 64), dt), In((80, 64), dt)), tol=tol),
+        Case(f"gated_linear_rows_bias_gelu_tanh_{tag}",
+             lambda x, w, b: _gated_linear(x, w, b, lambda t: F.gelu(t, approximate="tanh")),
+             (In((3, 64), dt), In((48, 64), dt), In((48,), dt)), tol=tol),
+        Case(f"gated_linear_many_rows_{tag}", _gated_linear, (In((2, 5, 32), dt), In((16, 32), dt)), tol=tol),
+        Case(f"add_rms_norm_linear_one_row_{tag}", _norm_linear,
+             (In((1, 1, 64), dt), In((1, 1, 64), dt), In((64,), dt), In((40, 64), dt)), tol=norm_tol),
+        Case(f"add_rms_norm_linear_rows_bias_{tag}", lambda x, r, w, b: _norm_linear(x, r, None, w, b),
+             (In((4, 128), dt), In((4, 128), dt), In((24, 128), dt), In((24,), dt)), tol=norm_tol),
+        Case(f"add_rms_norm_gated_linear_{tag}", lambda x, r, nw, w, b: _norm_linear(x, r, nw, w, b, F.gelu),
+             (In((2, 64), dt), In((2, 64), dt), In((64,), dt), In((96, 64), dt), In((96,), dt)), tol=norm_tol),
+        Case(f"add_rms_norm_linear_many_rows_{tag}", lambda x, r, nw, w: _norm_linear(x, r, nw, w, act=F.silu),
+             (In((6, 32), dt), In((6, 32), dt), In((32,), dt), In((64, 32), dt)), tol=norm_tol),
         Case(f"rms_norm_wide_{tag}", lambda x, w: F.rms_norm(x, (1100,), w, 1e-5), (In((2, 1100), dt), In((1100,), dt)),
              tol=tol),
     ]

@@ -45,6 +45,11 @@ def test_statistics_are_stored_per_method_and_pass(llama_file) -> None:
         assert fired["in_place_state_writes"] == 6 and fired["fuse_rope"] == 6 and fired["fuse_gated_mlp"] == 3
         assert fired["fuse_residual_norm"] == 6  # every norm but the first layer's, which reads the embeddings
         assert fired["fuse_rope_cache_update"] == 3  # each layer's RoPE of q and k with its two cache writes
+        assert fired["fuse_gated_linear"] == 3  # each layer's gate/up projection and its activation
+    # every add_rms_norm into the projection after it, but the prefill's final norm: a slice (the last position)
+    # stands between it and the LM head
+    assert [p[1] for p in stats["decode"]["passes"] if p[0] == "fuse_norm_linear"] == [6]
+    assert [p[1] for p in stats["prefill"]["passes"] if p[0] == "fuse_norm_linear"] == [5]
     decode = stats["decode"]
     assert decode["passes"][-1][2] < 0.75 * decode["nodes"]  # the decode step loses over a quarter of its nodes
 

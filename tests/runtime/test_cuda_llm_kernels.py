@@ -1,9 +1,10 @@
 """The LLM's own GPU kernels against float64 references: the matrix-vector kernel (gemv.cu) on the weight shapes it
-takes, the split-key one-query attention (decode.cu) over group sizes, head widths, masks and cache lengths that
-are not a multiple of its chunk, the fused RoPE and KV-cache write of a decode step, and the flash prefill
-attention (flash.cu) over the same and over causal limits, query counts that are not a multiple of its tile and
-queries read through a transposed view. Each test first checks that the kernel under test is the one that runs,
-so a change of dispatch cannot leave them testing cuBLAS or the products path instead."""
+takes, with the residual add + RMSNorm before it and the gated activation after it, the split-key one-query
+attention (decode.cu) over group sizes, head widths, masks and cache lengths that are not a multiple of its chunk,
+the fused RoPE and KV-cache write of a decode step, and the flash prefill attention (flash.cu) over the same and
+over causal limits, query counts that are not a multiple of its tile and queries read through a transposed view.
+Each test first checks that the kernel under test is the one that runs, so a change of dispatch cannot leave them
+testing cuBLAS or the products path instead."""
 
 from __future__ import annotations
 
@@ -55,6 +56,71 @@ def test_gemv_leaves_what_it_cannot_read_to_cublas() -> None:
     assert not _gemv_applies(cp.ones((5, 64), cp.float32), w, None)  # more rows than the kernel takes
     np.testing.assert_allclose(cp.asnumpy(linear(x, w, None)), cp.asnumpy(x) @ cp.asnumpy(w).T, rtol=1e-5,
                                atol=1e-5)
+
+
+ACTIVATIONS64 = {"": None, "silu": lambda g: g / (1 + np.exp(-g)),
+                 "gelu_tanh": lambda g: 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3)))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("n,k", [(512, 64), (2051, 200), (20000, 64), (72, 2048)],
+                         ids=["tall", "odd-n", "strided-grid", "wide"])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS64), ids=["plain", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+def test_gemv_prologue_and_epilogue_match_float64(monkeypatch, dtype, n, k, rows, activation, norm) -> None:
+    """gemv.cu's MODE: the residual add + RMSNorm before the product (add_rms_norm_linear) and the gated activation
+    after it (gated_linear), against float64 with the op's roundings (the sum, the normalized row, each half)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    if not norm and not activation:
+        pytest.skip("the plain product: test_gemv_matches_float64")
+    ran = []
+    gemv = linalg._gemv
+    monkeypatch.setattr(linalg, "_gemv", lambda *a, **kw: ran.append(a) or gemv(*a, **kw))
+    rng = np.random.default_rng(n + k + rows)
+    x, r = (rng.standard_normal((rows, k)).astype(dtype) for _ in range(2))
+    nw = (rng.random(k) + 0.5).astype(dtype)
+    w = (rng.standard_normal(((2 if activation else 1) * n, k)) / np.sqrt(k)).astype(dtype)
+    bias = rng.standard_normal(w.shape[0]).astype(dtype)
+    xd, rd, nwd, wd, bd = (cp.asarray(a) for a in (x, r, nw, w, bias))
+
+    def rounded(a):
+        return np.asarray(a).astype(dtype).astype(np.float64)
+
+    if norm:
+        total, got = linalg.add_rms_norm_linear(xd, rd, nwd, wd, bd, 1, 1e-5, activation)
+        s = rounded(x.astype(np.float64) + r.astype(np.float64))
+        np.testing.assert_array_equal(cp.asnumpy(total), s.astype(dtype))
+        row = rounded(s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-5) * nw.astype(np.float64))
+    else:
+        got, row = linalg.gated_linear(xd, wd, bd, activation), x.astype(np.float64)
+    assert len(ran) == 1, "the fused GEMV did not run"
+    h = row @ w.astype(np.float64).T + bias.astype(np.float64)
+    want = h if not activation else ACTIVATIONS64[activation](rounded(h[:, :n])) * rounded(h[:, n:])
+    assert got.shape == (rows, n) and got.dtype == dtype
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2 * tol, atol=2 * tol)
+
+
+def test_fused_gemv_leaves_what_it_cannot_take_to_the_ops_it_stands_for() -> None:
+    """Too many rows, or rows too long for shared memory: add_rms_norm, then linear or gated_linear."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    rng = np.random.default_rng(0)
+    for rows, k in ((6, 64), (1, linalg.GEMV_SHARED_MAX // 4 + 4)):
+        x, r = (cp.asarray(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(2))
+        w = cp.asarray((rng.standard_normal((32, k)) / np.sqrt(k)).astype(np.float32))
+        total, got = linalg.add_rms_norm_linear(x, r, None, w, None, 1, 1e-5, "silu")
+        s = cp.asnumpy(x + r).astype(np.float64)
+        h = (s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-5)) @ cp.asnumpy(w).astype(np.float64).T
+        np.testing.assert_allclose(cp.asnumpy(got), ACTIVATIONS64["silu"](h[:, :16]) * h[:, 16:], rtol=1e-4,
+                                   atol=1e-4)
+        np.testing.assert_array_equal(cp.asnumpy(total), cp.asnumpy(x + r))
 
 
 def _attention64(q, k, v, mask, scale):

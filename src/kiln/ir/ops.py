@@ -19,11 +19,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 5
+OPSET_VERSION = 6
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
-4 add_rms_norm was added; 5 rope_cache_update was added."""
+4 add_rms_norm was added; 5 rope_cache_update was added; 6 gated_linear and add_rms_norm_linear were added."""
 
 
 class AttrType(enum.IntEnum):
@@ -198,6 +198,16 @@ define("rms_norm", "x weight?", A("axes", T.INT), A("eps", T.FLOAT, None),
 define("add_rms_norm", "x residual weight?", A("axes", T.INT), A("eps", T.FLOAT, None), outputs=2,
        doc="(s, rms_norm(s)) for s = x + residual, rounded to the dtype as add would: a transformer block's "
            "residual add and the RMSNorm after it, in one pass. x and residual have one shape and one float dtype.")
+_GATED_LINEAR_DOC = ("linear(x, weight, bias) over a weight stacking the gate's N rows and then the up's N rows, "
+                     "each half rounded to the dtype as linear rounds it, then gated_activation(gate, up)")
+define("gated_linear", "x weight bias?", A("activation", T.STRING),
+       doc=f"{_GATED_LINEAR_DOC}: the gated MLP's projection and activation in one node, out [..., N]. "
+           "activation as gated_activation's.")
+define("add_rms_norm_linear", "x residual norm_weight? weight bias?", A("axes", T.INT), A("eps", T.FLOAT, None),
+       A("activation", T.STRING, ""), outputs=2,
+       doc="(s, linear(n, weight, bias)) for (s, n) = add_rms_norm(x, residual, norm_weight): a pre-norm block's "
+           "residual add, its RMSNorm and the projection that is the norm's only reader, in one node (axes is 1). "
+           f"With an activation the projection is gated_linear's: {_GATED_LINEAR_DOC}.")
 define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 

@@ -22,6 +22,7 @@ from kiln.export.passes.fold_constants import fold_constants
 from kiln.export.passes.fuse_attention import absorb_repeat_kv
 from kiln.export.passes.fuse_conv import fuse_conv
 from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
+from kiln.export.passes.fuse_linear import fuse_gated_linear, fuse_norm_linear
 from kiln.export.passes.fuse_norm import fuse_rms_norm
 from kiln.export.passes.fuse_projections import fuse_projections
 from kiln.export.passes.fuse_residual_norm import fuse_residual_norm
@@ -85,6 +86,10 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),
     Pass("fuse_rope_cache_update", _method_only(fuse_rope_cache_update),
          "RoPE of q and k and the KV-cache writes before an attention as one rope_cache_update node"),
+    Pass("fuse_gated_linear", _method_only(fuse_gated_linear),
+         "a stacked gate/up linear and the gated activation of its halves as one gated_linear node"),
+    Pass("fuse_norm_linear", _method_only(fuse_norm_linear),
+         "residual add + rms_norm and the linear reading the norm as one add_rms_norm_linear node"),
 )
 
 

@@ -33,13 +33,19 @@ class KernelRegistry:
         self.register(name)(fn)
 
     def adopt(self, portable: dict[str, Kernel], xp: Any) -> None:
-        """The portable kernels (kiln.runtime.backends.array_api) bound to array module xp, for every op this
-        backend has no kernel of its own for. Called once, after the backend's own kernels are registered."""
+        """The portable kernels (kiln.runtime.backends.array_api) bound to array module xp, and the compositions of
+        fused ops (kiln.runtime.backends.composite), for every op this backend has no kernel of its own for. Called
+        once, after the backend's own kernels are registered."""
         from kiln.runtime.backends.array_api import bind
+        from kiln.runtime.backends.composite import COMPOSITES
+        from kiln.runtime.backends.composite import bind as bind_composite
 
         for name, fn in portable.items():
             if name not in self.kernels:
                 self.kernels[name] = bind(fn, xp)
+        for name, composite in COMPOSITES.items():  # fused ops this backend has no kernel of its own for
+            if name not in self.kernels:
+                self.kernels[name] = bind_composite(composite, self.kernels)
 
 
 class Backend:

@@ -113,3 +113,10 @@ __device__ __forceinline__ float sigmoid(float v) {  // without overflow for eit
     const float e = expf(-fabsf(v));
     return v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
+
+// The activation of a gated MLP (gated_activation, gated_linear): 1 silu, 2 gelu (erf form), 3 gelu (tanh form).
+__device__ __forceinline__ float gate_activation(float v, int act) {
+    if (act == 1) return v * sigmoid(v);
+    if (act == 2) return 0.5f * v * erfcf(-v * 0.70710678118654752f);
+    return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}

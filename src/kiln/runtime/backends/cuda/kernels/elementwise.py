@@ -13,7 +13,7 @@ from cupyx.scipy.special import erf, erfc, erfinv
 from kiln.runtime.backends.array_api import bind, in_float32, upcast
 from kiln.runtime.backends.array_api.elementwise import sigmoid
 from kiln.runtime.backends.cuda import nvrtc
-from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, grid, kernel, rows
+from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, grid, kernel, rows
 
 for _name, _fn in {"erf": erf, "erfc": erfc, "erfinv": erfinv}.items():
     CUDA_KERNELS.add(_name, bind(in_float32(lambda xp, x, fn=_fn: fn(x)), cp))
@@ -33,7 +33,6 @@ def gelu(x: Any, approximate: str) -> Any:
 
 _GATES = {"silu": lambda g: g * sigmoid(cp, g), "gelu": lambda g: _gelu(g, "none"),
           "gelu_tanh": lambda g: _gelu(g, "tanh")}
-_GATE_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 @kernel("gated_activation")
@@ -46,7 +45,7 @@ def gated_activation(gate: Any, up: Any, activation: str) -> Any:
             nvrtc.function("fused", "gated", gate.dtype)(
                 grid(gate.size), (256,), (g, u, out, np.int64(g.shape[0]), np.int32(d),
                                           np.int64(g.strides[0] // g.itemsize), np.int64(u.strides[0] // u.itemsize),
-                                          np.int32(_GATE_CODES[activation])))
+                                          np.int32(GATE_CODES[activation])))
             return out
     dtype = gate.dtype
     g, u = upcast(gate, up)

@@ -76,7 +76,7 @@ __global__ void layer_norm_warp(const typename S::T* __restrict__ x, const typen
 }
 
 // gated_activation: y = act(g) * u elementwise over [rows, d] (g and u rows at strides gs, us: the two halves of one
-// fused projection are views); act 0 silu, 1 gelu (erf form), 2 gelu (tanh form). y is contiguous.
+// fused projection are views); act as gate_activation's (common.cuh). y is contiguous.
 template <class S>
 __global__ void gated(const typename S::T* __restrict__ g, const typename S::T* __restrict__ u,
                       typename S::T* __restrict__ y, long long rows, int d, long long gs, long long us, int act) {
@@ -84,16 +84,7 @@ __global__ void gated(const typename S::T* __restrict__ g, const typename S::T* 
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / d;
         const int c = (int)(i - r * d);
-        const float v = S::load(g[r * gs + c]);
-        float a;
-        if (act == 0) {
-            a = v * sigmoid(v);
-        } else if (act == 1) {
-            a = 0.5f * v * erfcf(-v * 0.70710678118654752f);
-        } else {
-            a = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-        }
-        y[i] = S::store(a * S::load(u[r * us + c]));
+        y[i] = S::store(gate_activation(S::load(g[r * gs + c]), act) * S::load(u[r * us + c]));
     }
 }
 

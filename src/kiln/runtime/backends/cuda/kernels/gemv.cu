@@ -1,59 +1,193 @@
-// Matrix-vector products for a few input rows (every linear layer of a decode step): out[r, n] = x[r] . W[n] +
-// bias[n] for W [N, K] row-major. At batch 1 a linear layer is a stream of its weight, so the kernel is built to
+// Matrix-vector products for a few input rows (every linear layer of a decode step): out[r, o] = x[r] . W[o] +
+// bias[o] for W [N, K] row-major. At batch 1 a linear layer is a stream of its weight, so the kernel is built to
 // keep enough bytes in flight: a warp per output feature, every lane issuing GEMV_LOADS 16-byte weight loads before
 // it uses the first (GEMV_LOADS * 512 bytes per warp in flight), the weight read past L1 (read once), x read
 // through L1 (every warp of the SM reads it). Sums in float32, one rounding at the end.
 // Needs K a multiple of PER16 and x, W 16-byte aligned (linalg.py checks).
+//
+// MODE folds the small nodes around a linear layer into it (gated_linear, add_rms_norm_linear), each of which
+// would otherwise be a kernel of its own in the decode step's chain:
+// - MODE & 3, the gated activation (common.cuh's gate_activation; 0 none): W stacks N gate rows and then N up
+//   rows, and a warp computes gate row o and up row N + o, rounds each as the linear would, and writes
+//   act(gate) * up, rounded once, as gated_activation does.
+// - MODE & 4, the residual add and RMSNorm before it: every block adds x and the residual r, rounded as the add
+//   rounds (block 0 writes that sum out), and normalizes it into shared memory, as fused.cu's rms_norm does (the
+//   sum of squares in another order). The warps issue their first weight loads before that, so the weight stream
+//   starts while the block normalizes. The grid is then capped at the resident blocks (linalg.py) and each warp
+//   takes every stride-th output, so a block normalizes once, not once per 8 outputs.
 
 #define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS
 #define GEMV_ROWS 4      // input rows at most: linalg.py's GEMV_ROWS
 #define GEMV_LOADS 4     // 16-byte weight loads per lane in flight (4, 8 and 16 measured: 4 was best or tied)
 
-template <class S>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __restrict__ x, long long x_row,
-                                                        const typename S::T* __restrict__ w,
-                                                        const typename S::T* __restrict__ bias,
-                                                        typename S::T* __restrict__ out, int rows, int n, int k,
-                                                        int has_bias) {
+// The lane's GEMV_LOADS weight pieces of one round from p0 (zeros past the row's end).
+__device__ __forceinline__ void issue_loads(U4 (&wv)[GEMV_LOADS], const void* row, int p0, int pieces, int lane) {
+#pragma unroll
+    for (int u = 0; u < GEMV_LOADS; ++u) {
+        const int p = p0 + u * 32 + lane;
+        wv[u] = p < pieces ? load_stream(static_cast<const U4*>(row) + p) : U4{0u, 0u, 0u, 0u};
+    }
+}
+
+// acc[j][r] += the lane's share of x[r] . (row j of w, rows `step` elements apart: the gate and up rows of a gated
+// product), the first round's loads already in wv. Each round's loads of all NR rows are issued before any is used,
+// and each x piece is read once for the NR rows.
+template <class S, int NR>
+__device__ __forceinline__ void rows_dot(const typename S::T* __restrict__ w, long long step,
+                                         const typename S::T* __restrict__ x, long long x_row, int rows, int pieces,
+                                         int lane, U4 (&wv)[NR][GEMV_LOADS], float (&acc)[NR][GEMV_ROWS]) {
     constexpr int V = S::PER16;
-    const int lane = threadIdx.x & 31;
-    const long long o = (long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (o >= n) return;  // (whole warps: the shuffles below see every lane)
-    const int pieces = k / V;
-    const typename S::T* wr = w + o * k;
-    float acc[GEMV_ROWS];
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
     for (int p0 = 0; p0 < pieces; p0 += 32 * GEMV_LOADS) {  // (a warp-wide bound)
-        U4 wv[GEMV_LOADS];
+        if (p0) {
 #pragma unroll
-        for (int u = 0; u < GEMV_LOADS; ++u) {
-            const int p = p0 + u * 32 + lane;
-            wv[u] = p < pieces ? load_stream(wr + p * V) : U4{0u, 0u, 0u, 0u};
+            for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + j * step, p0, pieces, lane);
         }
 #pragma unroll
         for (int u = 0; u < GEMV_LOADS; ++u) {
             const int p = p0 + u * 32 + lane;
             if (p >= pieces) break;
-            float wf[V];
-            S::unpack(wv[u], wf);
+            float wf[NR][V];
+#pragma unroll
+            for (int j = 0; j < NR; ++j) S::unpack(wv[j][u], wf[j]);
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) {
                 if (r >= rows) break;
                 float xf[V];
                 S::unpack(*reinterpret_cast<const U4*>(x + r * x_row + p * V), xf);
-                float a = acc[r];
 #pragma unroll
-                for (int i = 0; i < V; ++i) a += wf[i] * xf[i];
-                acc[r] = a;
+                for (int j = 0; j < NR; ++j) {
+                    float a = acc[j][r];
+#pragma unroll
+                    for (int i = 0; i < V; ++i) a += wf[j][i] * xf[i];
+                    acc[j][r] = a;
+                }
             }
         }
     }
-    const float b = has_bias ? S::load(bias[o]) : 0.0f;
+}
+
+#define GEMV_NORM_PIECES 4  // 16-byte pieces of each row a thread of the norm prologue holds (k <= 8192 at 2 bytes)
+
+// xs[r] = rms_norm(x[r] + res[r]) * nw for the block's rows (x, res contiguous [rows, k]), the rounded sums written
+// to sum by block 0, as fused.cu's rms_norm computes them. A thread loads all its 16-byte pieces of a row before it
+// adds any and keeps them in registers; one barrier per row (rows are few).
+template <class S>
+__device__ void add_rms_norm_rows(const typename S::T* __restrict__ x, const typename S::T* __restrict__ res,
+                                  const typename S::T* __restrict__ nw, typename S::T* __restrict__ sum,
+                                  typename S::T* xs, int rows, int k, float eps, int has_nw) {
+    typedef typename S::T T;
+    constexpr int V = S::PER16;
+    __shared__ float partial[GEMV_ROWS][GEMV_WARPS];
+    const int pieces = k / V, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll 1
+    for (int r = 0; r < rows; ++r) {
+        U4 xv[GEMV_NORM_PIECES], rv[GEMV_NORM_PIECES];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) {
-        if (r >= rows) break;
-        const float total = warp_sum(acc[r]);
-        if (lane == 0) out[(long long)r * n + o] = S::store(total + b);
+        for (int i = 0; i < GEMV_NORM_PIECES; ++i) {
+            const int p = threadIdx.x + i * blockDim.x;
+            if (p < pieces) {
+                xv[i] = *reinterpret_cast<const U4*>(x + (long long)r * k + p * V);
+                rv[i] = *reinterpret_cast<const U4*>(res + (long long)r * k + p * V);
+            }
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < GEMV_NORM_PIECES; ++i) {
+            const int p = threadIdx.x + i * blockDim.x;
+            if (p < pieces) {
+                T* t = reinterpret_cast<T*>(&xv[i]);
+                const T* b = reinterpret_cast<const T*>(&rv[i]);
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    t[e] = S::store(S::load(t[e]) + S::load(b[e]));
+                    const float v = S::load(t[e]);
+                    ss += v * v;
+                }
+                if (blockIdx.x == 0) *reinterpret_cast<U4*>(sum + (long long)r * k + p * V) = xv[i];
+            }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) partial[r][warp] = ss;
+        __syncthreads();
+        ss = 0.0f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; ++w) ss += partial[r][w];
+        const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+#pragma unroll
+        for (int i = 0; i < GEMV_NORM_PIECES; ++i) {
+            const int p = threadIdx.x + i * blockDim.x;
+            if (p < pieces) {
+                T* t = reinterpret_cast<T*>(&xv[i]);
+                const U4 g4 = has_nw ? *reinterpret_cast<const U4*>(nw + p * V) : U4{0u, 0u, 0u, 0u};
+                const T* g = reinterpret_cast<const T*>(&g4);
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    const float v = S::load(t[e]) * inv;
+                    t[e] = S::store(has_nw ? v * S::load(g[e]) : v);
+                }
+                *reinterpret_cast<U4*>(xs + r * k + p * V) = xv[i];
+            }
+        }
     }
+    __syncthreads();
+}
+
+// gemv<N>: 0 1 2 3 4 5 6 7
+template <class S, int MODE>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __restrict__ x, long long x_row,
+                                                        const typename S::T* __restrict__ res,
+                                                        const typename S::T* __restrict__ nw,
+                                                        typename S::T* __restrict__ sum,
+                                                        const typename S::T* __restrict__ w,
+                                                        const typename S::T* __restrict__ bias,
+                                                        typename S::T* __restrict__ out, int rows, int n, int k,
+                                                        int has_bias, int has_nw, float eps) {
+    typedef typename S::T T;
+    constexpr int ACT = MODE & 3;
+    constexpr bool NORM = (MODE & 4) != 0;
+    constexpr int NR = ACT ? 2 : 1;  // weight rows a warp reads per output: gate and up, or one
+    const int lane = threadIdx.x & 31;
+    const long long stride = (long long)gridDim.x * GEMV_WARPS, step = (long long)n * k;
+    long long o = (long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (!NORM && o >= n) return;  // (whole warps: the shuffles below see every lane)
+    const int pieces = k / S::PER16;
+    U4 wv[NR][GEMV_LOADS];
+    if (o < n) {
+#pragma unroll
+        for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + o * k + j * step, 0, pieces, lane);
+    }
+    const T* xin = x;
+    long long xin_row = x_row;
+    if (NORM) {
+        extern __shared__ U4 normalized[];  // rows * k values
+        T* xs = reinterpret_cast<T*>(normalized);
+        add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw);
+        xin = xs, xin_row = k;
+    }
+    if (o >= n) return;  // (after the block's barriers)
+    do {  // (one output without the prologue: the grid covers them all)
+        float acc[NR][GEMV_ROWS];
+#pragma unroll
+        for (int j = 0; j < NR; ++j) {
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) acc[j][r] = 0.0f;
+        }
+        rows_dot<S, NR>(w + o * k, step, xin, xin_row, rows, pieces, lane, wv, acc);
+        const float b = has_bias ? S::load(bias[o]) : 0.0f;
+        const float bu = ACT && has_bias ? S::load(bias[n + o]) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            if (r >= rows) break;
+            float y = warp_sum(acc[0][r]) + b;
+            if (ACT) {
+                const float u = S::load(S::store(warp_sum(acc[NR - 1][r]) + bu));
+                y = gate_activation(S::load(S::store(y)), ACT) * u;
+            }
+            if (lane == 0) out[(long long)r * n + o] = S::store(y);
+        }
+        if (NORM && o + stride < n) {
+#pragma unroll
+            for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + (o + stride) * k + j * step, 0, pieces, lane);
+        }
+    } while (NORM && (o += stride) < n);
 }

@@ -1,5 +1,6 @@
-"""Matrix products on cuBLAS (capturable, bfloat16 included: kiln.runtime.backends.cuda.cublas), tall linear layers
-over a few input rows (a decode step's LM head) by a matrix-vector kernel of our own (gemv.cu), and weight-only
+"""Matrix products on cuBLAS (capturable, bfloat16 included: kiln.runtime.backends.cuda.cublas), linear layers over
+a few input rows (every linear of a decode step) by a matrix-vector kernel of our own (gemv.cu), which also runs
+gated_linear and add_rms_norm_linear with the activation and the norm folded in, and weight-only
 quantized linear layers: a warp per output feature streams the int8/int4 weight row for a few input rows (a decode
 step reads 2x/4x fewer weight bytes than bfloat16), larger batches dequantize and multiply on cuBLAS."""
 
@@ -10,10 +11,11 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.array_api.quant import dequantize
 from kiln.runtime.backends.cuda import cublas, nvrtc
-from kiln.runtime.backends.cuda.kernels.registry import contiguous, grid, kernel
+from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 
 
 def matmul_cublas(a: Any, b: Any) -> Any:
@@ -56,14 +58,47 @@ def _gemv_applies(x2: Any, weight: Any, bias: Any) -> bool:
         bias is None or bias.flags.c_contiguous)
 
 
-def _gemv(x2: Any, weight: Any, bias: Any) -> Any:
-    """x2 [M <= GEMV_ROWS, K] @ weight [N, K]^T + bias, the weight streamed once."""
+GEMV_SHARED_MAX = 48 * 1024
+"""Bytes of normalized rows a block of the norm-prologue GEMV may keep in shared memory (the default limit)."""
+
+
+def _resident_blocks(function: Any, shared: int) -> int:
+    """How many blocks of `function` the GPU holds at once (by registers, threads and shared memory an SM): the
+    norm-prologue GEMV's grid, so each block normalizes its rows once and then loops over outputs."""
+    device = cp.cuda.Device()
+    key = (device.id, function.num_regs, shared)
+    if key not in _RESIDENT:
+        attributes = device.attributes
+        threads = 32 * GEMV_WARPS
+        per_sm = min(attributes["MaxThreadsPerMultiProcessor"] // threads,
+                     attributes["MaxRegistersPerMultiprocessor"] // (-(-key[1] * threads // 256) * 256),
+                     attributes["MaxSharedMemoryPerMultiprocessor"] // (shared + 1024))
+        _RESIDENT[key] = attributes["MultiProcessorCount"] * max(1, per_sm)
+    return _RESIDENT[key]
+
+
+_RESIDENT: dict[tuple[int, int, int], int] = {}
+
+
+def _gemv(x2: Any, weight: Any, bias: Any, activation: str = "", norm: tuple | None = None) -> Any:
+    """x2 [M <= GEMV_ROWS, K] @ weight [N, K]^T + bias, the weight streamed once; with an activation, weight stacks
+    gate and up rows and the result is act(gate) * up [M, N / 2]; with norm = (residual, norm_weight, eps, total),
+    x2 + residual (written to total) is RMS-normalized on the way in (gemv.cu's MODE)."""
     n, k = weight.shape
+    n //= 2 if activation else 1
     out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
-    nvrtc.function("gemv", "gemv", x2.dtype)(
-        (-(-n // GEMV_WARPS),), (32 * GEMV_WARPS,),
-        (x2, np.int64(x2.strides[0] // x2.itemsize), weight, weight if bias is None else bias, out,
-         np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(bias is not None)))
+    blocks, shared = -(-n // GEMV_WARPS), 0
+    residual, norm_weight, eps, total = norm if norm is not None else (x2, None, 0.0, x2)
+    mode = (GATE_CODES[activation] if activation else 0) | (4 if norm is not None else 0)
+    function = nvrtc.function("gemv", "gemv", x2.dtype, mode)
+    if norm is not None:
+        shared = x2.size * x2.itemsize
+        blocks = min(blocks, _resident_blocks(function, shared))
+    function(
+        (blocks,), (32 * GEMV_WARPS,),
+        (x2, np.int64(x2.strides[0] // x2.itemsize), residual, x2 if norm_weight is None else norm_weight, total,
+         weight, weight if bias is None else bias, out, np.int32(x2.shape[0]), np.int32(n), np.int32(k),
+         np.int32(bias is not None), np.int32(norm_weight is not None), np.float32(eps)), shared_mem=shared)
     return out
 
 
@@ -90,6 +125,35 @@ def linear(x: Any, weight: Any, bias: Any) -> Any:
     lead = x.shape[:-1]
     out = _linear(x.reshape(-1, x.shape[-1]), weight.T, bias)  # 2-d: one gemm, not a batch of them
     return out.reshape(*lead, weight.shape[0])
+
+
+@kernel("gated_linear")
+def gated_linear(x: Any, weight: Any, bias: Any, activation: str) -> Any:
+    """One GEMV with the gated activation as its epilogue for a few rows; linear + gated_activation otherwise."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if activation in GATE_CODES and weight.shape[0] % 2 == 0 and _gemv_applies(x2, weight, bias):
+        return _gemv(x2, weight, bias, activation).reshape(*x.shape[:-1], weight.shape[0] // 2)
+    return composite.gated_linear(CUDA_KERNELS.kernels, x, weight, bias, activation)
+
+
+@kernel("add_rms_norm_linear")
+def add_rms_norm_linear(x: Any, residual: Any, norm_weight: Any, weight: Any, bias: Any, axes: int,
+                        eps: float | None, activation: str) -> tuple[Any, Any]:
+    """One GEMV that adds and normalizes its few input rows in each block before the product (gemv.cu's MODE & 4);
+    add_rms_norm + linear (or gated_linear) otherwise."""
+    k = x.shape[-1] if x.ndim else 0
+    x2 = x.reshape(-1, k) if k else x
+    if (axes == 1 and k and x.flags.c_contiguous and residual.shape == x.shape and residual.flags.c_contiguous
+            and (norm_weight is None or (norm_weight.size == k and norm_weight.flags.c_contiguous))
+            and nvrtc.supports(x, residual, *(() if norm_weight is None else (norm_weight,)))
+            and x.size * x.itemsize <= GEMV_SHARED_MAX and (not activation or activation in GATE_CODES)
+            and weight.shape[0] % (2 if activation else 1) == 0 and _gemv_applies(x2, weight, bias)):
+        total = cp.empty_like(x)
+        eps = float(np.finfo(x.dtype).eps) if eps is None else eps
+        out = _gemv(x2, weight, bias, activation, (residual, norm_weight, eps, total))
+        return total, out.reshape(*x.shape[:-1], out.shape[-1])
+    return composite.add_rms_norm_linear(CUDA_KERNELS.kernels, x, residual, norm_weight, weight, bias, axes, eps,
+                                         activation)
 
 
 QUANT_ROWS = 8

@@ -19,6 +19,9 @@ class OnHost(Exception):  # noqa: N818 - a signal, not an error
     instead (and reports it in host_ops)."""
 
 
+GATE_CODES = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
+"""The gated activations' codes in the kernels (common.cuh's gate_activation)."""
+
 ROW_WARP_MAX, ROWS_PER_BLOCK = 2048, 8
 """Row kernels (LayerNorm, softmax) give each row up to ROW_WARP_MAX elements a warp of its own, ROWS_PER_BLOCK
 rows per block: short rows then pay no block-wide barriers. Longer rows get a block each."""

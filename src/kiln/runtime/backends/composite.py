@@ -1,0 +1,40 @@
+"""Fused ops as the sequence of ops they stand for, over one backend's own kernel table.
+
+The export makes a few nodes that exist only so a GPU can run them as one kernel (gated_linear,
+add_rms_norm_linear). A backend without that kernel, or a call its kernel does not take (many rows, odd strides),
+runs them as the ops they replace: same results, same kernels, no new code per backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Kernels = dict[str, Callable[..., Any]]
+
+
+def gated_linear(kernels: Kernels, x: Any, weight: Any, bias: Any, activation: str) -> Any:
+    """linear over the stacked gate/up weight, then gated_activation of its two halves (views)."""
+    h = kernels["linear"](x, weight, bias)
+    n = h.shape[-1] // 2
+    return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
+
+
+def add_rms_norm_linear(kernels: Kernels, x: Any, residual: Any, norm_weight: Any, weight: Any, bias: Any,
+                        axes: int, eps: float | None, activation: str) -> tuple[Any, Any]:
+    total, normed = kernels["add_rms_norm"](x, residual, norm_weight, axes, eps)
+    if activation:
+        return total, gated_linear(kernels, normed, weight, bias, activation)
+    return total, kernels["linear"](normed, weight, bias)
+
+
+COMPOSITES: dict[str, Callable[..., Any]] = {"gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear}
+"""Op name -> its composition, a function of (kernels, *the op's inputs and attributes)."""
+
+
+def bind(composite: Callable[..., Any], kernels: Kernels) -> Callable[..., Any]:
+    """`composite` over `kernels` (looked up at each call, so kernels registered later are the ones it runs)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return composite(kernels, *args, **kwargs)
+    run.__name__ = composite.__name__
+    return run
