@@ -1,7 +1,7 @@
 // Matrix-vector products for a few input rows (every linear layer of a decode step): out[r, o] = x[r] . W[o] +
 // bias[o] for W [N, K] row-major. At batch 1 a linear layer is a stream of its weight, so the kernel is built to
 // keep enough bytes in flight: a warp per output feature, every lane issuing GEMV_LOADS 16-byte weight loads before
-// it uses the first (GEMV_LOADS * 512 bytes per warp in flight), the weight read past L1 (read once), x read
+// it uses the first (GEMV_LOADS * 512 bytes per warp and row in flight), the weight read past L1 (read once), x read
 // through L1 (every warp of the SM reads it). Sums in float32, one rounding at the end.
 // Needs K a multiple of PER16 and x, W 16-byte aligned (linalg.py checks).
 //
@@ -18,7 +18,8 @@
 
 #define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS
 #define GEMV_ROWS 4      // input rows at most: linalg.py's GEMV_ROWS
-#define GEMV_LOADS 4     // 16-byte weight loads per lane in flight (4, 8 and 16 measured: 4 was best or tied)
+#define GEMV_LOADS 2     // 16-byte weight loads per lane and weight row in flight (docs/benchmarks.md: whole decode
+                         // steps took 1.36, 1.23-1.25, 1.25 and 1.29 ms with 1, 2, 4 and 8 on the H100)
 
 // The lane's GEMV_LOADS weight pieces of one round from p0 (zeros past the row's end).
 __device__ __forceinline__ void issue_loads(U4 (&wv)[GEMV_LOADS], const void* row, int p0, int pieces, int lane) {
