@@ -105,14 +105,22 @@ def test_gemv_prologue_and_epilogue_match_float64(monkeypatch, dtype, n, k, rows
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2 * tol, atol=2 * tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_gemv_norm_prologue_at_its_longest_row(monkeypatch, dtype) -> None:
+    """A row of GEMV_NORM_ROW_MAX bytes: every thread of the prologue holds all its pieces."""
+    test_gemv_prologue_and_epilogue_match_float64(monkeypatch, dtype, 40, 4096 * 4 // np.dtype(dtype).itemsize, 1,
+                                                  "silu", True)
+
+
 def test_fused_gemv_leaves_what_it_cannot_take_to_the_ops_it_stands_for() -> None:
-    """Too many rows, or rows too long for shared memory: add_rms_norm, then linear or gated_linear."""
+    """Too many rows, rows too long for shared memory, or one row longer than the prologue's pieces per thread:
+    add_rms_norm, then linear or gated_linear."""
     import cupy as cp
 
     from kiln.runtime.backends.cuda.kernels import linalg
 
     rng = np.random.default_rng(0)
-    for rows, k in ((6, 64), (1, linalg.GEMV_SHARED_MAX // 4 + 4)):
+    for rows, k in ((6, 64), (1, linalg.GEMV_SHARED_MAX // 4 + 4), (1, linalg.GEMV_NORM_ROW_MAX // 4 + 4)):
         x, r = (cp.asarray(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(2))
         w = cp.asarray((rng.standard_normal((32, k)) / np.sqrt(k)).astype(np.float32))
         total, got = linalg.add_rms_norm_linear(x, r, None, w, None, 1, 1e-5, "silu")

@@ -58,8 +58,9 @@ def _gemv_applies(x2: Any, weight: Any, bias: Any) -> bool:
         bias is None or bias.flags.c_contiguous)
 
 
-GEMV_SHARED_MAX = 48 * 1024
-"""Bytes of normalized rows a block of the norm-prologue GEMV may keep in shared memory (the default limit)."""
+GEMV_SHARED_MAX, GEMV_NORM_ROW_MAX = 48 * 1024, 16 * 1024
+"""Bytes of normalized rows a block of the norm-prologue GEMV may keep in shared memory (the default limit), and of
+one row (gemv.cu's GEMV_NORM_PIECES 16-byte pieces for each of the block's threads)."""
 
 
 def _resident_blocks(function: Any, shared: int) -> int:
@@ -146,7 +147,8 @@ def add_rms_norm_linear(x: Any, residual: Any, norm_weight: Any, weight: Any, bi
     if (axes == 1 and k and x.flags.c_contiguous and residual.shape == x.shape and residual.flags.c_contiguous
             and (norm_weight is None or (norm_weight.size == k and norm_weight.flags.c_contiguous))
             and nvrtc.supports(x, residual, *(() if norm_weight is None else (norm_weight,)))
-            and x.size * x.itemsize <= GEMV_SHARED_MAX and (not activation or activation in GATE_CODES)
+            and x.size * x.itemsize <= GEMV_SHARED_MAX and k * x.itemsize <= GEMV_NORM_ROW_MAX
+            and (not activation or activation in GATE_CODES)
             and weight.shape[0] % (2 if activation else 1) == 0 and _gemv_applies(x2, weight, bias)):
         total = cp.empty_like(x)
         eps = float(np.finfo(x.dtype).eps) if eps is None else eps
