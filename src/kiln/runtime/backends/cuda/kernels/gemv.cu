@@ -16,7 +16,7 @@
 //   starts while the block normalizes. The grid is then capped at the resident blocks (linalg.py) and each warp
 //   takes every stride-th output, so a block normalizes once, not once per 8 outputs.
 
-#define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS
+#define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS (4 and 16 measured: slower end to end)
 #define GEMV_ROWS 4      // input rows at most: linalg.py's GEMV_ROWS
 #define GEMV_LOADS 2     // 16-byte weight loads per lane and weight row in flight (docs/benchmarks.md: whole decode
                          // steps took 1.36, 1.23-1.25, 1.25 and 1.29 ms with 1, 2, 4 and 8 on the H100)
