@@ -8,8 +8,9 @@ not a plain string.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kiln.errors import InputError
 
@@ -49,6 +50,22 @@ def speech_kind(meta: Mapping[str, str]) -> str:
     return kind
 
 
+Info = TypeVar("Info")
+
+
+def _parsed(meta: Mapping[str, str], kind: str, title: str, command: str, build: Callable[[], Info]) -> Info:
+    """build() for a program of this speech kind, with one error for another kind and one for missing or
+    malformed metadata."""
+    found = speech_kind(meta)
+    if found != kind:
+        raise InputError(f"this is a {found} program, not a {title} one")
+    try:
+        return build()
+    except (KeyError, ValueError) as e:
+        raise InputError(f"this {kind} program's speech metadata is incomplete or malformed ({e}); export it "
+                         f"again with `kiln {command}`") from None
+
+
 @dataclass(frozen=True)
 class WhisperInfo:
     """The speech metadata of a Whisper program, parsed."""
@@ -65,18 +82,12 @@ class WhisperInfo:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str]) -> WhisperInfo:
-        kind = speech_kind(meta)
-        if kind != "whisper":
-            raise InputError(f"this is a {kind} program, not a Whisper one")
-        try:
-            return cls(kind=kind, max_tokens=int(meta[MAX_TOKENS_KEY]), n_mels=int(meta[N_MELS_KEY]),
-                       vocab_size=int(meta[VOCAB_SIZE_KEY]), tokenizer_json=meta[TOKENIZER_KEY],
-                       suppress_tokens=tuple(json.loads(meta.get(SUPPRESS_KEY) or "[]")),
-                       begin_suppress_tokens=tuple(json.loads(meta.get(BEGIN_SUPPRESS_KEY) or "[]")),
-                       multilingual=meta.get(MULTILINGUAL_KEY) == "1", name=meta.get(NAME_KEY) or None)
-        except (KeyError, ValueError) as e:
-            raise InputError(f"this {kind} program's speech metadata is incomplete or malformed ({e}); export it "
-                             "again with `kiln export-whisper`") from None
+        return _parsed(meta, "whisper", "Whisper", "export-whisper", lambda: cls(
+            kind="whisper", max_tokens=int(meta[MAX_TOKENS_KEY]), n_mels=int(meta[N_MELS_KEY]),
+            vocab_size=int(meta[VOCAB_SIZE_KEY]), tokenizer_json=meta[TOKENIZER_KEY],
+            suppress_tokens=tuple(json.loads(meta.get(SUPPRESS_KEY) or "[]")),
+            begin_suppress_tokens=tuple(json.loads(meta.get(BEGIN_SUPPRESS_KEY) or "[]")),
+            multilingual=meta.get(MULTILINGUAL_KEY) == "1", name=meta.get(NAME_KEY) or None))
 
 
 @dataclass(frozen=True)
@@ -96,14 +107,7 @@ class ParakeetInfo:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str]) -> ParakeetInfo:
-        kind = speech_kind(meta)
-        if kind != "parakeet":
-            raise InputError(f"this is a {kind} program, not a Parakeet one")
-        try:
-            return cls(n_mels=int(meta[N_MELS_KEY]), labels=tuple(json.loads(meta[LABELS_KEY])),
-                       durations=tuple(json.loads(meta[DURATIONS_KEY])), max_symbols=int(meta[MAX_SYMBOLS_KEY]),
-                       subsampling=int(meta[SUBSAMPLING_KEY]),
-                       name=meta.get(NAME_KEY) or None)
-        except (KeyError, ValueError) as e:
-            raise InputError(f"this parakeet program's speech metadata is incomplete or malformed ({e}); export it "
-                             "again with `kiln export-parakeet`") from None
+        return _parsed(meta, "parakeet", "Parakeet", "export-parakeet", lambda: cls(
+            n_mels=int(meta[N_MELS_KEY]), labels=tuple(json.loads(meta[LABELS_KEY])),
+            durations=tuple(json.loads(meta[DURATIONS_KEY])), max_symbols=int(meta[MAX_SYMBOLS_KEY]),
+            subsampling=int(meta[SUBSAMPLING_KEY]), name=meta.get(NAME_KEY) or None))

@@ -15,6 +15,7 @@ from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.array_api.quant import dequantize
 from kiln.runtime.backends.cuda import cublas, nvrtc
+from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 
 
@@ -142,14 +143,10 @@ def add_rms_norm_linear(x: Any, residual: Any, norm_weight: Any, weight: Any, bi
                         eps: float | None, activation: str) -> tuple[Any, Any]:
     """One GEMV that adds and normalizes its few input rows in each block before the product (gemv.cu's MODE & 4);
     add_rms_norm + linear (or gated_linear) otherwise."""
-    k = x.shape[-1] if x.ndim else 0
-    x2 = x.reshape(-1, k) if k else x
-    if (axes == 1 and k and x.flags.c_contiguous and residual.shape == x.shape and residual.flags.c_contiguous
-            and (norm_weight is None or (norm_weight.size == k and norm_weight.flags.c_contiguous))
-            and nvrtc.supports(x, residual, *(() if norm_weight is None else (norm_weight,)))
-            and x.size * x.itemsize <= GEMV_SHARED_MAX and k * x.itemsize <= GEMV_NORM_ROW_MAX
-            and (not activation or activation in GATE_CODES)
-            and weight.shape[0] % (2 if activation else 1) == 0 and _gemv_applies(x2, weight, bias)):
+    if (fused_rms_norm_applies(x, residual, norm_weight, axes) and x.size * x.itemsize <= GEMV_SHARED_MAX
+            and x.shape[-1] * x.itemsize <= GEMV_NORM_ROW_MAX and (not activation or activation in GATE_CODES)
+            and weight.shape[0] % (2 if activation else 1) == 0
+            and _gemv_applies(x2 := x.reshape(-1, x.shape[-1]), weight, bias)):
         total = cp.empty_like(x)
         eps = float(np.finfo(x.dtype).eps) if eps is None else eps
         out = _gemv(x2, weight, bias, activation, (residual, norm_weight, eps, total))

@@ -17,14 +17,20 @@ from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.registry import ROW_WARP_MAX, ROWS_PER_BLOCK, contiguous, kernel
 
 
+def fused_rms_norm_applies(x: Any, residual: Any, weight: Any, axes: int) -> bool:
+    """What the fused RMSNorm kernels take (fused.cu's rms_norm, gemv.cu's norm prologue): over the last dim, x,
+    residual and weight contiguous in one storage type, the residual of x's shape, the weight one per element."""
+    extra = tuple(a for a in (residual, weight) if a is not None)
+    return bool(axes == 1 and x.ndim and x.size and contiguous(x, *extra) and nvrtc.supports(x, *extra)
+                and (weight is None or weight.size == x.shape[-1]) and (residual is None or residual.shape == x.shape))
+
+
 def _rms_norm_fused(x: Any, residual: Any, weight: Any, axes: int, eps: float | None) -> tuple[Any, Any] | None:
     """fused.cu's rms_norm (a block per row, the residual added first when given): (sum, normalized), or None for
     what it does not take."""
-    d = x.shape[-1] if x.ndim else 1
-    extra = tuple(a for a in (residual, weight) if a is not None)
-    if not (axes == 1 and x.ndim and x.size and contiguous(x, *extra) and nvrtc.supports(x, *extra)
-            and (weight is None or weight.size == d) and (residual is None or residual.shape == x.shape)):
+    if not fused_rms_norm_applies(x, residual, weight, axes):
         return None
+    d = x.shape[-1]
     if eps is None:
         eps = float(np.finfo(x.dtype).eps)
     out = cp.empty_like(x)
