@@ -51,8 +51,13 @@ def test_llm_runs_on_the_gpu_like_the_cpu(llama_program):
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU with CuPy")
 def test_constants_are_uploaded_once_per_program(llama_program):
+    from kiln.runtime.backends.cuda import constants
+
     first, second = llama_program.session("cuda"), llama_program.session("cuda")
     assert first.backend.constant(0) is second.backend.constant(0)
+    weight = first.backend.constant(0)
+    assert constants.is_constant(weight) and constants.is_constant(weight.T), "early GEMVs may read it first"
+    assert not constants.is_constant(weight.copy()) and not constants.is_constant(first.backend.empty_like(weight))
 
 
 def test_graphs_are_refused_by_a_backend_that_cannot_capture(llama_program):

@@ -22,8 +22,8 @@ TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3, BFLOAT16: 1.6e-2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("n,k", [(512, 64), (2051, 200), (4000, 1000), (72, 2048)],
-                         ids=["tall", "odd-n", "long-k", "wide"])
+@pytest.mark.parametrize("n,k", [(512, 64), (2051, 200), (4000, 1000), (72, 2048), (2050, 2048), (72, 8192)],
+                         ids=["tall", "odd-n", "long-k", "wide", "split-odd-n", "split-8"])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_gemv_matches_float64(dtype, n, k, rows, with_bias) -> None:
@@ -42,6 +42,18 @@ def test_gemv_matches_float64(dtype, n, k, rows, with_bias) -> None:
     assert got.shape == (rows, n) and got.dtype == dtype
     tol = TOL[np.dtype(dtype)]
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol)
+
+
+def test_gemv_shares_the_rows_of_a_layer_with_few_outputs() -> None:
+    """Llama-3.2-1B's projections in bfloat16: q/k/v and o (K 2048) get 2 warps a row, down (K 8192) 8, the LM
+    head one; the shapes above run 1, 2 (split-odd-n: a last block with two rows of its four), 4 and 8 warps a
+    row."""
+    from kiln.runtime.backends.cuda.kernels.linalg import _gemv_split
+
+    llama = [(3072, 2048), (2048, 2048), (2048, 8192), (128256, 2048)]
+    assert [_gemv_split(n, k, 2) for n, k in llama] == [1, 1, 3, 0]
+    assert [_gemv_split(2050, 2048, 2), _gemv_split(72, 2048, 4), _gemv_split(4000, 1000, 2)] == [1, 2, 0]
+    assert _gemv_split(72, 8192, 4) == 3
 
 
 def test_gemv_leaves_what_it_cannot_read_to_cublas() -> None:
@@ -63,8 +75,8 @@ ACTIVATIONS64 = {"": None, "silu": lambda g: g / (1 + np.exp(-g)),
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("n,k", [(512, 64), (2051, 200), (20000, 64), (72, 2048)],
-                         ids=["tall", "odd-n", "strided-grid", "wide"])
+@pytest.mark.parametrize("n,k", [(512, 64), (2051, 200), (20000, 64), (72, 2048), (2050, 2048)],
+                         ids=["tall", "odd-n", "strided-grid", "wide", "split-odd-n"])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS64), ids=["plain", "silu", "gelu_tanh"])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
@@ -129,6 +141,64 @@ def test_fused_gemv_leaves_what_it_cannot_take_to_the_ops_it_stands_for() -> Non
         np.testing.assert_allclose(cp.asnumpy(got), ACTIVATIONS64["silu"](h[:, :16]) * h[:, 16:], rtol=1e-4,
                                    atol=1e-4)
         np.testing.assert_array_equal(cp.asnumpy(total), cp.asnumpy(x + r))
+
+
+def test_early_launched_kernels_wait_for_what_they_read(monkeypatch) -> None:
+    """A decode step's chain of dependent kernels (norm-prologue GEMVs loading their constant weight before they
+    wait, plain and gated GEMVs, RMSNorm), 160 kernels captured as one graph and launched early (launch.py): the
+    same bits as the same kernels launched one after another, over replays on new inputs. A kernel that read its
+    input before the kernel writing it had finished would differ."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda import constants, launch
+    from kiln.runtime.backends.cuda.kernels import linalg, norm
+
+    if not launch.early_launch_supported(cp.cuda.Device().id):
+        pytest.skip("this GPU or driver launches no kernel early")
+    rng = np.random.default_rng(7)
+    d = 512
+
+    def weight(n):
+        return cp.asarray((rng.standard_normal((n, d)) / np.sqrt(d)).astype(BFLOAT16))
+
+    w_in, w_out, w_gate_up, w_down = weight(d), weight(d), weight(2 * d), weight(d)
+    nw = cp.asarray((1 + rng.standard_normal(d) / 4).astype(BFLOAT16))
+    program_constants = {w.data.ptr for w in (w_in, w_out, w_gate_up, w_down)}
+    monkeypatch.setattr(constants, "is_constant", lambda a: a.data.ptr in program_constants)
+    x = cp.zeros((1, d), BFLOAT16)
+
+    def chain():
+        total, y = x, x
+        for _ in range(32):
+            total, h = linalg.add_rms_norm_linear(y, total, nw, w_in, None, 1, 1e-6, "")
+            y = linalg.linear(h, w_out, None)
+            total, g = linalg.add_rms_norm_linear(y, total, nw, w_gate_up, None, 1, 1e-6, "silu")
+            y = norm.rms_norm(linalg.linear(g, w_down, None), nw, 1, 1e-6)
+        return total, y
+
+    def one_after_another():
+        launch.early_launch_supported.cache_clear()
+        monkeypatch.setattr(launch, "EARLY_LAUNCH", False)
+        try:
+            return [cp.asnumpy(a) for a in chain()]
+        finally:
+            monkeypatch.setattr(launch, "EARLY_LAUNCH", True)
+            launch.early_launch_supported.cache_clear()
+
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        outputs = chain()
+        graph = stream.end_capture()
+    for _ in range(3):
+        x[...] = cp.asarray(rng.standard_normal((1, d)).astype(BFLOAT16))
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        got = [cp.asnumpy(a) for a in outputs]
+        for g, w in zip(got, one_after_another(), strict=True):
+            assert np.isfinite(w.astype(np.float32)).all()
+            np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16))
 
 
 def _attention64(q, k, v, mask, scale):

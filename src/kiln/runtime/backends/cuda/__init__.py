@@ -1,6 +1,7 @@
 """The CUDA backend: a program's ops on an NVIDIA GPU through CuPy (cuBLAS for the matrix products).
 
-Constants are uploaded once per program, on first use, and shared by every CUDA session of that program. Inputs
+Constants are uploaded once per program, on first use, and shared by every CUDA session of that program
+(constants.py). Inputs
 may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()` copies them back). Every op
 runs on the GPU (kiln.runtime.backends.cuda.kernels: the GPU's own kernels, and the portable kernels bound to
 CuPy); an op whose CUDA kernel declines its arguments (OnHost: a dtype with no atomic form, say) runs its CPU
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 from kiln.errors import BackendUnavailableError
 from kiln.ir.graph import StateBuffer
 from kiln.runtime.backends.base import Backend, Kernel
+from kiln.runtime.backends.cuda import constants
 from kiln.runtime.graphs import CaptureError
 from kiln.runtime.program import Program
 
@@ -48,10 +48,6 @@ def _cupy() -> Any:
     return cupy
 
 
-_UPLOADED: weakref.WeakKeyDictionary[Program, dict[int, Any]] = weakref.WeakKeyDictionary()
-_UPLOAD_LOCK = threading.Lock()
-
-
 class CUDABackend(Backend):
     name = "cuda"
     can_capture = True
@@ -67,18 +63,10 @@ class CUDABackend(Backend):
         self.kernels = {op: self._on_host(op, fn) for op, fn in CPU_KERNELS.kernels.items()}
         for op, fn in CUDA_KERNELS.kernels.items():
             self.kernels[op] = self._first_on_gpu(fn, self.kernels[op]) if op in self.kernels else fn
-        with _UPLOAD_LOCK:
-            self._constants = _UPLOADED.setdefault(program, {})
         self._capture_stream: Any = None
 
     def constant(self, index: int) -> Any:
-        array = self._constants.get(index)
-        if array is None:
-            with _UPLOAD_LOCK:
-                array = self._constants.get(index)
-                if array is None:
-                    array = self._constants[index] = self.cp.asarray(self.program.constant(index))
-        return array
+        return constants.constant(self.program, index, self.cp)
 
     def initial_state(self, index: int, buffer: StateBuffer) -> Any:
         if buffer.init >= 0:

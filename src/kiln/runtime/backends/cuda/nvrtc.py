@@ -23,6 +23,7 @@ import cupy as cp
 import numpy as np
 
 from kiln.runtime.backends.array_api import BFLOAT16
+from kiln.runtime.backends.cuda.launch import Kernel
 
 OPTIONS = ("--std=c++17",)
 """No fast math: expf, sqrtf and division stay IEEE-accurate, as the CPU kernels' results are."""
@@ -51,11 +52,12 @@ def module(name: str) -> Any:
 
 
 @functools.cache
-def function(source: str, kernel: str, dtype: np.dtype, size: int | None = None) -> Any:
+def function(source: str, kernel: str, dtype: np.dtype, size: int | None = None) -> Kernel:
     """kernels/<source>.cu's `kernel` for arrays of `dtype` (and its int parameter `size`, if it takes one), looked
-    up once: a lookup costs as much as a launch."""
+    up once (a lookup costs as much as a launch), launched early where the GPU takes it (launch.py)."""
     storage = STORAGE[np.dtype(dtype)]
-    return module(source).get_function(f"{kernel}<{storage}>" if size is None else f"{kernel}<{storage}, {size}>")
+    return Kernel(module(source).get_function(f"{kernel}<{storage}>" if size is None
+                                              else f"{kernel}<{storage}, {size}>"))
 
 
 def supports(*arrays: Any) -> bool:

@@ -210,7 +210,7 @@ def _flash_function(dtype: np.dtype, e: int) -> Any:
     """The flash kernel for this type and width, allowed the dynamic shared memory it takes (over the 48 KB a
     kernel gets without asking from a head width of 80 on)."""
     function = nvrtc.function("flash", "flash_attention", dtype, e)
-    function.max_dynamic_shared_size_bytes = flash_smem_bytes(e, np.dtype(dtype).itemsize)
+    function.raw.max_dynamic_shared_size_bytes = flash_smem_bytes(e, np.dtype(dtype).itemsize)
     return function
 
 

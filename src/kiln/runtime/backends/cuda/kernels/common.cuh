@@ -8,6 +8,18 @@
 
 #define KILN_INF __int_as_float(0x7f800000)
 
+// Every kernel here is launched early (launch.py: programmatic dependent launch), so it may start while the kernel
+// before it in the stream still runs. Each calls this in every block before it reads or writes anything an earlier
+// kernel may touch, or returns: it waits until the kernel before has completed and its writes are visible, then
+// lets the kernel after this one launch (whose blocks take the SMs this one frees, and wait here in turn). Before
+// it a kernel may only read what no kernel writes (a program constant: the GEMV's weight rows).
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // What an attention kernel's mask argument points to (attention.py's MASK_NONE, MASK_BOOL, MASK_FLOAT).
 #define MASK_NONE 0
 #define MASK_BOOL 1

@@ -19,6 +19,7 @@ template <class S>
 __global__ void im2col2d(const typename S::T* __restrict__ x, typename S::T* __restrict__ cols, int c, int h, int w,
                          int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw, int oh, int ow,
                          long long total) {
+    grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int ox = (int)(i % ow);
@@ -42,6 +43,7 @@ __global__ void depthwise2d(const typename S::T* __restrict__ x, const typename 
                             const typename S::T* __restrict__ bias, typename S::T* __restrict__ y, int c, int h, int w,
                             int kh, int kw, int sh, int sw, int ph, int pw, int dh, int dw, int oh, int ow,
                             long long total, int has_bias, int act, float lo, float hi) {
+    grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int ox = (int)(i % ow);
@@ -69,6 +71,7 @@ __global__ void depthwise2d(const typename S::T* __restrict__ x, const typename 
 template <class S>
 __global__ void bias_activate(typename S::T* __restrict__ y, const typename S::T* __restrict__ bias, int c,
                               long long size, long long total, int has_bias, int act, float lo, float hi) {
+    grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         float v = S::load(y[i]);

@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              float* __restrict__ part, int groups, int seq, int e, float scale, long long kb,
                              long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
                              long long mb, long long mh, long long ms, int splits) {
+    grid_dependency_sync();
     constexpr int V = S::PER16;
     __shared__ float merged[DECODE_WARPS][G][2];
     __shared__ float out_s[DECODE_WARPS][G][256];
@@ -205,6 +206,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 template <class S>
 __global__ void __launch_bounds__(COMBINE_THREADS) attend_combine(const float* __restrict__ part,
                                                                   typename S::T* __restrict__ out, int e, int splits) {
+    grid_dependency_sync();
     constexpr int WARPS = COMBINE_THREADS / 32, PER_LANE = 256 / 32;
     __shared__ float weight[COMBINE_MAX_SPLITS];
     __shared__ float sums[WARPS][256];

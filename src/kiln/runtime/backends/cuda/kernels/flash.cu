@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
     long long ks0, long long ks1, long long ks2, long long vs0, long long vs1, long long vs2, int mask_kind,
     int mask_aligned, long long m_b, long long m_h, long long m_i, long long m_j, int groups, int queries, int keys,
     float scale, int causal) {
+    grid_dependency_sync();
     typedef typename S::T T;
     constexpr int PAD = E + 8;  // a row of 2 E + 16 bytes: the 8 rows a fragment load touches fall in distinct banks
     constexpr int KSTEPS = E / 16, ESLICES = E / 8, PIECES = E / 8, SEEN = FLASH_N + 16;

@@ -11,6 +11,7 @@ template <class S>
 __global__ void rms_norm(const typename S::T* __restrict__ x, const typename S::T* __restrict__ r,
                          const typename S::T* __restrict__ w, typename S::T* __restrict__ sum,
                          typename S::T* __restrict__ y, int d, float eps, int has_w, int has_r) {
+    grid_dependency_sync();
     const long long row = blockIdx.x;
     const typename S::T* xr = x + row * d;
     typename S::T* yr = y + row * d;
@@ -61,6 +62,7 @@ template <class S>
 __global__ void layer_norm(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
                            const typename S::T* __restrict__ b, typename S::T* __restrict__ y, int d, float eps,
                            int has_w, int has_b) {
+    grid_dependency_sync();
     const long long row = blockIdx.x;
     layer_norm_row<S, block_sum>(x + row * d, w, b, y + row * d, d, eps, has_w, has_b, threadIdx.x, blockDim.x);
 }
@@ -70,6 +72,7 @@ template <class S>
 __global__ void layer_norm_warp(const typename S::T* __restrict__ x, const typename S::T* __restrict__ w,
                                 const typename S::T* __restrict__ b, typename S::T* __restrict__ y, long long rows,
                                 int d, float eps, int has_w, int has_b) {
+    grid_dependency_sync();
     const long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;  // (whole warps: the shuffles see every lane)
     layer_norm_row<S, warp_sum>(x + row * d, w, b, y + row * d, d, eps, has_w, has_b, threadIdx.x & 31, 32);
@@ -80,6 +83,7 @@ __global__ void layer_norm_warp(const typename S::T* __restrict__ x, const typen
 template <class S>
 __global__ void gated(const typename S::T* __restrict__ g, const typename S::T* __restrict__ u,
                       typename S::T* __restrict__ y, long long rows, int d, long long gs, long long us, int act) {
+    grid_dependency_sync();
     const long long n = rows * d;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / d;
@@ -116,6 +120,7 @@ __global__ void rope(const typename S::T* __restrict__ x, const typename S::T* _
                      const typename S::T* __restrict__ sin_, typename S::T* __restrict__ y,
                      int n1, int n2, int d, long long xs0, long long xs1, long long xs2, long long xs3,
                      long long cs0, long long cs1, long long cs2, long long cs3, long long total, int interleaved) {
+    grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int j = (int)(i % d);
@@ -142,6 +147,7 @@ __global__ void rope_cache_update(const typename S::T* __restrict__ q, const typ
                                   long long qs0, long long qs1, long long qs3, long long ks0, long long ks1,
                                   long long ks3, long long vs0, long long vs1, long long vs3, long long cs0,
                                   long long cs3, long long total, int interleaved) {
+    grid_dependency_sync();
     const long long slot = index[0] < 0 ? index[0] + size : index[0];
     const int heads = hq + 2 * hkv;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;

@@ -2,8 +2,16 @@
 // bias[o] for W [N, K] row-major. At batch 1 a linear layer is a stream of its weight, so the kernel is built to
 // keep enough bytes in flight: a warp per output feature, every lane issuing GEMV_LOADS 16-byte weight loads before
 // it uses the first (GEMV_LOADS * 512 bytes per warp and row in flight), the weight read past L1 (read once), x read
-// through L1 (every warp of the SM reads it). Sums in float32, one rounding at the end.
+// through L1 (every warp of the SM reads it). Sums in float32, one rounding at the end. When W is a program
+// constant (w_constant), the first loads are issued before grid_dependency_sync: the weight stream of the layer
+// starts while the kernel before it (launched early, launch.py) still finishes.
 // Needs K a multiple of PER16 and x, W 16-byte aligned (linalg.py checks).
+//
+// A layer with few outputs (Llama-3.2-1B's o and down projections: 2048) gives too few warps to keep the memory
+// busy, each with one long row: `split` warps (1, 2, 4 or 8, linalg.py picks it) then share each row, each summing
+// a contiguous 1/split of K, and the row's first warp adds their sums in slice order (shared memory, a barrier).
+// MODE >> 3 is log2(split), instantiated for the products without an activation (a gated layer is an MLP's wide
+// one; a runtime split would cost the gated kernels registers, and so resident warps).
 //
 // MODE folds the small nodes around a linear layer into it (gated_linear, add_rms_norm_linear), each of which
 // would otherwise be a kernel of its own in the decode step's chain:
@@ -133,7 +141,7 @@ __device__ void add_rms_norm_rows(const typename S::T* __restrict__ x, const typ
     __syncthreads();
 }
 
-// gemv<N>: 0 1 2 3 4 5 6 7
+// gemv<N>: 0 1 2 3 4 5 6 7 8 12 16 20 24 28
 template <class S, int MODE>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __restrict__ x, long long x_row,
                                                         const typename S::T* __restrict__ res,
@@ -142,20 +150,30 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
                                                         const typename S::T* __restrict__ w,
                                                         const typename S::T* __restrict__ bias,
                                                         typename S::T* __restrict__ out, int rows, int n, int k,
-                                                        int has_bias, int has_nw, float eps) {
+                                                        int has_bias, int has_nw, float eps, int w_constant) {
     typedef typename S::T T;
     constexpr int ACT = MODE & 3;
     constexpr bool NORM = (MODE & 4) != 0;
     constexpr int NR = ACT ? 2 : 1;  // weight rows a warp reads per output: gate and up, or one
-    const int lane = threadIdx.x & 31;
-    const long long stride = (long long)gridDim.x * GEMV_WARPS, step = (long long)n * k;
-    long long o = (long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (!NORM && o >= n) return;  // (whole warps: the shuffles below see every lane)
-    const int pieces = k / S::PER16;
+    constexpr int split = 1 << (MODE >> 3);
+    __shared__ float partial[GEMV_WARPS][NR][GEMV_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per_block = GEMV_WARPS / split, slice = warp % split;  // outputs a block takes at once; K share
+    const int all = k / S::PER16, per_slice = (all + split - 1) / split;
+    const int first = min(all, slice * per_slice), pieces = min(all, first + per_slice) - first;
+    const long long stride = (long long)gridDim.x * per_block, step = (long long)n * k;
+    const long long skip = (long long)first * S::PER16;  // this warp's first column
+    long long o = (long long)blockIdx.x * per_block + warp / split;
     U4 wv[NR][GEMV_LOADS];
-    if (o < n) {
+    if (w_constant && o < n) {  // a program constant's rows: loaded while the kernel before this one finishes
 #pragma unroll
-        for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + o * k + j * step, 0, pieces, lane);
+        for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + o * k + skip + j * step, 0, pieces, lane);
+    }
+    grid_dependency_sync();
+    if (!NORM && split == 1 && o >= n) return;  // (no barrier follows: a whole warp leaves, its shuffles with it)
+    if (!w_constant && o < n) {
+#pragma unroll
+        for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + o * k + skip + j * step, 0, pieces, lane);
     }
     const T* xin = x;
     long long xin_row = x_row;
@@ -165,30 +183,63 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
         add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw);
         xin = xs, xin_row = k;
     }
-    if (o >= n) return;  // (after the block's barriers)
-    do {  // (one output without the prologue: the grid covers them all)
+    if (split == 1 && o >= n) return;  // (after the prologue's barriers)
+    // The block's outputs, per_block at a time (a loop only with the prologue: the grid covers them otherwise);
+    // every warp runs every iteration, for the barriers of a split row.
+    for (long long base = o - warp / split; base < n; base += stride, o += stride) {
         float acc[NR][GEMV_ROWS];
 #pragma unroll
         for (int j = 0; j < NR; ++j) {
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) acc[j][r] = 0.0f;
         }
-        rows_dot<S, NR>(w + o * k, step, xin, xin_row, rows, pieces, lane, wv, acc);
-        const float b = has_bias ? S::load(bias[o]) : 0.0f;
-        const float bu = ACT && has_bias ? S::load(bias[n + o]) : 0.0f;
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; ++r) {
-            if (r >= rows) break;
-            float y = warp_sum(acc[0][r]) + b;
-            if (ACT) {
-                const float u = S::load(S::store(warp_sum(acc[NR - 1][r]) + bu));
-                y = gate_activation(S::load(S::store(y)), ACT) * u;
-            }
-            if (lane == 0) out[(long long)r * n + o] = S::store(y);
-        }
+        if (o < n) rows_dot<S, NR>(w + o * k + skip, step, xin + skip, xin_row, rows, pieces, lane, wv, acc);
         if (NORM && o + stride < n) {
 #pragma unroll
-            for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + (o + stride) * k + j * step, 0, pieces, lane);
+            for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + (o + stride) * k + skip + j * step, 0, pieces, lane);
         }
-    } while (NORM && (o += stride) < n);
+#pragma unroll
+        for (int j = 0; j < NR; ++j) {
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+                if (r >= rows) break;
+                acc[j][r] = warp_sum(acc[j][r]);
+            }
+        }
+        if (split > 1) {  // the slices' sums, added in slice order by the row's first warp
+            if (lane == 0) {
+#pragma unroll
+                for (int j = 0; j < NR; ++j) {
+#pragma unroll
+                    for (int r = 0; r < GEMV_ROWS; ++r) partial[warp][j][r] = acc[j][r];
+                }
+            }
+            __syncthreads();
+            if (slice == 0) {
+                for (int t = 1; t < split; ++t) {
+#pragma unroll
+                    for (int j = 0; j < NR; ++j) {
+#pragma unroll
+                        for (int r = 0; r < GEMV_ROWS; ++r) acc[j][r] += partial[warp + t][j][r];
+                    }
+                }
+            }
+            __syncthreads();  // (partial is written again by the next iteration)
+        }
+        if (slice == 0 && o < n) {
+            const float b = has_bias ? S::load(bias[o]) : 0.0f;
+            const float bu = ACT && has_bias ? S::load(bias[n + o]) : 0.0f;
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+                if (r >= rows) break;
+                float y = acc[0][r] + b;
+                if (ACT) {
+                    const float u = S::load(S::store(acc[NR - 1][r] + bu));
+                    y = gate_activation(S::load(S::store(y)), ACT) * u;
+                }
+                if (lane == 0) out[(long long)r * n + o] = S::store(y);
+            }
+        }
+        if (!NORM) break;  // (the grid covers every output)
+    }
 }

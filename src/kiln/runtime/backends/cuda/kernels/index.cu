@@ -5,6 +5,7 @@
 
 template <class S>
 __global__ void last_writer(const long long* __restrict__ index, int* __restrict__ winner, int n, int size) {
+    grid_dependency_sync();
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
         const long long slot = index[j] < 0 ? index[j] + size : index[j];
         atomicMax(winner + slot, j);
@@ -15,6 +16,7 @@ template <class S>
 __global__ void write_slots(typename S::T* __restrict__ out, const typename S::T* __restrict__ src,
                             const long long* __restrict__ index, const int* __restrict__ winner, int n, int size,
                             long long inner, long long s_o, long long s_n, long long s_i, long long total) {
+    grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long t = i % inner, r = i / inner;

@@ -14,7 +14,7 @@ import numpy as np
 from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.array_api.quant import dequantize
-from kiln.runtime.backends.cuda import cublas, nvrtc
+from kiln.runtime.backends.cuda import constants, cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 
@@ -48,6 +48,26 @@ with every one-row linear on it instead (H200, gpu_llm.py, same run) went 1.198 
 1.226 -> 1.183 at 1024, so it takes them all."""
 
 
+GEMV_LOADS, GEMV_SPLIT_BELOW, GEMV_SHARE_ROUNDS = 2, 8192, 2
+"""gemv.cu's 16-byte loads per lane in flight; a layer of fewer outputs than GEMV_SPLIT_BELOW (whose one warp per
+row would leave the memory idle: Llama-3.2-1B's q/k/v, o and down projections) has each row shared by up to
+GEMV_WARPS warps (gemv.cu's split), as many as keep GEMV_SHARE_ROUNDS rounds of those loads for each lane.
+
+Measured on the H100, whole decode steps at context 128 (docs/benchmarks.md, fifth stop), warps a row for q/k/v,
+o and down: 1, 1, 1 took 1.228-1.232 ms; 2, 2, 2 1.176; 4, 4, 4 1.190; 2, 2, 8 (this rule, two rounds a share)
+1.176, 1.176; 4, 4, 8 (one round a share) 1.179, 1.174, 1.173: within the noise of this rule, which the CUDA suite
+ran."""
+
+
+def _gemv_split(n: int, k: int, itemsize: int) -> int:
+    """log2 of the warps per output row (gemv.cu's MODE >> 3)."""
+    pieces, log2 = k * itemsize // 16, 0
+    if n < GEMV_SPLIT_BELOW:
+        while (1 << log2) < GEMV_WARPS and pieces >> (log2 + 1) >= GEMV_SHARE_ROUNDS * 32 * GEMV_LOADS:
+            log2 += 1
+    return log2
+
+
 def _gemv_applies(x2: Any, weight: Any, bias: Any) -> bool:
     """What gemv.cu reads 16 bytes at a time: one storage type, K a multiple of 16 bytes, rows aligned."""
     if not (1 <= x2.shape[0] <= GEMV_ROWS and weight.ndim == 2 and weight.size and nvrtc.supports(
@@ -68,7 +88,7 @@ def _resident_blocks(function: Any, shared: int) -> int:
     """How many blocks of `function` the GPU holds at once (by registers, threads and shared memory an SM): the
     norm-prologue GEMV's grid, so each block normalizes its rows once and then loops over outputs."""
     device = cp.cuda.Device()
-    key = (device.id, function.num_regs, shared)
+    key = (device.id, function.raw.num_regs, shared)
     if key not in _RESIDENT:
         attributes = device.attributes
         threads = 32 * GEMV_WARPS
@@ -89,9 +109,10 @@ def _gemv(x2: Any, weight: Any, bias: Any, activation: str = "", norm: tuple | N
     n, k = weight.shape
     n //= 2 if activation else 1
     out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
-    blocks, shared = -(-n // GEMV_WARPS), 0
+    log2_split = 0 if activation else _gemv_split(n, k, x2.itemsize)
+    blocks, shared = -(-n // (GEMV_WARPS >> log2_split)), 0
     residual, norm_weight, eps, total = norm if norm is not None else (x2, None, 0.0, x2)
-    mode = (GATE_CODES[activation] if activation else 0) | (4 if norm is not None else 0)
+    mode = (GATE_CODES[activation] if activation else 0) | (4 if norm is not None else 0) | log2_split << 3
     function = nvrtc.function("gemv", "gemv", x2.dtype, mode)
     if norm is not None:
         shared = x2.size * x2.itemsize
@@ -100,7 +121,8 @@ def _gemv(x2: Any, weight: Any, bias: Any, activation: str = "", norm: tuple | N
         (blocks,), (32 * GEMV_WARPS,),
         (x2, np.int64(x2.strides[0] // x2.itemsize), residual, x2 if norm_weight is None else norm_weight, total,
          weight, weight if bias is None else bias, out, np.int32(x2.shape[0]), np.int32(n), np.int32(k),
-         np.int32(bias is not None), np.int32(norm_weight is not None), np.float32(eps)), shared_mem=shared)
+         np.int32(bias is not None), np.int32(norm_weight is not None), np.float32(eps),
+         np.int32(constants.is_constant(weight))), shared_mem=shared)
     return out
 
 

@@ -19,6 +19,7 @@ __global__ void qlinear_rows(const typename S::T* __restrict__ x, const unsigned
                              const typename S::T* __restrict__ scale, const typename S::T* __restrict__ zero,
                              const typename S::T* __restrict__ bias, typename S::T* __restrict__ out, int rows,
                              int n, int k, int bits, int group, int has_zero, int has_bias) {
+    grid_dependency_sync();
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (o >= n) return;
@@ -80,6 +81,7 @@ template <class S>
 __global__ void dequantize(const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
                            const typename S::T* __restrict__ zero, typename S::T* __restrict__ w, long long n, int k,
                            int bits, int group, int has_zero) {
+    grid_dependency_sync();
     const long long total = n * k;
     const int ngroups = k / group;
     const int row_bytes = bits == 8 ? k : k / 2;

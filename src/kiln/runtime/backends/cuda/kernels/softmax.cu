@@ -15,6 +15,7 @@ __device__ void softmax_row(const typename S::T* __restrict__ xr, typename S::T*
 // softmax with a block per row (rows longer than ROW_WARP_MAX, registry.py).
 template <class S>
 __global__ void softmax_rows(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, int d) {
+    grid_dependency_sync();
     const long long row = blockIdx.x;
     softmax_row<S, block_max, block_sum>(x + row * d, y + row * d, d, threadIdx.x, blockDim.x);
 }
@@ -23,6 +24,7 @@ __global__ void softmax_rows(const typename S::T* __restrict__ x, typename S::T*
 template <class S>
 __global__ void softmax_warp(const typename S::T* __restrict__ x, typename S::T* __restrict__ y, long long rows,
                              int d) {
+    grid_dependency_sync();
     const long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;  // (whole warps: the shuffles see every lane)
     softmax_row<S, warp_max, warp_sum>(x + row * d, y + row * d, d, threadIdx.x & 31, 32);
@@ -50,6 +52,7 @@ __global__ void masked_softmax(const float* __restrict__ scores, typename S::T* 
                                const void* __restrict__ mask, int mask_kind, long long m_b, long long m_h,
                                long long m_i, long long m_j, int kv_heads, int groups, int queries, int keys,
                                float scale, int causal) {
+    grid_dependency_sync();
     const long long r = blockIdx.x;
     const int i = (int)(r % queries);
     const long long head_row = r / queries;
