@@ -13,6 +13,7 @@ folder or a GGUF file; store the tokenizer, chat template and stop tokens in the
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -48,6 +49,46 @@ class _BufferCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
+class _RotaryTable(torch.nn.Module):
+    """A rotary embedding's cos and sin for the positions 0 .. max_context - 1, computed once by the model's own
+    module: a step gathers its positions' rows (one lookup each) instead of computing the angles, their cos and sin,
+    the scaling and the casts, about ten small kernels a step on a GPU, for the same values."""
+
+    def __init__(self, rotary: torch.nn.Module, max_context: int, dtype: torch.dtype):
+        super().__init__()
+        device = rotary.inv_freq.device
+        cos, sin = rotary(torch.zeros((), dtype=dtype, device=device), torch.arange(max_context, device=device)[None])
+        self.register_buffer("cos", cos[0], persistent=False)
+        self.register_buffer("sin", sin[0], persistent=False)
+        self.train(rotary.training)
+
+    @staticmethod
+    def takes(module: torch.nn.Module) -> bool:
+        """A transformers rotary embedding called as (x, position_ids) whose frequencies do not depend on the
+        positions seen (the dynamic and long-rope types rescale them with the sequence length)."""
+        rope_type = getattr(module, "rope_type", None)
+        if not (type(module).__name__.endswith("RotaryEmbedding") and isinstance(rope_type, str)
+                and rope_type not in ("dynamic", "longrope") and isinstance(getattr(module, "inv_freq", None),
+                                                                             torch.Tensor)):
+            return False
+        return list(inspect.signature(module.forward).parameters) == ["x", "position_ids"]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lookup = torch.nn.functional.embedding
+        return lookup(position_ids, self.cos).to(x.dtype), lookup(position_ids, self.sin).to(x.dtype)
+
+
+def _tabulate_rotary(model: torch.nn.Module, max_context: int) -> int:
+    """Replaces the model's rotary embeddings that _RotaryTable takes by tables; returns how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _RotaryTable.takes(child):
+                setattr(parent, name, _RotaryTable(child, max_context, model.dtype))
+                replaced += 1
+    return replaced
+
+
 class StaticCacheLM(torch.nn.Module):
     """A causal LM with a static KV cache in buffers; `prefill` and `decode` return the last position's logits.
 
@@ -62,6 +103,10 @@ class StaticCacheLM(torch.nn.Module):
     attention overwrites only positions at least W older than every query of the chunk, so writing first (as the
     full layers do, which keeps the update a plain in-place write) never destroys a key the chunk still needs.
     The mask is built from the positions, so unwritten or stale slots are never read and a reset only needs zeros.
+
+    The model's rotary embeddings are replaced by tables of their cos and sin for the positions 0 .. max_context - 1
+    (`_RotaryTable`, where the frequencies are static): the model is changed in place, and from then on takes
+    positions below max_context only.
     """
 
     def __init__(self, model: PreTrainedModel, max_context: int, prefill_chunk: int | None = None):
@@ -77,6 +122,7 @@ class StaticCacheLM(torch.nn.Module):
                                       f"{sorted(unknown) or 'sliding_attention without a sliding_window'}")
         self.model = model
         self.max_context = int(max_context)
+        _tabulate_rotary(model, self.max_context)
         self.prefill_chunk = self.max_context if prefill_chunk is None else int(prefill_chunk)
         self.num_layers = config.num_hidden_layers
         self.ring_size = self.max_context
