@@ -1,11 +1,11 @@
 """The CUDA backend: a program's ops on an NVIDIA GPU through CuPy (cuBLAS for the matrix products).
 
 Constants are uploaded once per program, on first use, and shared by every CUDA session of that program
-(constants.py). Inputs
-may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()` copies them back). Every op
-runs on the GPU (kiln.runtime.backends.cuda.kernels: the GPU's own kernels, and the portable kernels bound to
-CuPy); an op whose CUDA kernel declines its arguments (OnHost: a dtype with no atomic form, say) runs its CPU
-kernel on a host copy of its inputs and uploads the result, so any program runs, correctly.
+(constants.py). Inputs may be NumPy or CuPy arrays; outputs are CuPy arrays (`backend.to_numpy` or `.get()`
+copies them back). Every op runs on the GPU (kiln.runtime.backends.cuda.kernels: the GPU's own kernels, and the
+portable kernels bound to CuPy); an op whose CUDA kernel declines its arguments (OnHost: a dtype with no atomic
+form, say) runs its CPU kernel on a host copy of its inputs and uploads the result, so any program runs,
+correctly.
 `backend.host_ops` lists the ops of this session that ran on the host, and a warning names them once per
 session: a GPU program that copies to the host is slow, and cannot be captured as a graph.
 
