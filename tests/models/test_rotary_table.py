@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from kiln.export import Quantize  # noqa: E402
 from kiln.models.llm import StaticCacheLM, _RotaryTable, export_llama  # noqa: E402
 from kiln.models.zoo import tiny_decoder  # noqa: E402
 
@@ -44,11 +45,17 @@ def test_the_table_gives_the_modules_values_bit_for_bit(dtype, scaling) -> None:
         assert torch.equal(got, want)
 
 
-def test_a_decode_step_gathers_instead_of_computing() -> None:
-    program = export_llama(StaticCacheLM(tiny_decoder("llama"), MAX_CONTEXT, 8), MAX_CONTEXT, 8).load()
-    ops = [node.op for node in program.method("decode").nodes]
+@pytest.mark.parametrize("quantize", [None, Quantize("int8")], ids=["float", "int8"])
+def test_a_decode_step_gathers_instead_of_computing(quantize) -> None:
+    """Two index nodes read the tables, which weight quantization leaves as they are (it takes embeddings)."""
+    lm = StaticCacheLM(tiny_decoder("llama"), MAX_CONTEXT, 8)
+    options = {} if quantize is None else {"quantize": quantize}
+    method = export_llama(lm, MAX_CONTEXT, 8, **options).load().method("decode")
+    ops = [node.op for node in method.nodes]
     assert "cos" not in ops and "sin" not in ops
-    assert ops.count("embedding") == 3  # the token, cos and sin
+    tables = [method.values[node.inputs[0]] for node in method.nodes if node.op == "index"]
+    assert [(t.shape, t.dtype.name) for t in tables] == [((MAX_CONTEXT, 8), "float32")] * 2
+    assert ops.count("quantized_embedding" if quantize else "embedding") == 1  # the tokens'
 
 
 def test_what_the_table_cannot_stand_for_is_left_alone() -> None:

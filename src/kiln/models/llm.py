@@ -74,8 +74,9 @@ class _RotaryTable(torch.nn.Module):
         return list(inspect.signature(module.forward).parameters) == ["x", "position_ids"]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lookup = torch.nn.functional.embedding
-        return lookup(position_ids, self.cos).to(x.dtype), lookup(position_ids, self.sin).to(x.dtype)
+        # Indexing, not an embedding lookup: weight quantization (quantize=) rewrites embeddings, and these values
+        # must stay as the module computed them.
+        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
 
 
 def _tabulate_rotary(model: torch.nn.Module, max_context: int) -> int:
