@@ -67,11 +67,10 @@ class _RotaryTable(torch.nn.Module):
         """A transformers rotary embedding called as (x, position_ids) whose frequencies do not depend on the
         positions seen (the dynamic and long-rope types rescale them with the sequence length)."""
         rope_type = getattr(module, "rope_type", None)
-        if not (type(module).__name__.endswith("RotaryEmbedding") and isinstance(rope_type, str)
-                and rope_type not in ("dynamic", "longrope") and isinstance(getattr(module, "inv_freq", None),
-                                                                             torch.Tensor)):
-            return False
-        return list(inspect.signature(module.forward).parameters) == ["x", "position_ids"]
+        return (type(module).__name__.endswith("RotaryEmbedding") and isinstance(rope_type, str)
+                and rope_type not in ("dynamic", "longrope")
+                and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+                and list(inspect.signature(module.forward).parameters) == ["x", "position_ids"])
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Indexing, not an embedding lookup: weight quantization (quantize=) rewrites embeddings, and these values
@@ -79,15 +78,12 @@ class _RotaryTable(torch.nn.Module):
         return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
 
 
-def _tabulate_rotary(model: torch.nn.Module, max_context: int) -> int:
-    """Replaces the model's rotary embeddings that _RotaryTable takes by tables; returns how many."""
-    replaced = 0
+def _tabulate_rotary(model: torch.nn.Module, max_context: int) -> None:
+    """Replaces the model's rotary embeddings that _RotaryTable takes by tables."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _RotaryTable.takes(child):
                 setattr(parent, name, _RotaryTable(child, max_context, model.dtype))
-                replaced += 1
-    return replaced
 
 
 class StaticCacheLM(torch.nn.Module):
