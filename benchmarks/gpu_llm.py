@@ -14,6 +14,7 @@ same run. Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it compiles for minutes)")
     parser.add_argument("--skip-passes", default="", help="export passes to leave out, comma-separated (A/B runs)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write each case's medians (seconds) and roofline to PATH (gpu_ab.py reads it)")
     parser.add_argument("--op-times", type=int, default=0, metavar="N",
                         help="also print the N ops that take the most GPU time in the last prefill and a decode step")
     args = parser.parse_args(argv)
@@ -147,12 +150,20 @@ def main(argv: list[str] | None = None) -> int:
           f"decode over {args.steps} steps per sample" + (f"; passes skipped: {sorted(skip)}" if skip else ""))
     print_table(body, header, args.markdown)
     print(agreement)
+    if args.json:
+        write_results(args.json, rows)
     if args.op_times:
         print(gpu_op_times(program, cp, "prefill", prefill_inputs, args.op_times))
         print(gpu_op_times(program, cp, "decode", kiln_inputs, args.op_times))
     graphed = {m: len(g) for m, g in session._graphed.items()}
     print(f"kiln: graphs captured per method {graphed}; ops on the host: {sorted(session.backend.host_ops) or 'none'}")
     return 0
+
+
+def write_results(path: Path, rows: list[tuple]) -> None:
+    """{case: {"medians": {contestant: seconds}, "roofline": seconds or null}} as JSON."""
+    path.write_text(json.dumps({name: {"medians": medians, "roofline": roofline}
+                                for name, medians, roofline, _ in rows}, indent=1))
 
 
 if __name__ == "__main__":
