@@ -93,8 +93,8 @@ def parse_variants(specs: list[str]) -> dict[str, Path]:
 
 
 def ab_table(runs: dict[str, list[dict]]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: per case, each variant's runs and median (ms) and, from the second variant on, its median
-    over the reference's; with a roofline, the reference's share of it."""
+    """Header and rows: per case, each variant's runs and median (ms), from the second variant on its median over
+    the reference's, and each median's share of the roofline (as the reference's first run measured it)."""
     names = list(runs)
     reference = names[0]
     cases = list(runs[reference][0])
