@@ -8,7 +8,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from kiln.runtime.backends.array_api.core import in_float32, portable, upcast
+
+
+def rms_norm_eps(eps: float | None, dtype: Any) -> float:
+    """RMSNorm's eps: the op's, or the machine epsilon of the input's dtype where the op leaves it unset (as
+    torch.nn.functional.rms_norm does); every backend's RMSNorm kernels take it from here."""
+    return float(np.finfo(dtype).eps) if eps is None else eps
 
 
 @portable("layer_norm")

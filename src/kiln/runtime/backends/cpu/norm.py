@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 
@@ -13,8 +14,7 @@ def rms_norm(x: np.ndarray, weight, axes: int, eps: float | None) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) in float32 for half inputs (the GPU's fused kernel multiplies by the reciprocal
     instead, so the two are separate)."""
     dtype = x.dtype
-    if eps is None:
-        eps = float(np.finfo(dtype).eps)
+    eps = rms_norm_eps(eps, dtype)
     (xf, weight) = upcast(x, weight)
     dims = tuple(range(x.ndim - axes, x.ndim))
     out = xf / np.sqrt(np.mean(xf * xf, axis=dims, keepdims=True) + xf.dtype.type(eps))

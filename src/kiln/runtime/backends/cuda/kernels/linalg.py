@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import upcast
+from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.array_api.quant import dequantize
 from kiln.runtime.backends.cuda import constants, cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
@@ -170,8 +171,7 @@ def add_rms_norm_linear(x: Any, residual: Any, norm_weight: Any, weight: Any, bi
             and weight.shape[0] % (2 if activation else 1) == 0
             and _gemv_applies(x2 := x.reshape(-1, x.shape[-1]), weight, bias)):
         total = cp.empty_like(x)
-        eps = float(np.finfo(x.dtype).eps) if eps is None else eps
-        out = _gemv(x2, weight, bias, activation, (residual, norm_weight, eps, total))
+        out = _gemv(x2, weight, bias, activation, (residual, norm_weight, rms_norm_eps(eps, x.dtype), total))
         return total, out.reshape(*x.shape[:-1], out.shape[-1])
     return composite.add_rms_norm_linear(CUDA_KERNELS.kernels, x, residual, norm_weight, weight, bias, axes, eps,
                                          activation)

@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln.runtime.backends.array_api import norm as portable
 from kiln.runtime.backends.array_api import upcast
+from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.registry import ROW_WARP_MAX, ROWS_PER_BLOCK, contiguous, kernel
 
@@ -31,8 +32,7 @@ def _rms_norm_fused(x: Any, residual: Any, weight: Any, axes: int, eps: float | 
     if not fused_rms_norm_applies(x, residual, weight, axes):
         return None
     d = x.shape[-1]
-    if eps is None:
-        eps = float(np.finfo(x.dtype).eps)
+    eps = rms_norm_eps(eps, x.dtype)
     out = cp.empty_like(x)
     total = x if residual is None else cp.empty_like(x)
     block = min(1024, 32 * ((d + 31) // 32))
@@ -48,8 +48,7 @@ def rms_norm(x: Any, weight: Any, axes: int, eps: float | None) -> Any:
     if fused is not None:
         return fused[1]
     dtype = x.dtype
-    if eps is None:
-        eps = float(np.finfo(dtype).eps)
+    eps = rms_norm_eps(eps, dtype)
     xf, weight = upcast(x, weight)
     dims = tuple(range(x.ndim - axes, x.ndim))
     out = xf * (1 / cp.sqrt(cp.mean(xf * xf, axis=dims, keepdims=True) + xf.dtype.type(eps)))
