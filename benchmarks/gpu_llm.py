@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=15, help="samples per contestant and case (default 15)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it compiles for minutes)")
     parser.add_argument("--skip-passes", default="", help="export passes to leave out, comma-separated (A/B runs)")
+    parser.add_argument("--program", type=Path, metavar="PATH",
+                        help="the exported .kiln file: loaded from PATH when it is there, else exported and saved "
+                             "there (A/B runs of runtime changes share one export; same shape, dtype, context and "
+                             "prefill lengths, or the file does not fit the run)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="also write each case's medians (seconds) and roofline to PATH (gpu_ab.py reads it)")
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import kiln
     from kiln.models.llm import StaticCacheLM, export_llama
 
     dtype = getattr(torch, args.dtype)
@@ -65,9 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     lm = StaticCacheLM(model.cpu(), args.max_context, max(prefills)).eval()
     stderr_log(f"model built in {time.perf_counter() - t0:.1f} s; exporting")
     t0 = time.perf_counter()
-    skip = {p for p in args.skip_passes.split(",") if p}
-    program = export_llama(lm, args.max_context, max(prefills), skip_passes=skip).load()
-    stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
+    if args.program is not None and args.program.exists():
+        program = kiln.load(args.program)
+        stderr_log(f"loaded {args.program} in {time.perf_counter() - t0:.1f} s")
+    else:
+        skip = {p for p in args.skip_passes.split(",") if p}
+        exported = export_llama(lm, args.max_context, max(prefills), skip_passes=skip)
+        program = kiln.load(exported.save(args.program)) if args.program is not None else exported.load()
+        stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
     lm = lm.cuda()
     session = program.session("cuda")
     itemsize = torch.tensor([], dtype=dtype).element_size()
