@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     lm = StaticCacheLM(model.cpu(), args.max_context, max(prefills)).eval()
     stderr_log(f"model built in {time.perf_counter() - t0:.1f} s; exporting")
     t0 = time.perf_counter()
+    skip = {p for p in args.skip_passes.split(",") if p}
     if args.program is not None and args.program.exists():
         program = kiln.load(args.program)
         stderr_log(f"loaded {args.program} in {time.perf_counter() - t0:.1f} s")
     else:
-        skip = {p for p in args.skip_passes.split(",") if p}
         exported = export_llama(lm, args.max_context, max(prefills), skip_passes=skip)
         program = kiln.load(exported.save(args.program)) if args.program is not None else exported.load()
         stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
