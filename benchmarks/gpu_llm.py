@@ -56,28 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
     import numpy as np
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import kiln
-    from kiln.models.llm import StaticCacheLM, export_llama
 
     dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_SIZES[args.shape], attn_implementation="sdpa")
-    t0 = time.perf_counter()
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    lm = StaticCacheLM(model.cpu(), args.max_context, max(prefills)).eval()
-    stderr_log(f"model built in {time.perf_counter() - t0:.1f} s; exporting")
-    t0 = time.perf_counter()
     skip = {p for p in args.skip_passes.split(",") if p}
-    if args.program is not None and args.program.exists():
-        program = kiln.load(args.program)
-        stderr_log(f"loaded {args.program} in {time.perf_counter() - t0:.1f} s")
-    else:
-        exported = export_llama(lm, args.max_context, max(prefills), skip_passes=skip)
-        program = kiln.load(exported.save(args.program)) if args.program is not None else exported.load()
-        stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
+    model, lm, program = llama_program(args.shape, dtype, args.max_context, max(prefills), args.program, skip)
+    config = model.config
     lm = lm.cuda()
     session = program.session("cuda")
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -168,6 +151,34 @@ def main(argv: list[str] | None = None) -> int:
     graphed = {m: len(g) for m, g in session._graphed.items()}
     print(f"kiln: graphs captured per method {graphed}; ops on the host: {sorted(session.backend.host_ops) or 'none'}")
     return 0
+
+
+def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path: Path | None = None,
+                  skip_passes: set[str] | frozenset[str] = frozenset()) -> tuple:
+    """(model, lm, program): a random-weight Llama of `shape` (seed 0) on the CPU, its StaticCacheLM and the loaded
+    export of that, read from `path` when it is there (else exported and, with a path, saved there)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kiln
+    from kiln.models.llm import StaticCacheLM, export_llama
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA_SIZES[shape], attn_implementation="sdpa")
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    lm = StaticCacheLM(model.cpu(), max_context, prefill_chunk).eval()
+    stderr_log(f"model built in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    if path is not None and path.exists():
+        program = kiln.load(path)
+        stderr_log(f"loaded {path} in {time.perf_counter() - t0:.1f} s")
+    else:
+        exported = export_llama(lm, max_context, prefill_chunk, skip_passes=skip_passes)
+        program = kiln.load(exported.save(path)) if path is not None else exported.load()
+        stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
+    return model, lm, program
 
 
 def write_results(path: Path, rows: list[tuple]) -> None:

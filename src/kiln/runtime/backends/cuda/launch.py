@@ -29,6 +29,8 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from kiln.runtime.backends.cuda import timeline
+
 EARLY_LAUNCH = os.environ.get("KILN_CUDA_EARLY_LAUNCH", "1") != "0"
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -85,12 +87,14 @@ class Kernel:
     """A compiled kernel of kiln's sources, called as CuPy's are: kernel(grid, block, args, shared_mem=0); launched
     early where the device takes it. `raw` is CuPy's kernel (its attributes: num_regs, the shared memory limit)."""
 
-    def __init__(self, raw: Any):
-        self.raw = raw
+    def __init__(self, raw: Any, name: str = ""):
+        self.raw, self.name = raw, name
         self._function: int | None = None
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
                  shared_mem: int = 0) -> None:
+        if timeline.ENABLED:
+            timeline.launched(self.name, _dims(grid), _dims(block))
         if not early_launch_supported(cp.cuda.Device().id):
             self.raw(grid, block, args, shared_mem=shared_mem)
             return

@@ -23,6 +23,7 @@ import cupy as cp
 import numpy as np
 
 from kiln.runtime.backends.array_api import BFLOAT16
+from kiln.runtime.backends.cuda import timeline
 from kiln.runtime.backends.cuda.launch import Kernel
 
 OPTIONS = ("--std=c++17",)
@@ -48,7 +49,11 @@ def module(name: str) -> Any:
             raise ValueError(f"{name}.cu: kernel {kernel} takes an int parameter but no '// {kernel}<N>:' line")
         for s in types.get(kernel, STORAGE.values()):
             expressions += [f"{kernel}<{s}, {n}>" for n in values[kernel]] if sized else [f"{kernel}<{s}>"]
-    return cp.RawModule(code=source, options=OPTIONS, name_expressions=expressions)
+    if not timeline.ENABLED:
+        return cp.RawModule(code=source, options=OPTIONS, name_expressions=expressions)
+    compiled = cp.RawModule(code=source, options=OPTIONS + (timeline.DEFINE,), name_expressions=expressions)
+    timeline.attach(compiled)
+    return compiled
 
 
 @functools.cache
@@ -56,8 +61,8 @@ def function(source: str, kernel: str, dtype: np.dtype, size: int | None = None)
     """kernels/<source>.cu's `kernel` for arrays of `dtype` (and its int parameter `size`, if it takes one), looked
     up once (a lookup costs as much as a launch), launched early where the GPU takes it (launch.py)."""
     storage = STORAGE[np.dtype(dtype)]
-    return Kernel(module(source).get_function(f"{kernel}<{storage}>" if size is None
-                                              else f"{kernel}<{storage}, {size}>"))
+    name = f"{kernel}<{storage}>" if size is None else f"{kernel}<{storage}, {size}>"
+    return Kernel(module(source).get_function(name), name)
 
 
 def supports(*arrays: Any) -> bool:

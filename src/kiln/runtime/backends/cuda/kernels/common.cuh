@@ -13,10 +13,40 @@
 // kernel may touch, or returns: it waits until the kernel before has completed and its writes are visible, then
 // lets the kernel after this one launch (whose blocks take the SMs this one frees, and wait here in turn). Before
 // it a kernel may only read what no kernel writes (a program constant: the GEMV's weight rows).
+#ifdef KILN_TIMELINE
+// timeline.py's buffer, [count, capacity, records of 4 u64], set by nvrtc.py when it loads the module.
+extern "C" {
+__device__ unsigned long long* kiln_timeline;
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+
 __device__ __forceinline__ void grid_dependency_sync() {
+#ifdef KILN_TIMELINE
+    const bool recorder = (threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) == 0;
+    const unsigned long long started = recorder ? global_ns() : 0ull;
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#ifdef KILN_TIMELINE
+    if (recorder && kiln_timeline) {  // after the launch of the next kernel: the round trip below does not delay it
+        const unsigned long long released = global_ns();
+        const unsigned long long slot = atomicAdd(kiln_timeline, 1ull);
+        if (slot < kiln_timeline[1]) {
+            unsigned long long* r = kiln_timeline + 2 + 4 * slot;
+            r[0] = started;
+            r[1] = released;
+            r[2] = gridDim.x | (unsigned long long)gridDim.y << 21 | (unsigned long long)gridDim.z << 42;
+            r[3] = blockDim.x | (unsigned long long)blockDim.y << 21 | (unsigned long long)blockDim.z << 42;
+        }
+    }
 #endif
 }
 
