@@ -36,6 +36,7 @@ CAPACITY = 1 << 14
 _FIELDS = 4  # u64s per record: started, released, grid (x | y << 21 | z << 42), block (x | y << 21 | z << 42)
 
 _launches: list[tuple[str, tuple[int, int, int], tuple[int, int, int]]] = []
+_open: set[int] = set()  # ids of the windows not yet closed
 _buffer: Any = None
 
 
@@ -59,8 +60,9 @@ def attach(module: Any) -> None:
 
 
 def launched(name: str, grid: tuple[int, int, int], block: tuple[int, int, int]) -> None:
-    """launch.Kernel tells of each launch (captured ones too), in order."""
-    _launches.append((name, grid, block))
+    """launch.Kernel tells of each launch (captured ones too), in order; kept while a window is open."""
+    if _open:
+        _launches.append((name, grid, block))
 
 
 def reset() -> None:
@@ -86,13 +88,17 @@ class Window:
         if not ENABLED:
             raise RuntimeError("the kernel timeline needs KILN_CUDA_TIMELINE=1 before kiln's kernels are compiled")
         self.first, self.last = len(_launches), None
+        _open.add(id(self))
 
     def close(self) -> Window:
         self.last = len(_launches)
+        _open.discard(id(self))
         return self
 
     def spans(self) -> list[Span]:
         """The window's kernels as the last run since reset() ran them; the GPU must be synchronized."""
+        if self.last is None:
+            raise RuntimeError("close() the window before reading its spans")
         launches = _launches[self.first:self.last]
         data = cp.asnumpy(buffer())
         count = int(data[0])
