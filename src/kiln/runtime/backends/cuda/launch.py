@@ -93,8 +93,9 @@ class Kernel:
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
                  shared_mem: int = 0) -> None:
+        grid3, block3 = _dims(grid), _dims(block)
         if timeline.ENABLED:
-            timeline.launched(self.name, _dims(grid), _dims(block))
+            timeline.launched(self.name, grid3, block3)
         if not early_launch_supported(cp.cuda.Device().id):
             self.raw(grid, block, args, shared_mem=shared_mem)
             return
@@ -103,7 +104,7 @@ class Kernel:
         params = [_param(a) for a in args]
         pointers = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
         attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _Config((ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block)), shared_mem,
+        config = _Config((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), shared_mem,
                          cp.cuda.get_current_stream().ptr, ctypes.pointer(attribute), 1)
         status = _driver().cuLaunchKernelEx(ctypes.byref(config), self._function, pointers, None)
         if status:

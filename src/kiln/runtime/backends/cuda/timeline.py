@@ -100,7 +100,7 @@ class Window:
         if self.last is None:
             raise RuntimeError("close() the window before reading its spans")
         launches = _launches[self.first:self.last]
-        data = cp.asnumpy(buffer())
+        data = cp.asnumpy(buffer()[:2 + _FIELDS * len(launches)])  # the count and the window's records
         count = int(data[0])
         if count != len(launches):
             raise RuntimeError(f"{count} kernels recorded, {len(launches)} launched in the window: time one run of "
