@@ -219,7 +219,7 @@ def _attention64(q, k, v, mask, scale):
 @pytest.mark.parametrize("heads,kv_heads,e", [(4, 4, 64), (6, 2, 128), (8, 2, 80), (7, 1, 32), (16, 2, 256)],
                          ids=["mha", "g3", "g4-e80", "g7", "g8-e256"])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
-@pytest.mark.parametrize("seq,visible", [(150, 37), (64, 64), (300, 1)])
+@pytest.mark.parametrize("seq,visible", [(150, 37), (64, 64), (300, 1), (2200, 2113)])
 def test_decode_attention_matches_float64(dtype, heads, kv_heads, e, mask_kind, seq, visible) -> None:
     import cupy as cp
 

@@ -199,44 +199,82 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 
 // Combines the chunks: out [B, Hq, 1, E] = sum_i w_i o_i / sum_i w_i l_i with w_i = exp(m_i - M), a block per
 // (batch, q head): the weights once into shared memory, then each warp sums a quarter of the chunks for every
-// output element (independent loads, several in flight per lane), and the warps' sums are added in a fixed order.
-// A query that sees no key gives NaN, as softmax over only -inf does.
+// output element, and the warps' sums are added in a fixed order. A query that sees no key gives NaN, as softmax
+// over only -inf does.
+// The kernel is a chain of dependent steps, and what costs is its round trips to memory. With few chunks (a warp's
+// share at most COMBINE_HELD) every load of the block is issued at once, before any is used: each thread's chunk
+// max and exp-sum and each warp's output pieces, held in registers while the block reduces the maxima. One round
+// trip, not two (the old order read the pieces only once the weights were known). More chunks take the loop.
+// N: 32-lane columns of the head dim (E <= 32 N).
 #define COMBINE_THREADS 128       // attention.py's COMBINE_THREADS
 #define COMBINE_MAX_SPLITS 1024   // attention.py's COMBINE_MAX_SPLITS
-template <class S>
+#define COMBINE_HELD 8            // chunks a warp holds in registers (attention.py's COMBINE_HELD)
+// attend_combine<N>: 1 2 4 8
+template <class S, int N>
 __global__ void __launch_bounds__(COMBINE_THREADS) attend_combine(const float* __restrict__ part,
                                                                   typename S::T* __restrict__ out, int e, int splits) {
     grid_dependency_sync();
-    constexpr int WARPS = COMBINE_THREADS / 32, PER_LANE = 256 / 32;
+    constexpr int WARPS = COMBINE_THREADS / 32;
     __shared__ float weight[COMBINE_MAX_SPLITS];
-    __shared__ float sums[WARPS][256];
+    __shared__ float sums[WARPS][32 * N];
     const long long row = blockIdx.x;
     const float* p = part + row * splits * (e + 2);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float top = -KILN_INF;
-    for (int i = threadIdx.x; i < splits; i += COMBINE_THREADS) top = fmaxf(top, p[i * (e + 2) + e]);
+    const bool held = splits <= WARPS * COMBINE_HELD;
+    float own_m = -KILN_INF, own_l = 0.0f;  // chunk threadIdx.x's, when held
+    float pieces[COMBINE_HELD][N];
+    if (held) {
+        if (threadIdx.x < splits) {
+            own_m = p[threadIdx.x * (e + 2) + e];
+            own_l = p[threadIdx.x * (e + 2) + e + 1];
+        }
+#pragma unroll
+        for (int k = 0; k < COMBINE_HELD; ++k) {
+            const int i = warp + k * WARPS;
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                const int c = lane + 32 * j;
+                pieces[k][j] = i < splits && c < e ? p[i * (e + 2) + c] : 0.0f;
+            }
+        }
+    }
+    float top = own_m;
+    if (!held) {
+        for (int i = threadIdx.x; i < splits; i += COMBINE_THREADS) top = fmaxf(top, p[i * (e + 2) + e]);
+    }
     top = block_max(top);
     float den = 0.0f;
     for (int i = threadIdx.x; i < splits; i += COMBINE_THREADS) {
-        const float m = p[i * (e + 2) + e];
+        const float m = held ? own_m : p[i * (e + 2) + e];
         const float w = m == -KILN_INF ? 0.0f : expf(m - top);
         weight[i] = w;
-        den += w * p[i * (e + 2) + e + 1];
+        den += w * (held ? own_l : p[i * (e + 2) + e + 1]);
     }
     den = block_sum(den);  // (its barriers also publish weight[]); 0 when no key is seen: 0 / 0 = NaN below
-    float acc[PER_LANE];
+    float acc[N];
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.0f;
+    for (int j = 0; j < N; ++j) acc[j] = 0.0f;
+    if (held) {
+#pragma unroll
+        for (int k = 0; k < COMBINE_HELD; ++k) {
+            const int i = warp + k * WARPS;
+            const float w = i < splits ? weight[i] : 0.0f;
+            if (w == 0.0f) continue;
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[j] += w * pieces[k][j];
+        }
+    } else {
 #pragma unroll 4
-    for (int i = warp; i < splits; i += WARPS) {
-        const float w = weight[i];
-        if (w == 0.0f) continue;
+        for (int i = warp; i < splits; i += WARPS) {
+            const float w = weight[i];
+            if (w == 0.0f) continue;
 #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j)
-            if (lane + 32 * j < e) acc[j] += w * p[i * (e + 2) + lane + 32 * j];
+            for (int j = 0; j < N; ++j)
+                if (lane + 32 * j < e) acc[j] += w * p[i * (e + 2) + lane + 32 * j];
+        }
     }
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j)
+    for (int j = 0; j < N; ++j)
         if (lane + 32 * j < e) sums[warp][lane + 32 * j] = acc[j];
     __syncthreads();
     for (int c = threadIdx.x; c < e; c += COMBINE_THREADS) {
