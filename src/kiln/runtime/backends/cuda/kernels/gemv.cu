@@ -38,40 +38,63 @@ __device__ __forceinline__ void issue_loads(U4 (&wv)[GEMV_LOADS], const void* ro
     }
 }
 
-// acc[j][r] += the lane's share of x[r] . (row j of w, rows `step` elements apart: the gate and up rows of a gated
-// product), the first round's loads already in wv. Each round's loads of all NR rows are issued before any is used,
-// and each x piece is read once for the NR rows.
-template <class S, int NR>
-__device__ __forceinline__ void rows_dot(const typename S::T* __restrict__ w, long long step,
-                                         const typename S::T* __restrict__ x, long long x_row, int rows, int pieces,
-                                         int lane, U4 (&wv)[NR][GEMV_LOADS], float (&acc)[NR][GEMV_ROWS]) {
+// acc[j][r] += one round (GEMV_LOADS pieces a lane, from p0) of the lane's share of x[r] . (row j of w), its loads
+// already in wv[j][d]. Each x piece is read once for the NR rows.
+template <class S, int NR, int DEPTH>
+__device__ __forceinline__ void round_dot(const typename S::T* __restrict__ x, long long x_row, int rows, int pieces,
+                                          int lane, int p0, int d, U4 (&wv)[NR][DEPTH][GEMV_LOADS],
+                                          float (&acc)[NR][GEMV_ROWS]) {
     constexpr int V = S::PER16;
-    for (int p0 = 0; p0 < pieces; p0 += 32 * GEMV_LOADS) {  // (a warp-wide bound)
-        if (p0) {
 #pragma unroll
-            for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + j * step, p0, pieces, lane);
-        }
+    for (int u = 0; u < GEMV_LOADS; ++u) {
+        const int p = p0 + u * 32 + lane;
+        if (p >= pieces) break;
+        float wf[NR][V];
 #pragma unroll
-        for (int u = 0; u < GEMV_LOADS; ++u) {
-            const int p = p0 + u * 32 + lane;
-            if (p >= pieces) break;
-            float wf[NR][V];
+        for (int j = 0; j < NR; ++j) S::unpack(wv[j][d][u], wf[j]);
 #pragma unroll
-            for (int j = 0; j < NR; ++j) S::unpack(wv[j][u], wf[j]);
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            if (r >= rows) break;
+            float xf[V];
+            S::unpack(*reinterpret_cast<const U4*>(x + r * x_row + p * V), xf);
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-                if (r >= rows) break;
-                float xf[V];
-                S::unpack(*reinterpret_cast<const U4*>(x + r * x_row + p * V), xf);
+            for (int j = 0; j < NR; ++j) {
+                float a = acc[j][r];
 #pragma unroll
-                for (int j = 0; j < NR; ++j) {
-                    float a = acc[j][r];
-#pragma unroll
-                    for (int i = 0; i < V; ++i) a += wf[j][i] * xf[i];
-                    acc[j][r] = a;
-                }
+                for (int i = 0; i < V; ++i) a += wf[j][i] * xf[i];
+                acc[j][r] = a;
             }
         }
+    }
+}
+
+// acc[j][r] += the lane's share of x[r] . (row j of w, rows `step` elements apart: the gate and up rows of a gated
+// product), the first DEPTH rounds' loads already in wv; each later round's loads of all NR rows are issued before
+// any is used.
+template <class S, int NR, int DEPTH>
+__device__ __forceinline__ void rows_dot(const typename S::T* __restrict__ w, long long step,
+                                         const typename S::T* __restrict__ x, long long x_row, int rows, int pieces,
+                                         int lane, U4 (&wv)[NR][DEPTH][GEMV_LOADS], float (&acc)[NR][GEMV_ROWS]) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        if (d * 32 * GEMV_LOADS < pieces) round_dot<S, NR, DEPTH>(x, x_row, rows, pieces, lane, d * 32 * GEMV_LOADS, d, wv, acc);
+    }
+    for (int p0 = DEPTH * 32 * GEMV_LOADS; p0 < pieces; p0 += 32 * GEMV_LOADS) {  // (a warp-wide bound)
+#pragma unroll
+        for (int j = 0; j < NR; ++j) issue_loads(wv[j][0], w + j * step, p0, pieces, lane);
+        round_dot<S, NR, DEPTH>(x, x_row, rows, pieces, lane, p0, 0, wv, acc);
+    }
+}
+
+// The first DEPTH rounds of the lane's loads of rows o (and o + step) into wv.
+template <int NR, int DEPTH>
+__device__ __forceinline__ void issue_first(U4 (&wv)[NR][DEPTH][GEMV_LOADS], const void* row, long long step_bytes,
+                                            int pieces, int lane) {
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d)
+            issue_loads(wv[j][d], static_cast<const char*>(row) + j * step_bytes, d * 32 * GEMV_LOADS, pieces, lane);
     }
 }
 
@@ -156,6 +179,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
     constexpr bool NORM = (MODE & 4) != 0;
     constexpr int NR = ACT ? 2 : 1;  // weight rows a warp reads per output: gate and up, or one
     constexpr int split = 1 << (MODE >> 3);
+    // Rounds of loads a lane issues before the kernel before it has finished: two for a shared row (linalg.py
+    // sizes a warp's share at GEMV_SHARE_ROUNDS = 2 rounds, so the whole share is in flight at once), one otherwise.
+    constexpr int DEPTH = split > 1 ? 2 : 1;
     __shared__ float partial[GEMV_WARPS][NR][GEMV_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per_block = GEMV_WARPS / split, slice = warp % split;  // outputs a block takes at once; K share
@@ -164,17 +190,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
     const long long stride = (long long)gridDim.x * per_block, step = (long long)n * k;
     const long long skip = (long long)first * S::PER16;  // this warp's first column
     long long o = (long long)blockIdx.x * per_block + warp / split;
-    U4 wv[NR][GEMV_LOADS];
-    if (w_constant && o < n) {  // a program constant's rows: loaded while the kernel before this one finishes
-#pragma unroll
-        for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + o * k + skip + j * step, 0, pieces, lane);
-    }
+    U4 wv[NR][DEPTH][GEMV_LOADS];
+    const long long step_bytes = step * (long long)sizeof(T);
+    if (w_constant && o < n)  // a program constant's rows: loaded while the kernel before this one finishes
+        issue_first<NR, DEPTH>(wv, w + o * k + skip, step_bytes, pieces, lane);
     grid_dependency_sync();
     if (!NORM && split == 1 && o >= n) return;  // (no barrier follows: a whole warp leaves, its shuffles with it)
-    if (!w_constant && o < n) {
-#pragma unroll
-        for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + o * k + skip + j * step, 0, pieces, lane);
-    }
+    if (!w_constant && o < n) issue_first<NR, DEPTH>(wv, w + o * k + skip, step_bytes, pieces, lane);
     const T* xin = x;
     long long xin_row = x_row;
     if (NORM) {
@@ -193,11 +215,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) acc[j][r] = 0.0f;
         }
-        if (o < n) rows_dot<S, NR>(w + o * k + skip, step, xin + skip, xin_row, rows, pieces, lane, wv, acc);
-        if (NORM && o + stride < n) {
-#pragma unroll
-            for (int j = 0; j < NR; ++j) issue_loads(wv[j], w + (o + stride) * k + skip + j * step, 0, pieces, lane);
-        }
+        if (o < n) rows_dot<S, NR, DEPTH>(w + o * k + skip, step, xin + skip, xin_row, rows, pieces, lane, wv, acc);
+        if (NORM && o + stride < n) issue_first<NR, DEPTH>(wv, w + (o + stride) * k + skip, step_bytes, pieces, lane);
 #pragma unroll
         for (int j = 0; j < NR; ++j) {
 #pragma unroll
