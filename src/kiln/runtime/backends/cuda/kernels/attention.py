@@ -215,7 +215,7 @@ def _flash_function(dtype: np.dtype, e: int) -> Any:
 
 
 DECODE_CHUNK, DECODE_THREADS, DECODE_GROUPS = 64, 128, (1, 2, 4, 8)  # as decode.cu defines and instantiates them
-COMBINE_THREADS, COMBINE_MAX_SPLITS = 128, 1024  # decode.cu's (and COMBINE_HELD 8: chunks a warp holds)
+COMBINE_THREADS, COMBINE_MAX_SPLITS, COMBINE_COLUMNS = 128, 1024, (1, 2, 4, 8)  # decode.cu's attend_combine
 
 
 def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> bool:
@@ -252,7 +252,7 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) ->
         (q, k, v, mask_b, part, np.int32(groups), np.int32(seq), np.int32(e), np.float32(scale),
          ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
-    columns = next(n for n in (1, 2, 4, 8) if 32 * n >= e)  # decode.cu's attend_combine<N>
+    columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),
                                                                   (part, out, np.int32(e), np.int32(splits)))
     return out

@@ -205,10 +205,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 // share at most COMBINE_HELD) every load of the block is issued at once, before any is used: each thread's chunk
 // max and exp-sum and each warp's output pieces, held in registers while the block reduces the maxima. One round
 // trip, not two (the old order read the pieces only once the weights were known). More chunks take the loop.
-// N: 32-lane columns of the head dim (E <= 32 N).
+// N: 32-lane columns of the head dim (E <= 32 N), attention.py's COMBINE_COLUMNS.
 #define COMBINE_THREADS 128       // attention.py's COMBINE_THREADS
 #define COMBINE_MAX_SPLITS 1024   // attention.py's COMBINE_MAX_SPLITS
-#define COMBINE_HELD 8            // chunks a warp holds in registers (attention.py's COMBINE_HELD)
+#define COMBINE_HELD 8            // chunks a warp holds in registers
 // attend_combine<N>: 1 2 4 8
 template <class S, int N>
 __global__ void __launch_bounds__(COMBINE_THREADS) attend_combine(const float* __restrict__ part,

@@ -77,7 +77,8 @@ __device__ __forceinline__ void rows_dot(const typename S::T* __restrict__ w, lo
                                          int lane, U4 (&wv)[NR][DEPTH][GEMV_LOADS], float (&acc)[NR][GEMV_ROWS]) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
-        if (d * 32 * GEMV_LOADS < pieces) round_dot<S, NR, DEPTH>(x, x_row, rows, pieces, lane, d * 32 * GEMV_LOADS, d, wv, acc);
+        const int p0 = d * 32 * GEMV_LOADS;
+        if (p0 < pieces) round_dot<S, NR, DEPTH>(x, x_row, rows, pieces, lane, p0, d, wv, acc);
     }
     for (int p0 = DEPTH * 32 * GEMV_LOADS; p0 < pieces; p0 += 32 * GEMV_LOADS) {  // (a warp-wide bound)
 #pragma unroll
