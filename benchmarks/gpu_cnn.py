@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
             notes.append(f"{name} batch {batch}: kiln vs eager max |diff| {np.abs(got - want).max():.3g} (logit "
                          f"scale {np.abs(want).max():.3g}), top-1 agreement {top1:.0%}; "
-                         f"graphs {sum(len(g) for g in session._graphed.values())}, "
+                         f"graphs {sum(session.captured_graphs.values())}, "
                          f"host ops {sorted(session.backend.host_ops) or 'none'}")
             if args.op_times and batch == max(batches):
                 op_tables.append(f"{name} batch {batch}: " + gpu_op_times(program, cp, "forward", (kiln_x,),

@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.op_times:
         print(gpu_op_times(program, cp, "prefill", prefill_inputs, args.op_times))
         print(gpu_op_times(program, cp, "decode", kiln_inputs, args.op_times))
-    graphed = {m: len(g) for m, g in session._graphed.items()}
-    print(f"kiln: graphs captured per method {graphed}; ops on the host: {sorted(session.backend.host_ops) or 'none'}")
+    host_ops = sorted(session.backend.host_ops) or "none"
+    print(f"kiln: graphs captured per method {session.captured_graphs}; ops on the host: {host_ops}")
     return 0
 
 

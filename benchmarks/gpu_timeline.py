@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     window = timeline.Window()
     session.run("decode", *inputs)  # captured, then replayed once
     window.close()
-    if not session._graphed.get("decode"):
+    if not session.captured_graphs.get("decode"):
         raise SystemExit("the decode step was not captured as a graph; nothing to time")
 
     stderr_log(f"replaying {args.replays} steps")

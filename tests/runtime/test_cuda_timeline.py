@@ -28,7 +28,7 @@ session.run("decode", *inputs)
 window = timeline.Window()
 session.run("decode", *inputs)
 window.close()
-assert session._graphed.get("decode"), "not captured"
+assert session.captured_graphs.get("decode"), "not captured"
 for _ in range(3):
     timeline.reset()
     session.run("decode", *inputs)

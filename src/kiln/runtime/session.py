@@ -78,6 +78,12 @@ class Session:
         else:
             self.state = initial
 
+    @property
+    def captured_graphs(self) -> dict[str, int]:
+        """Graphs this session holds, per method (one per input-shape signature, at most MAX_GRAPHS_PER_METHOD):
+        what a benchmark reports to show its runs replayed rather than went op by op."""
+        return {method: len(graphed) for method, graphed in self._graphed.items()}
+
     def run(self, method: str, *inputs: Any) -> list[Any]:
         """Run `method` on `inputs`; returns its outputs as the backend's arrays (NumPy on the CPU)."""
         m = self.program.method(method)

@@ -49,10 +49,10 @@ def module(name: str) -> Any:
             raise ValueError(f"{name}.cu: kernel {kernel} takes an int parameter but no '// {kernel}<N>:' line")
         for s in types.get(kernel, STORAGE.values()):
             expressions += [f"{kernel}<{s}, {n}>" for n in values[kernel]] if sized else [f"{kernel}<{s}>"]
-    if not timeline.ENABLED:
-        return cp.RawModule(code=source, options=OPTIONS, name_expressions=expressions)
-    compiled = cp.RawModule(code=source, options=OPTIONS + (timeline.DEFINE,), name_expressions=expressions)
-    timeline.attach(compiled)
+    options = OPTIONS + ((timeline.DEFINE,) if timeline.ENABLED else ())
+    compiled = cp.RawModule(code=source, options=options, name_expressions=expressions)
+    if timeline.ENABLED:
+        timeline.attach(compiled)
     return compiled
 
 
