@@ -12,10 +12,12 @@ import kiln
 
 
 def available_backends() -> list[str]:
-    """cpu always; cuda when kiln has a cuda backend and CuPy sees a GPU."""
+    """cpu always; cuda when kiln has a cuda backend and CuPy sees a GPU; mlx when MLX is installed."""
     from kiln.runtime.backends import BACKENDS as REGISTERED
 
     backends = ["cpu"]
+    if "mlx" in REGISTERED and importlib.util.find_spec("mlx") is not None:
+        backends.append("mlx")
     if "cuda" in REGISTERED and importlib.util.find_spec("cupy") is not None:
         try:
             import cupy
@@ -42,8 +44,13 @@ def rng() -> np.random.Generator:
 
 
 def to_numpy(x) -> np.ndarray:
+    """A backend's array (NumPy, CuPy, MLX) as NumPy."""
     if hasattr(x, "get"):
         x = x.get()
+    if type(x).__module__.startswith("mlx"):
+        from kiln.runtime.backends.mlx.arrays import to_numpy as mlx_to_numpy
+
+        return mlx_to_numpy(x)
     return np.asarray(x)
 
 

@@ -90,7 +90,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def compare(got: Any, want: torch.Tensor, tol: float | None, label: str) -> None:
-    got = np.asarray(got.get() if hasattr(got, "get") else got)
+    from tests.conftest import to_numpy as backend_to_numpy
+
+    got = backend_to_numpy(got)
     assert got.shape == tuple(want.shape), f"{label}: shape {got.shape} != {tuple(want.shape)}"
     if want.dtype.is_floating_point:
         t = tol if tol is not None else TOLERANCE[want.dtype]
@@ -136,13 +138,13 @@ def check(case: Case, backend: str) -> None:
             compare(g, w, case.tol, f"{case.name} output {k} on {backend}")
     host_ops = getattr(session.backend, "host_ops", set())
     assert not host_ops, f"{case.name}: {sorted(host_ops)} ran on the host"
-    if session.backend.can_capture:
+    if session.backend.can_capture or session.backend.can_compile:
         check_replayed(program, backend, runs, case)
 
 
 def check_replayed(program: Any, backend: str, runs: list[tuple[Any, ...]], case: Case) -> None:
-    """Each run again on a session that captures graphs: op by op first, then captured and replayed; an op with a
-    kernel on the device must be capturable (no host synchronization inside it)."""
+    """Each run again on a session that captures (or compiles) graphs: op by op first, then captured and replayed;
+    an op with a kernel on the device must be capturable (no host synchronization inside it)."""
     session = program.session(backend, graphs=True)
     for run_args in runs:
         want = reference(case, run_args)
@@ -150,6 +152,6 @@ def check_replayed(program: Any, backend: str, runs: list[tuple[Any, ...]], case
             got = session.run("forward", *[to_numpy(a) for a in run_args])
             for k, (g, w) in enumerate(zip(got, want)):
                 compare(g, w, case.tol, f"{case.name} output {k} on {backend}, {attempt}")
-    if not session.backend.host_ops:
+    if not getattr(session.backend, "host_ops", None):
         failed = [p.env for p in session._plans["forward"].values() if p.replay is False]
         assert not failed, f"{case.name}: capture failed for {failed} though every op has a {backend} kernel"

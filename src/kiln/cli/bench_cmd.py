@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--no-graphs", action="store_true",
                    help="run op by op on a backend that otherwise replays each method as a captured graph (cuda; "
-                        "KILN_CUDA_GRAPHS=0 does the same for every command)")
+                        "KILN_CUDA_GRAPHS=0 does the same for every command) or compiles it (mlx; KILN_MLX_COMPILE=0)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print the N ops with the most time (per-op timing in separate runs)")
     p.set_defaults(handler=run)

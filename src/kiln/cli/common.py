@@ -20,11 +20,22 @@ def error(command: str, message: str) -> None:
     print(f"kiln {command}: error: {message}", file=sys.stderr)
 
 
+BACKEND_HELP = ("where to run: cpu (NumPy, any machine), cuda (an NVIDIA GPU, through CuPy), mlx (Apple's MLX: the GPU "
+                "of a Mac, or the CPU with `pip install \"mlx[cpu]\"` elsewhere) (default: cpu)")
+
+
+def add_backend_argument(p: argparse.ArgumentParser) -> None:
+    """--backend, with the backends kiln has as its choices."""
+    from kiln.runtime.backends import BACKENDS
+
+    p.add_argument("--backend", default="cpu", choices=sorted(BACKENDS), help=BACKEND_HELP)
+
+
 def add_program_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     """The arguments every command that runs a method shares: the file, the method, the backend, .npy inputs."""
     p.add_argument("model", help="the .kiln file")
     p.add_argument("--method", help=f"the method to {verb} (default: forward, or the only method)")
-    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
+    add_backend_argument(p)
     p.add_argument("-i", "--input", action="extend", nargs="+", default=[], metavar="NPY", dest="inputs",
                    help="an input .npy file; repeat (or list several) in the method's input order")
 

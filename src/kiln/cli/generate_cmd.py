@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli.common import CliError, load_program
+from kiln.cli.common import CliError, add_backend_argument, load_program
 from kiln.runtime.llm import Generator, Sampler, Stream
 
 HELP = "generate text from a prompt with a language model exported by `kiln export-llm`"
@@ -34,7 +34,7 @@ examples:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the .kiln file, made by `kiln export-llm`")
-    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
+    add_backend_argument(p)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:

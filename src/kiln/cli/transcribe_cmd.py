@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli.common import CliError, load_program
+from kiln.cli.common import CliError, add_backend_argument, load_program
 from kiln.runtime.audio import AudioFormatError
 
 HELP = "transcribe a WAV file with a speech .kiln program (Whisper or Parakeet TDT)"
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="the .kiln file (from `kiln export-whisper` or `kiln export-parakeet`)")
     p.add_argument("audio", help="a WAV file")
-    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
+    add_backend_argument(p)
     p.add_argument("--language", help="Whisper: spoken language code for multilingual models (default: en)")
     p.add_argument("--task", choices=("transcribe", "translate"),
                    help="Whisper: transcribe, or translate into English (multilingual models; default: transcribe)")

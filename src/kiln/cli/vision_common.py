@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.cli.common import CliError, load_program
+from kiln.cli.common import CliError, add_backend_argument, load_program
 from kiln.cli.run_cmd import pick_method
 from kiln.runtime import Program, vision
 
@@ -38,7 +38,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="class names: imagenet, coco, or a text file with one name per line "
                         "(default: the program's kiln.vision.labels)")
     p.add_argument("--method", help="the method to run (default: forward)")
-    p.add_argument("--backend", default="cpu", help="backend to run on (default: cpu)")
+    add_backend_argument(p)
 
 
 def open_program(args: argparse.Namespace) -> VisionProgram:

@@ -7,7 +7,9 @@ a tight loop over that plan.
 On a backend that captures graphs (cuda), a plan that has run once is captured on its next run and then replayed
 as one graph (kiln.runtime.graphs): the Python loop, and every kernel launch it makes, collapse into one launch.
 State buffers then keep their identity for the session's life (updates and resets are written into them), since a
-graph reads and writes fixed addresses.
+graph reads and writes fixed addresses. On a backend that compiles (mlx), the plan becomes one compiled function
+of the inputs and the state buffers that returns the outputs and the new state: the Python loop runs once, when it
+is traced, and the backend fuses what it can.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
 from kiln.ir.ops import REQUIRED, AttrType
 from kiln.ir.symbolic import UNBOUNDED, ExprError, format_shape, parse, resolve, resolve_shape
 from kiln.runtime import backends
-from kiln.runtime.graphs import MAX_GRAPHS_PER_METHOD, WARMUP_RUNS, CaptureError, Replay
+from kiln.runtime.graphs import MAX_GRAPHS_PER_METHOD, WARMUP_RUNS, CaptureError, Compiled, Replay
 from kiln.runtime.program import Program
 
 log = logging.getLogger("kiln.runtime")
@@ -48,7 +50,7 @@ class _Plan:
     steps: list[_Step]
     env: dict[str, int]
     runs: int = 0
-    replay: Replay | bool | None = None  # None: not captured yet; False: runs op by op (capture failed or off)
+    replay: Replay | Compiled | bool | None = None  # None: not captured yet; False: op by op (capture failed or off)
 
 
 class Session:
@@ -57,14 +59,17 @@ class Session:
     def __init__(self, program: Program, backend: str = "cpu", validate: bool = False, graphs: bool | None = None):
         """validate: check every kernel's output dtype and shape against the program (slow; for debugging).
         graphs: capture and replay each method as a graph where the backend can (cuda: on unless
-        KILN_CUDA_GRAPHS=0); False runs every kernel from Python, for debugging and per-op profiling."""
+        KILN_CUDA_GRAPHS=0), or compile it (mlx: on unless KILN_MLX_COMPILE=0); False runs every kernel from
+        Python, for debugging and per-op profiling."""
         self.program = program
         self.backend = backends.create(backend, program)
         self.validate = validate
         self.graphs = self.backend.graphs_by_default if graphs is None else graphs
-        if self.graphs and not self.backend.can_capture:
-            raise KilnError(f"the {self.backend.name} backend cannot capture graphs; use graphs=False")
+        if self.graphs and not (self.backend.can_capture or self.backend.can_compile):
+            raise KilnError(f"the {self.backend.name} backend cannot capture or compile graphs; use graphs=False")
         self.graphs = self.graphs and not validate
+        self._fixed_state = self.graphs and self.backend.can_capture
+        """Whether state buffers keep their identity (captured graphs address them), updates written into them."""
         self.state = [self.backend.initial_state(i, s) for i, s in enumerate(program.ir.states)]
         self._plans: dict[str, dict[tuple, _Plan]] = {}
         self._graphed: dict[str, OrderedDict[tuple, _Plan]] = {}
@@ -72,7 +77,7 @@ class Session:
     def reset_state(self) -> None:
         """Put every state buffer (e.g. a KV cache) back to its initial contents."""
         initial = [self.backend.initial_state(i, s) for i, s in enumerate(self.program.ir.states)]
-        if self.graphs:  # captured graphs hold the buffers' addresses
+        if self._fixed_state:  # captured graphs hold the buffers' addresses
             for target, value in zip(self.state, initial, strict=True):
                 self.backend.copy_into(target, value)
         else:
@@ -80,8 +85,8 @@ class Session:
 
     @property
     def captured_graphs(self) -> dict[str, int]:
-        """Graphs this session holds, per method (one per input-shape signature, at most MAX_GRAPHS_PER_METHOD):
-        what a benchmark reports to show its runs replayed rather than went op by op."""
+        """Graphs (captured or compiled) this session holds, per method (one per input-shape signature, at most
+        MAX_GRAPHS_PER_METHOD): what a benchmark reports to show its runs replayed rather than went op by op."""
         return {method: len(graphed) for method, graphed in self._graphed.items()}
 
     def run(self, method: str, *inputs: Any) -> list[Any]:
@@ -103,29 +108,40 @@ class Session:
         slots = self._slots(m, arrays)
         with self.backend.execution_context():
             self._execute(m, plan, slots)
-        # State must not share memory with the caller's inputs or with the outputs handed back: a caller who refills
-        # an input buffer or edits an output in place would otherwise rewrite the state (a KV cache) behind our back.
-        for update in m.state_updates:
-            new, target = slots[update.value], self.state[update.state]
-            if self.graphs:
-                if new is not target:
-                    self.backend.copy_into(target, new)
-            else:
-                self.state[update.state] = new.copy() if any(_may_alias(new, a) for a in arrays) else new
+        self._update_state(m, slots, arrays)
         outputs = []
         for i in m.outputs:
             out = self.backend.asarray(slots[i])
-            outputs.append(out.copy() if any(_may_alias(out, s) for s in self.state) else out)
+            outputs.append(self.backend.copy(out) if any(_may_alias(out, s) for s in self.state) else out)
+        # Nothing here may hold the old state buffers any more: a lazy backend (mlx) then writes their updates in
+        # their memory rather than into a copy.
+        del slots
+        self.backend.dispatch(outputs + self.state)
         return outputs
 
-    def _slots(self, m: Method, arrays: list[Any]) -> list[Any]:
-        """One slot per value of `m`: constants, state buffers and inputs filled in, the rest empty."""
+    def _update_state(self, m: Method, slots: list[Any], arrays: list[Any]) -> None:
+        """The state buffers take their new values. State must not share memory with the caller's inputs or with
+        the outputs handed back: a caller who refills an input buffer or edits an output in place would otherwise
+        rewrite the state (a KV cache) behind our back."""
+        for update in m.state_updates:
+            new = slots[update.value]
+            if self._fixed_state:
+                if new is not self.state[update.state]:
+                    self.backend.copy_into(self.state[update.state], new)
+            else:
+                aliased = any(_may_alias(new, a) for a in arrays)
+                self.state[update.state] = self.backend.copy(new) if aliased else new
+
+    def _slots(self, m: Method, arrays: list[Any], state: list[Any] | None = None) -> list[Any]:
+        """One slot per value of `m`: constants, state buffers (the session's, or `state`) and inputs filled in,
+        the rest empty."""
+        state = self.state if state is None else state
         slots: list[Any] = [None] * len(m.values)
         for v_index, value in enumerate(m.values):
             if value.kind == ValueKind.CONSTANT:
                 slots[v_index] = self.backend.constant(value.ref)
             elif value.kind == ValueKind.STATE:
-                slots[v_index] = self.state[value.ref]
+                slots[v_index] = state[value.ref]
         for v_index, arr in zip(m.inputs, arrays, strict=True):
             slots[v_index] = arr
         return slots
@@ -148,13 +164,37 @@ class Session:
         else:
             self._graphed[m.name].move_to_end(key)
         replay = plan.replay
+        if isinstance(replay, Compiled):
+            return self._run_compiled(m, key, plan, replay, arrays)
         assert isinstance(replay, Replay)
         for buffer, arr in zip(replay.inputs, arrays, strict=True):
             self.backend.copy_into(buffer, arr)
         replay.graph.launch()
         return [self.backend.copy(out) for out in replay.outputs]  # the next replay rewrites replay.outputs
 
-    def _capture(self, m: Method, plan: _Plan, arrays: list[Any]) -> Replay | bool:
+    def _run_compiled(self, m: Method, key: tuple, plan: _Plan, compiled: Compiled,
+                      arrays: list[Any]) -> list[Any] | None:
+        """The outputs of `plan`'s compiled function, the state replaced by the new state it returns; None (and
+        the plan runs op by op from now on) where its first call, which compiles it, fails."""
+        try:
+            outputs, updates = compiled.function(arrays, self.state)
+        except Exception as e:  # noqa: BLE001 - any failure to trace or compile: the plan ran op by op before
+            if compiled.calls:
+                raise
+            log.warning("%s backend: method %r (%s) runs op by op, compiling it failed: %s: %s",
+                        self.backend.name, m.name, plan.env, type(e).__name__, e)
+            plan.replay = False
+            del self._graphed[m.name][key]
+            return None
+        compiled.calls += 1
+        for update, new in zip(m.state_updates, updates, strict=True):
+            self.state[update.state] = new
+        self.backend.dispatch(outputs + self.state)
+        return outputs
+
+    def _capture(self, m: Method, plan: _Plan, arrays: list[Any]) -> Replay | Compiled | bool:
+        if self.backend.can_compile:
+            return self._compile(m, plan)
         inputs = [self.backend.empty_like(a) for a in arrays]
         for buffer, arr in zip(inputs, arrays, strict=True):
             self.backend.copy_into(buffer, arr)
@@ -175,6 +215,15 @@ class Session:
                         self.backend.name, m.name, plan.env, e)
             return False
         return Replay(inputs, outputs, graph)
+
+    def _compile(self, m: Method, plan: _Plan) -> Compiled:
+        """`plan` as a function of (inputs, state) -> (outputs, new values of the updated state), compiled."""
+        def body(inputs: list[Any], state: list[Any]) -> tuple[list[Any], list[Any]]:
+            slots = self._slots(m, inputs, state)
+            self._execute(m, plan, slots)
+            return [slots[i] for i in m.outputs], [slots[u.value] for u in m.state_updates]
+
+        return Compiled(self.backend.compile(body))
 
     def _execute(self, m: Method, plan: _Plan, slots: list[Any]) -> None:
         for step in plan.steps:
@@ -199,9 +248,9 @@ class Session:
         for i in step.outputs:
             spec, got = m.values[i], slots[i]
             want = resolve_shape(spec.shape, env)
-            if got.dtype != spec.dtype.numpy or tuple(got.shape) != want:
+            if self.backend.numpy_dtype(got) != spec.dtype.numpy or tuple(got.shape) != want:
                 raise KernelError(f"{self.backend.name} kernel for {step.node.op!r} produced "
-                                  f"{got.dtype}{list(got.shape)} for {spec.name}, expected "
+                                  f"{self.backend.numpy_dtype(got)}{list(got.shape)} for {spec.name}, expected "
                                   f"{spec.dtype.name}{list(want)}" + _where(step.node))
 
     def _check_inputs(self, m: Method, inputs: tuple[Any, ...]) -> list[Any]:
@@ -212,9 +261,10 @@ class Session:
         arrays = []
         for k, (x, spec) in enumerate(zip(inputs, specs, strict=True)):
             arr = self.backend.asarray(x)
-            if arr.dtype != spec.dtype.numpy:
+            dtype = self.backend.numpy_dtype(arr)
+            if dtype != spec.dtype.numpy:
                 raise InputError(f"input {k} '{spec.name}' of {m.name!r}: expected dtype {spec.dtype.name} "
-                                 f"({spec.spec()}), got {arr.dtype}; convert it with .astype(...)")
+                                 f"({spec.spec()}), got {dtype}; convert it with .astype(...)")
             if arr.ndim != len(spec.shape):
                 raise InputError(f"input {k} '{spec.name}' of {m.name!r}: expected {len(spec.shape)} dimensions "
                                  f"({spec.spec()}), got shape {list(arr.shape)}")
@@ -263,8 +313,26 @@ class Session:
             except (KeyError, ExprError) as e:
                 raise InputError(f"node {node.op!r}: cannot resolve its attributes for {env}: "
                                  f"{type(e).__name__}: {e}" + _where(node)) from None
-            steps.append(_Step(kernel, tuple(node.inputs), tuple(node.outputs), attrs, tuple(node.free_after), node))
+            inputs = tuple(node.inputs)
+            prepared = self.backend.prepare(m, node, kernel)
+            if prepared is not None:
+                kernel, inputs = prepared
+            steps.append(_Step(kernel, inputs, tuple(node.outputs), attrs, tuple(node.free_after), node))
+        _keep_extra_inputs(steps)
         return _Plan(steps, env)
+
+
+def _keep_extra_inputs(steps: list[_Step]) -> None:
+    """A prepared step may read values its node does not (Backend.prepare): each such value is freed after its
+    last reader among the steps, not where the exporter's memory plan freed it."""
+    extra = {i for step in steps for i in step.inputs if i != NO_VALUE and i not in step.node.inputs}
+    freed = {i for step in steps for i in step.free}
+    extra &= freed  # (values the plan never frees, outputs and state updates, stay that way)
+    if not extra:
+        return
+    last = {i: k for k, step in enumerate(steps) for i in step.inputs if i in extra}
+    for k, step in enumerate(steps):
+        step.free = tuple(i for i in step.free if i not in extra) + tuple(i for i in extra if last[i] == k)
 
 
 def resolve_attrs(opdef: ops.OpDef, attrs: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Backends by name. Each is imported only when asked for, so a machine without CuPy never imports it."""
+"""Backends by name. Each is imported only when asked for, so a machine without CuPy (or MLX) never imports it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, str] = {
     "cpu": "kiln.runtime.backends.cpu:CPUBackend",
     "cuda": "kiln.runtime.backends.cuda:CUDABackend",
+    "mlx": "kiln.runtime.backends.mlx:MLXBackend",
 }
 
 

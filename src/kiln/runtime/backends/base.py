@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.ir.graph import StateBuffer
+from kiln.ir.graph import Method, Node, StateBuffer
 
 Kernel = Callable[..., Any]
 
@@ -37,13 +37,19 @@ class KernelRegistry:
         fused ops (kiln.runtime.backends.composite), for every op this backend has no kernel of its own for. Called
         once, after the backend's own kernels are registered."""
         from kiln.runtime.backends.array_api import bind
-        from kiln.runtime.backends.composite import COMPOSITES
-        from kiln.runtime.backends.composite import bind as bind_composite
 
         for name, fn in portable.items():
             if name not in self.kernels:
                 self.kernels[name] = bind(fn, xp)
-        for name, composite in COMPOSITES.items():  # fused ops this backend has no kernel of its own for
+        self.compose()
+
+    def compose(self) -> None:
+        """The compositions of fused ops (kiln.runtime.backends.composite) for every fused op this backend has no
+        kernel of its own for."""
+        from kiln.runtime.backends.composite import COMPOSITES
+        from kiln.runtime.backends.composite import bind as bind_composite
+
+        for name, composite in COMPOSITES.items():
             if name not in self.kernels:
                 self.kernels[name] = bind_composite(composite, self.kernels)
 
@@ -55,7 +61,11 @@ class Backend:
     kernels: dict[str, Kernel] = {}
     can_capture: bool = False
     """Whether `capture` works: sessions then replay each method as a graph (kiln.runtime.graphs)."""
+    can_compile: bool = False
+    """Whether `compile` works: sessions then run each method as one compiled function of its inputs and state
+    (kiln.runtime.graphs); state stays functional (each run returns new state arrays)."""
     graphs_by_default: bool = False
+    """Whether sessions capture (or compile) unless told otherwise."""
 
     def constant(self, index: int) -> Any:
         raise NotImplementedError
@@ -68,6 +78,10 @@ class Backend:
 
     def to_numpy(self, x: Any) -> np.ndarray:
         raise NotImplementedError
+
+    def numpy_dtype(self, x: Any) -> np.dtype:
+        """x's element type as a NumPy dtype (the type the program's specs are written in)."""
+        return x.dtype
 
     def empty_like(self, x: Any) -> Any:
         """A new uninitialized array of this backend with x's shape and dtype."""
@@ -84,6 +98,22 @@ class Backend:
         """Record body's kernels as one graph without running them: (graph with launch(), body's outputs), or
         CaptureError when body cannot be captured."""
         raise NotImplementedError
+
+    def compile(self, fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]) -> Callable[..., Any]:
+        """fn(inputs, states) -> (outputs, new states), compiled for the input shapes it is first called with
+        (compiling, if it fails, fails at that first call, with CaptureError)."""
+        raise NotImplementedError
+
+    def dispatch(self, arrays: list[Any]) -> None:
+        """Start computing `arrays` where the backend builds them lazily (MLX), so work does not wait for the first
+        read and state does not grow into an ever longer chain of pending operations; nothing on eager backends."""
+
+    def prepare(self, method: Method, node: Node, kernel: Kernel) -> tuple[Kernel, tuple[int, ...]] | None:
+        """A form of `node`'s kernel specialized to this program, and the values it reads (the node's inputs, or
+        others of the method); None to run `kernel` on the node's inputs. A session asks once per node and plan:
+        where a backend converts constants to its own layouts once (quantized weights) or maps a pattern of the
+        graph onto one of its primitives."""
+        return None
 
     def execution_context(self) -> contextlib.AbstractContextManager:
         """Entered around each run (e.g. the CPU backend's floating-point error mode)."""

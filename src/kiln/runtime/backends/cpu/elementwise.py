@@ -9,11 +9,9 @@ import math
 import numpy as np
 
 from kiln.runtime.backends.array_api import elementwise as portable
+from kiln.runtime.backends.array_api.elementwise import ERFC_COEFFICIENTS, ERFC_OFFSET
 from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS, in_float32, kernel
-
-_ERFC_COEFFS = (1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587, -0.82215223,
-                0.17087277)
 
 
 def _erfc_of_abs(x: np.ndarray, work: type) -> np.ndarray:
@@ -23,11 +21,11 @@ def _erfc_of_abs(x: np.ndarray, work: type) -> np.ndarray:
     t = z * work(0.5)
     t += 1
     np.reciprocal(t, out=t)
-    p = t * work(_ERFC_COEFFS[-1])
-    for c in _ERFC_COEFFS[-2::-1]:
+    p = t * work(ERFC_COEFFICIENTS[-1])
+    for c in ERFC_COEFFICIENTS[-2::-1]:
         p += work(c)
         p *= t
-    p -= work(1.26551223)
+    p -= work(ERFC_OFFSET)
     z *= z
     p -= z
     np.exp(p, out=p)

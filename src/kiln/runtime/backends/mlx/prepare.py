@@ -1,0 +1,101 @@
+"""Plan-time specializations of the MLX backend (Backend.prepare): a node whose constants MLX has a better format
+for, or whose inputs come from a pattern that maps onto one of MLX's fused primitives, gets a kernel made for it
+when a session plans its method. Conversions happen once per program (constants.ProgramArrays.derived).
+
+- quantized_linear / quantized_embedding with constant weights: kiln's int8/int4 groups become MLX's affine
+  quantized format (quantized.py), run by mx.quantized_matmul and mx.dequantize of the gathered rows.
+- rope / rope_cache_update whose cos and sin are rows of rotary tables gathered at positions: mx.fast.rope at
+  those positions with the tables' frequencies (rope.py), when the tables are cos and sin of position times a
+  frequency per pair.
+- conv with a constant weight: the weight moved to MLX's channels-last layout once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kiln.ir.graph import Method, Node, ValueKind
+from kiln.runtime.backends.base import Kernel
+from kiln.runtime.backends.mlx.constants import ProgramArrays
+
+Prepared = tuple[Kernel, tuple[int, ...]]
+Preparer = Callable[[ProgramArrays, Method, Node], "Prepared | None"]
+PREPARERS: dict[str, Preparer] = {}
+
+
+def preparer(*ops: str) -> Callable[[Preparer], Preparer]:
+    def deco(fn: Preparer) -> Preparer:
+        for op in ops:
+            if op in PREPARERS:
+                raise ValueError(f"mlx preparer for {op!r} registered twice")
+            PREPARERS[op] = fn
+        return fn
+    return deco
+
+
+def prepare(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+    fn = PREPARERS.get(node.op)
+    return None if fn is None else fn(arrays, method, node)
+
+
+def constant_ref(method: Method, node: Node, position: int) -> int | None:
+    """The program constant that input `position` of node is, or None (not a constant, or absent)."""
+    if position >= len(node.inputs) or node.inputs[position] < 0:
+        return None
+    v = method.values[node.inputs[position]]
+    return v.ref if v.kind == ValueKind.CONSTANT else None
+
+
+def producers(arrays: ProgramArrays, method: Method) -> dict[int, Node]:
+    """The node that computes each value of the method."""
+    def make() -> dict[int, Node]:
+        return {out: node for node in method.nodes for out in node.outputs}
+    return arrays.derived(("producers", method.name, id(method)), make, evaluate=False)
+
+
+@preparer("conv")
+def conv(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+    """A constant weight moved to MLX's channels-last layout once, not at every run."""
+    from kiln.runtime.backends.mlx.kernels.conv import conv_with, weight_channels_last
+
+    ref = constant_ref(method, node, 1)
+    if ref is None:
+        return None
+    groups, transposed = int(node.attrs.get("groups", 1)), bool(node.attrs.get("transposed", False))
+    weight: Any = arrays.derived(("conv", ref, groups, transposed),
+                                 lambda: weight_channels_last(arrays.array(ref), groups, transposed))
+    return conv_with(weight), tuple(node.inputs)
+
+
+@preparer("quantized_linear", "quantized_embedding")
+def quantized(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+    from kiln.runtime.backends.mlx import quantized as formats
+
+    first = 1 if node.op == "quantized_linear" else 0  # the position of q
+    q, scale, zero = (constant_ref(method, node, first + i) for i in range(3))
+    has_zero = first + 2 < len(node.inputs) and node.inputs[first + 2] >= 0
+    if q is None or scale is None or (has_zero and zero is None):
+        return None
+    bits, group_size = int(node.attrs["bits"]), int(node.attrs["group_size"])
+    weight = arrays.derived(("quantized", q, scale, zero, bits, group_size),
+                            lambda: formats.to_mlx_format(arrays.program, q, scale, zero, bits, group_size))
+    if weight is None:
+        return None
+    kernel = formats.linear_kernel(weight) if node.op == "quantized_linear" else formats.embedding_kernel(weight)
+    return kernel, tuple(node.inputs)
+
+
+@preparer("rope", "rope_cache_update")
+def rope(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+    """The positions the cos and sin rows were gathered at become an extra input of the node."""
+    from kiln.runtime.backends.mlx import rope as fast
+
+    cos_at = 1 if node.op == "rope" else 3
+    source = fast.table_source(arrays, method, producers(arrays, method), node.inputs[cos_at],
+                               node.inputs[cos_at + 1], bool(node.attrs.get("interleaved", False)))
+    if source is None:
+        return None
+    positions, freqs = source
+    kernel = fast.rope_kernel(freqs) if node.op == "rope" else fast.rope_cache_update_kernel(freqs)
+    return kernel, tuple(node.inputs) + (positions,)
