@@ -91,7 +91,7 @@ def test_methods_are_compiled_per_signature_and_bounded(llama_program, monkeypat
     for length in (2, 3, 4, 2):
         for _ in range(3):
             session.run("prefill", np.arange(length)[None] + 5, np.arange(length))
-    assert [sorted(dict(key).values()) for key in session._graphed["prefill"]] == [[4], [2]]
+    assert [dict(key)["seq"] for key in session._graphed["prefill"]] == [4, 2]
 
 
 @needs_mlx
@@ -261,3 +261,46 @@ def test_arrays_cross_between_numpy_and_mlx_exactly(dtype):
         back = to_numpy(to_mlx(x))
         assert back.dtype == x.dtype and back.shape == x.shape
         np.testing.assert_array_equal(back, x)
+
+
+def test_visible_key_buckets():
+    from kiln.runtime.backends.mlx.visible import bucket
+
+    assert [bucket(n, 4096) for n in (1, 64, 65, 96, 97, 129, 193, 257, 385, 513, 769, 1025)] == \
+        [64, 64, 96, 96, 128, 192, 256, 384, 512, 768, 1024, 1536]
+    assert bucket(300, 320) == 320 and bucket(10, 48) == 48
+
+
+@needs_mlx
+def test_decode_attends_over_the_keys_its_position_sees():
+    """A 256-slot cache: each decode step's plan is specialized to the bucket of keys its position needs (a hint
+    computed on the host from the mask's inputs), its attention reads only those, and the logits stay the CPU's."""
+    import mlx.core as mx
+
+    from kiln.models.llm import export_llm
+    from kiln.models.zoo import tiny_decoder
+    from kiln.runtime.backends.mlx import visible
+
+    program = export_llm(tiny_decoder("llama"), max_context=256, prefill_chunk=8).load()
+    session, cpu = program.session("mlx"), program.session("cpu")
+    for s in (session, cpu):
+        for lo in range(0, 200, 8):  # the cache filled with 200 positions
+            s.run("prefill", np.arange(lo, lo + 8)[None] % 100 + 5, np.arange(lo, lo + 8))
+    decode = program.method("decode")
+    buckets = []
+    for position in (10, 63, 64, 70, 100, 199, 250):
+        want = cpu.run("decode", np.array([[9]]), np.array([position]))[0]
+        for _ in range(3):  # op by op, then compiled
+            got = session.run("decode", np.array([[9]]), np.array([position]))[0]
+            np.testing.assert_allclose(session.backend.to_numpy(got), want, rtol=1e-5, atol=1e-5)
+        hints = session.backend.plan_hints(decode, [mx.array([[9]]), mx.array([position])], {})
+        assert any(n.startswith(visible.EVERY_ROW_HINT) for n in hints)
+        buckets.append([v for n, v in hints.items() if n.startswith(visible.HINT)])
+    assert buckets == [[64], [64], [96], [96], [128], [], []]  # the key count is position + 1
+    # (prefill's chunks saw 64, 96, 128, 192 and all 256 keys: the last only once, so it was not compiled)
+    assert len(session._plans["decode"]) == 4 and session.captured_graphs == {"prefill": 4, "decode": 4}
+    for key, plan in session._plans["decode"].items():
+        narrowed = any(n.startswith(visible.HINT) for n in dict(key))
+        kernels = {s.kernel.__qualname__.split(".")[0] for s in plan.steps if s.node.op == "sdpa"}
+        assert kernels == {"narrowed_sdpa"}, kernels  # (every row sees a key: no NaN guard either way)
+        assert narrowed or all(n.startswith(visible.EVERY_ROW_HINT) for n in dict(key))

@@ -94,6 +94,7 @@ class Session:
         m = self.program.method(method)
         arrays = self._check_inputs(m, inputs)
         env = self._bind_symbols(m, arrays)
+        env.update(self.backend.plan_hints(m, arrays, env))
         key = tuple(sorted(env.items()))
         plans = self._plans.setdefault(method, {})
         plan = plans.get(key)
@@ -314,7 +315,7 @@ class Session:
                 raise InputError(f"node {node.op!r}: cannot resolve its attributes for {env}: "
                                  f"{type(e).__name__}: {e}" + _where(node)) from None
             inputs = tuple(node.inputs)
-            prepared = self.backend.prepare(m, node, kernel)
+            prepared = self.backend.prepare(m, node, kernel, env)
             if prepared is not None:
                 kernel, inputs = prepared
             steps.append(_Step(kernel, inputs, tuple(node.outputs), attrs, tuple(node.free_after), node))

@@ -108,11 +108,18 @@ class Backend:
         """Start computing `arrays` where the backend builds them lazily (MLX), so work does not wait for the first
         read and state does not grow into an ever longer chain of pending operations; nothing on eager backends."""
 
-    def prepare(self, method: Method, node: Node, kernel: Kernel) -> tuple[Kernel, tuple[int, ...]] | None:
-        """A form of `node`'s kernel specialized to this program, and the values it reads (the node's inputs, or
-        others of the method); None to run `kernel` on the node's inputs. A session asks once per node and plan:
-        where a backend converts constants to its own layouts once (quantized weights) or maps a pattern of the
-        graph onto one of its primitives."""
+    def plan_hints(self, method: Method, arrays: list[Any], env: dict[str, int]) -> dict[str, int]:
+        """Facts about this run's inputs that a plan may be specialized to, as entries added to the symbols' values
+        (their names never clash with a symbol's): runs with equal hints share a plan (and its graph). Asked before
+        every run, so it must be cheap; none by default."""
+        return {}
+
+    def prepare(self, method: Method, node: Node, kernel: Kernel,
+                env: dict[str, int]) -> tuple[Kernel, tuple[int, ...]] | None:
+        """A form of `node`'s kernel specialized to this program (and to the plan's symbols and hints, `env`), and
+        the values it reads (the node's inputs, or others of the method); None to run `kernel` on the node's
+        inputs. A session asks once per node and plan: where a backend converts constants to its own layouts once
+        (quantized weights) or maps a pattern of the graph onto one of its primitives."""
         return None
 
     def execution_context(self) -> contextlib.AbstractContextManager:

@@ -89,5 +89,11 @@ class MLXBackend(Backend):
     def dispatch(self, arrays: list[Any]) -> None:
         self.mx.async_eval([a for a in arrays if isinstance(a, self.mx.array)])
 
-    def prepare(self, method: Method, node: Node, kernel: Kernel) -> tuple[Kernel, tuple[int, ...]] | None:
-        return self._prepare.prepare(self._constants, method, node)
+    def plan_hints(self, method: Method, arrays: list[Any], env: dict[str, int]) -> dict[str, int]:
+        from kiln.runtime.backends.mlx import visible
+
+        return visible.hints(self._constants, method, self._prepare.producers(self._constants, method), arrays, env)
+
+    def prepare(self, method: Method, node: Node, kernel: Kernel,
+                env: dict[str, int]) -> tuple[Kernel, tuple[int, ...]] | None:
+        return self._prepare.prepare(self._constants, method, node, env)

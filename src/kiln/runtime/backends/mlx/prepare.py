@@ -8,6 +8,8 @@ when a session plans its method. Conversions happen once per program (constants.
   those positions with the tables' frequencies (rope.py), when the tables are cos and sin of position times a
   frequency per pair.
 - conv with a constant weight: the weight moved to MLX's channels-last layout once.
+- sdpa with a mask computed from the inputs: attention over the keys the plan's hint says some query sees
+  (visible.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kiln.runtime.backends.base import Kernel
 from kiln.runtime.backends.mlx.constants import ProgramArrays
 
 Prepared = tuple[Kernel, tuple[int, ...]]
-Preparer = Callable[[ProgramArrays, Method, Node], "Prepared | None"]
+Preparer = Callable[[ProgramArrays, Method, Node, dict[str, int]], "Prepared | None"]
 PREPARERS: dict[str, Preparer] = {}
 
 
@@ -34,9 +36,9 @@ def preparer(*ops: str) -> Callable[[Preparer], Preparer]:
     return deco
 
 
-def prepare(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+def prepare(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     fn = PREPARERS.get(node.op)
-    return None if fn is None else fn(arrays, method, node)
+    return None if fn is None else fn(arrays, method, node, env)
 
 
 def constant_ref(method: Method, node: Node, position: int) -> int | None:
@@ -55,7 +57,7 @@ def producers(arrays: ProgramArrays, method: Method) -> dict[int, Node]:
 
 
 @preparer("conv")
-def conv(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+def conv(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     """A constant weight moved to MLX's channels-last layout once, not at every run."""
     from kiln.runtime.backends.mlx.kernels.conv import conv_with, weight_channels_last
 
@@ -69,7 +71,7 @@ def conv(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
 
 
 @preparer("quantized_linear", "quantized_embedding")
-def quantized(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+def quantized(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     from kiln.runtime.backends.mlx import quantized as formats
 
     first = 1 if node.op == "quantized_linear" else 0  # the position of q
@@ -87,7 +89,7 @@ def quantized(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | N
 
 
 @preparer("rope", "rope_cache_update")
-def rope(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
+def rope(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     """The positions the cos and sin rows were gathered at become an extra input of the node."""
     from kiln.runtime.backends.mlx import rope as fast
 
@@ -99,3 +101,11 @@ def rope(arrays: ProgramArrays, method: Method, node: Node) -> Prepared | None:
     positions, freqs = source
     kernel = fast.rope_kernel(freqs) if node.op == "rope" else fast.rope_cache_update_kernel(freqs)
     return kernel, tuple(node.inputs) + (positions,)
+
+
+@preparer("sdpa")
+def sdpa(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+    from kiln.runtime.backends.mlx import visible
+
+    kernel = visible.sdpa_for(node, env)
+    return None if kernel is None else (kernel, tuple(node.inputs))

@@ -84,9 +84,12 @@ def fast_rope(x: mx.array, positions: mx.array, freqs: mx.array, interleaved: bo
     if x.ndim < 3 or math.prod(x.shape[:-3]) != 1 or positions.size != x.shape[-2]:
         return None
     heads, t, d = x.shape[-3:]
+    offsets = positions.reshape(-1).astype(mx.int32)
+    if t == 1:  # (a decode step: x is already one sequence of one row)
+        return mx.fast.rope(x.reshape(1, heads, 1, d), d, traditional=interleaved, base=None, scale=1.0,
+                            offset=offsets, freqs=freqs).reshape(x.shape)
     rows = mx.swapaxes(x.reshape(heads, t, d), 0, 1)[:, :, None, :]  # [T, H, 1, D]
-    out = mx.fast.rope(rows, d, traditional=interleaved, base=None, scale=1.0,
-                       offset=positions.reshape(-1).astype(mx.int32), freqs=freqs)
+    out = mx.fast.rope(rows, d, traditional=interleaved, base=None, scale=1.0, offset=offsets, freqs=freqs)
     return mx.swapaxes(out[:, :, 0, :], 0, 1).reshape(x.shape)
 
 

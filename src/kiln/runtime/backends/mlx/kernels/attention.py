@@ -39,7 +39,8 @@ def _mask4(mask: mx.array, q: mx.array, S: int) -> mx.array:
 
 @kernel("sdpa")
 def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, *, causal: bool,
-         scale: float | None) -> mx.array:
+         scale: float | None, every_row_sees: bool = False) -> mx.array:
+    """every_row_sees: the mask is known to leave every query a key (no NaN rows to make)."""
     dtype = q.dtype
     if on_cpu():
         q, k, v = upcast(q, k, v)
@@ -65,7 +66,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, *,
                 fused_mask = mx.where(keep, fused_mask, mx.array(-math.inf, dtype=fused_mask.dtype))
     out = mx.fast.scaled_dot_product_attention(_as4(q), _as4(k), _as4(v), scale=scale,
                                                mask=fused_mask)
-    if isinstance(fused_mask, mx.array) and fused_mask.dtype == mx.bool_:
+    if isinstance(fused_mask, mx.array) and fused_mask.dtype == mx.bool_ and not every_row_sees:
         dead = ~mx.any(fused_mask, axis=-1, keepdims=True)
         out = mx.where(dead, mx.array(math.nan, dtype=out.dtype), out)
     return out.reshape(q.shape[:-1] + v.shape[-1:]).astype(dtype)
