@@ -5,6 +5,7 @@ No timing assertions: only that it runs, reports the fields it promises, and fai
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -146,3 +147,12 @@ def test_bench_never_imports_torch(model):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "TORCH: []" in result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="needs MLX")
+@pytest.mark.parametrize("graphs", [[], ["--no-graphs"]], ids=["compiled", "op_by_op"])
+def test_bench_on_mlx(model, capsys, graphs):
+    code, out, err = bench(capsys, model, "--dim", "seq=4", "--repeat", "3", "--no-memory", "--backend", "mlx",
+                           *graphs)
+    assert code == 0, err
+    assert "method 'forward' on mlx" in out and "latency ms" in out

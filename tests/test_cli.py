@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import runpy
@@ -238,3 +239,14 @@ def test_subprocess_entry_points_and_torch_free_run_inspect(exported):
     assert result.returncode == 0, result.stderr
     assert "TORCH: []" in result.stdout, result.stdout
     assert "latency: first run" in result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="needs MLX")
+def test_run_on_mlx_matches_eager(exported, factories, tmp_path):
+    x = np.random.default_rng(0).standard_normal((2, 7, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    code, out, err = cli("run", exported[0], "-i", tmp_path / "x.npy", "-o", tmp_path / "res", "--backend", "mlx")
+    assert code == 0, err
+    assert "on mlx" in out
+    for k, want in enumerate(eager(factories, x)):
+        np.testing.assert_allclose(np.load(tmp_path / "res" / f"out_{k}.npy"), want, rtol=1e-5, atol=1e-5)

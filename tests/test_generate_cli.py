@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import pytest
@@ -121,3 +122,18 @@ def test_help_has_examples(command, capsys):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert "examples:" in out and "--temperature" in out and "export-llm" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="needs MLX")
+def test_generate_and_chat_on_mlx_give_the_cpu_text(model_path, monkeypatch, capsys):
+    assert main(["generate", str(model_path), "--prompt", PROMPT, "--max-new-tokens", "12", "--backend", "mlx"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected(model_path, PROMPT, 12) + "\n" and "tokens/s" in err
+    replies, _ = chat(model_path, monkeypatch, capsys, [words(4, 5)], "--backend", "mlx")
+    assert replies == [expected(model_path, words(4, 5), 6, chat=True)]
+
+
+def test_an_unknown_backend_is_refused_with_the_choices(model_path, capsys):
+    assert main(["generate", str(model_path), "--prompt", PROMPT, "--backend", "metal"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'metal'" in err and "'mlx'" in err

@@ -229,3 +229,19 @@ def test_classify_detect_run_do_not_import_torch(lite0: Path, yolo: Path, tmp_pa
     assert result.returncode == 0, result.stderr
     assert "TORCH: []" in result.stdout, result.stdout
     assert "military uniform" in result.stdout and "person" in result.stdout
+
+
+@needs_photo
+@needs_lite0
+@needs_yolo
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="needs MLX")
+def test_classify_and_detect_on_mlx_print_the_cpu_results(lite0: Path, yolo: Path) -> None:
+    def untimed(text: str) -> str:
+        return re.sub(r"\([\d.]+ ms\)", "", text)
+
+    for command, program in (("classify", lite0), ("detect", yolo)):
+        code, want, err = cli(command, program, GRACE_HOPPER)
+        assert code == 0, err
+        code, got, err = cli(command, program, GRACE_HOPPER, "--backend", "mlx")
+        assert code == 0, err
+        assert untimed(got) == untimed(want)

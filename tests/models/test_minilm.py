@@ -9,7 +9,7 @@ import torch
 from kiln.errors import InputError
 from kiln.models.embeddings import export_minilm, load_minilm, minilm_path, random_bert
 from kiln.runtime.text import load_tokenizer
-from tests.conftest import to_numpy
+from tests.conftest import BACKENDS, to_numpy
 
 # float32 throughout; observed max differences are ~1e-7 (random BERT and real MiniLM alike).
 TOL = 1e-5
@@ -115,6 +115,16 @@ def test_minilm_similarity_ordering(minilm):
     assert sim[eating, bread] > sim[eating, baby] + 0.5
     assert sim[eating, bread] > max(sim[eating, horse], sim[eating, violin])
     assert sim[bread].argsort()[-2] == eating  # its nearest other sentence
+
+
+@pytest.mark.skipif("mlx" not in BACKENDS, reason="needs MLX")
+def test_minilm_on_mlx_equals_the_cpu(minilm):
+    _, program, tokenizer = minilm
+    ids, mask = tokenizer(SENTENCES)
+    want = program.session("cpu").run("forward", ids, mask)[0]
+    session = program.session("mlx")
+    for _ in range(3):  # op by op, then compiled
+        np.testing.assert_allclose(to_numpy(session.run("forward", ids, mask)[0]), want, rtol=TOL, atol=TOL)
 
 
 @pytest.mark.slow  # importing sentence-transformers alone takes seconds; kiln is checked against eager above

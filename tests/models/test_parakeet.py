@@ -180,22 +180,23 @@ def eager_tdt(model: ParakeetTDT, features: torch.Tensor) -> list[int]:
     return out
 
 
-def test_exported_methods_equal_the_eager_model():
+def test_exported_methods_equal_the_eager_model(backend):
     """encode at three lengths (the frame count is dynamic; batch norm folded into the depthwise convolution), a
-    predict step from a non-zero LSTM state, and the joint."""
+    predict step from a non-zero LSTM state, and the joint, on every backend."""
     import numpy as np
 
     from kiln.models.parakeet import export_parakeet
+    from tests.conftest import to_numpy
 
     model = random_parakeet(V2_CONFIG, seed=5)
     program = export_parakeet(model).load()
     assert "batch_norm" not in {n.op for n in program.ir.methods["encode"].nodes}
-    session, rng = program.session(), np.random.default_rng(0)
+    session, rng = program.session(backend), np.random.default_rng(0)
     for frames in (16, 203, 997):
         x = rng.standard_normal((1, 128, frames)).astype(np.float32)
         with torch.no_grad():
             want = model.joint.enc(model.encoder(torch.from_numpy(x))).numpy()
-        np.testing.assert_allclose(session.run("encode", x)[0], want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(to_numpy(session.run("encode", x)[0]), want, rtol=1e-4, atol=1e-4)
     h, c = (rng.standard_normal((2, 1, 32)).astype(np.float32) for _ in range(2))
     g, h2, c2 = session.run("predict", np.array([[28]]), h, c)
     with torch.no_grad():
@@ -203,8 +204,9 @@ def test_exported_methods_equal_the_eager_model():
         f = torch.from_numpy(rng.standard_normal((1, 32)).astype(np.float32))
         logits_want = model.joint(f, g_want).numpy()
     for got, want in ((g, g_want), (h2, h_want), (c2, c_want)):
-        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(session.run("joint", f.numpy(), g)[0], logits_want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(to_numpy(got), want.numpy(), rtol=1e-5, atol=1e-5)
+    joint = to_numpy(session.run("joint", f.numpy(), g)[0])
+    np.testing.assert_allclose(joint, logits_want, rtol=1e-5, atol=1e-5)
 
 
 def test_exported_transcription_equals_the_eager_greedy_loop(tmp_path):

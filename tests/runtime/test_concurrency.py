@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kiln
+from tests.conftest import to_numpy
 from tests.format import small_models
 
 THREADS = 8
@@ -55,13 +56,13 @@ def thread_inputs(k: int) -> list[np.ndarray]:
     return [rng.standard_normal((1 + (k + r) % 4, 3 + r % 7, 8), dtype=np.float32) for r in range(RUNS)]
 
 
-def test_threads_with_own_sessions_match_serial_runs(dynamic_program):
-    serial = dynamic_program.session()
-    expected = [[serial.run("forward", x)[0] for x in thread_inputs(k)] for k in range(THREADS)]
+def test_threads_with_own_sessions_match_serial_runs(dynamic_program, backend):
+    serial = dynamic_program.session(backend)
+    expected = [[to_numpy(serial.run("forward", x)[0]) for x in thread_inputs(k)] for k in range(THREADS)]
 
     def work(k: int) -> list[np.ndarray]:
-        session = dynamic_program.session()
-        return [session.run("forward", x)[0] for x in thread_inputs(k)]
+        session = dynamic_program.session(backend)
+        return [to_numpy(session.run("forward", x)[0]) for x in thread_inputs(k)]
 
     results = run_threads(work)
     for k in range(THREADS):
@@ -73,9 +74,9 @@ def test_threads_with_own_sessions_match_serial_runs(dynamic_program):
     np.testing.assert_allclose(expected[0][0], want, rtol=1e-5, atol=1e-5)
 
 
-def test_threads_share_the_constants(dynamic_program):
+def test_threads_share_the_constants(dynamic_program, backend):
     def work(k: int) -> list[int]:
-        session = dynamic_program.session()
+        session = dynamic_program.session(backend)
         return [id(session.backend.constant(i)) for i in range(len(dynamic_program.ir.constants))]
 
     ids = run_threads(work)
@@ -87,23 +88,23 @@ def stateful_inputs(k: int) -> list[np.ndarray]:
     return [rng.standard_normal((3, 8), dtype=np.float32) * (k + 1) for _ in range(RUNS)]
 
 
-def test_each_thread_has_its_own_state(stateful_program):
+def test_each_thread_has_its_own_state(stateful_program, backend):
     def work(k: int) -> tuple[list[np.ndarray], np.ndarray]:
-        session = stateful_program.session()
-        outs = [session.run("forward", x)[0] for x in stateful_inputs(k)]
-        return outs, session.state[0]
+        session = stateful_program.session(backend)
+        outs = [to_numpy(session.run("forward", x)[0]) for x in stateful_inputs(k)]
+        return outs, to_numpy(session.state[0])
 
     results = run_threads(work)
     for k, (outs, state) in enumerate(results):
-        replay = stateful_program.session()  # the same sequence, alone
-        want = [replay.run("forward", x)[0] for x in stateful_inputs(k)]
+        replay = stateful_program.session(backend)  # the same sequence, alone
+        want = [to_numpy(replay.run("forward", x)[0]) for x in stateful_inputs(k)]
         for r in range(RUNS):
             np.testing.assert_array_equal(outs[r], want[r], err_msg=f"thread {k} run {r}")
-        np.testing.assert_array_equal(state, replay.state[0])
+        np.testing.assert_array_equal(state, to_numpy(replay.state[0]))
         np.testing.assert_allclose(state, np.arange(8) + np.sum(stateful_inputs(k), axis=(0, 1)), rtol=1e-4)
     assert len({results[k][1].tobytes() for k in range(THREADS)}) == THREADS  # the states really differ
-    fresh = stateful_program.session()
-    np.testing.assert_array_equal(fresh.state[0], np.arange(8, dtype=np.float32))  # the program is untouched
+    fresh = stateful_program.session(backend)
+    np.testing.assert_array_equal(to_numpy(fresh.state[0]), np.arange(8, dtype=np.float32))  # program untouched
 
 
 class Store(torch.nn.Module):
