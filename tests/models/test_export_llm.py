@@ -91,3 +91,16 @@ def test_cli_export_llm_writes_a_generating_program(checkpoint, tmp_path, capsys
     assert greedy_generate(program.session(), PROMPT, 8) == greedy_reference(model, PROMPT, 8, 1e-4)
     assert main(["export-llm", str(tmp_path / "nope"), "-o", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_export_llm_slots(checkpoint, tmp_path, capsys):
+    folder, model = checkpoint
+    out = tmp_path / "slots.kiln"
+    assert main(["export-llm", str(folder), "-o", str(out), "--max-context", "40", "--prefill-chunk", "8",
+                 "--slots", "3"]) == 0
+    program = kiln.load(out)
+    assert info.LLMInfo.from_metadata(program.metadata).slots == 3
+    assert greedy_generate(program.session(), PROMPT, 8) == greedy_reference(model, PROMPT, 8, 1e-4)
+    capsys.readouterr()
+    assert main(["export-llm", str(folder), "-o", str(out), "--slots", "0"]) == 2
+    assert "--slots must be at least 1" in capsys.readouterr().err

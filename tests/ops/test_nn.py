@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.export.torch_ops import slot_attention
 from tests.ops.harness import TOLERANCE, Case, In, check
 
 Dim = torch.export.Dim
@@ -201,6 +202,12 @@ for dt, tol in {torch.float32: None, **LOW}.items():
         Case(f"rope_cache_update_prefill_{tag}", _attend_cache,
              (In((1, 3, 4, 8), dt), In((1, 3, 2, 8), dt), In((1, 3, 2, 8), dt), In((3, 8), dt), In((3, 8), dt),
               In((1, 2, 6, 8), dt), In((1, 2, 6, 8), dt), In((3,), torch.int64, "index:6")), tol=tol and 2.5 * tol),
+        Case(f"slot_attention_decode_{tag}", lambda q, k, v, s, p: slot_attention(q, k, v, s, p, 0.25),
+             (In((3, 4, 1, 16), dt), In((5, 40, 2, 16), dt), In((5, 40, 2, 16), dt), In((3,), torch.int64, "index:5"),
+              In((3, 1), torch.int64, "index:40")), tol=tol),
+        Case(f"slot_attention_prefill_window_{tag}", lambda q, k, v, s, p: slot_attention(q, k, v, s, p, 0.3, 4),
+             (In((1, 6, 5, 8), dt), In((3, 12, 3, 8), dt), In((3, 12, 3, 8), dt), In((1,), torch.int64, "index:3"),
+              In((1, 5), torch.int64, "index:12")), tol=tol),
         Case(f"gated_silu_{tag}", lambda g, u: F.silu(g) * u, (In((3, 40), dt), In((3, 40), dt)), tol=tol),
         Case(f"gated_gelu_tanh_{tag}", lambda g, u: F.gelu(g, approximate="tanh") * u,
              (In((3, 40), dt), In((3, 40), dt)), tol=tol),
@@ -226,6 +233,12 @@ for dt, tol in {torch.float32: None, **LOW}.items():
 CASES += [
     Case("sdpa_decode_noncontig_cache", F.scaled_dot_product_attention,
          (In((1, 2, 1, 8)), In((1, 2, 70, 8), noncontiguous=True), In((1, 2, 70, 8), noncontiguous=True))),
+    Case("slot_attention_dynamic_batch", lambda q, k, v, s, p: slot_attention(q, k, v, s, p, 0.35),
+         (In((2, 2, 1, 8)), In((4, 30, 1, 8)), In((4, 30, 1, 8)), In((2,), torch.int64, "index:4"),
+          In((2, 1), torch.int64, "index:30")),
+         dynamic=({0: Dim("b", max=4)}, None, None, {0: Dim("b", max=4)}, {0: Dim("b", max=4)}),
+         run_shapes=(((2, 2, 1, 8), (4, 30, 1, 8), (4, 30, 1, 8), (2,), (2, 1)),
+                     ((4, 2, 1, 8), (4, 30, 1, 8), (4, 30, 1, 8), (4,), (4, 1)))),
 ]
 
 

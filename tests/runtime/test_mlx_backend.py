@@ -304,3 +304,32 @@ def test_decode_attends_over_the_keys_its_position_sees():
         kernels = {s.kernel.__qualname__.split(".")[0] for s in plan.steps if s.node.op == "sdpa"}
         assert kernels == {"narrowed_sdpa"}, kernels  # (every row sees a key: no NaN guard either way)
         assert narrowed or all(n.startswith(visible.EVERY_ROW_HINT) for n in dict(key))
+
+
+@needs_mlx
+def test_slotted_decode_gathers_the_keys_its_positions_reach():
+    """A slotted program's slot_attention reads the bucket of keys the batch's furthest position needs (a hint
+    from its positions input), and the logits stay the CPU's."""
+    import mlx.core as mx
+
+    from kiln.models.llm import export_llm
+    from kiln.models.zoo import tiny_decoder
+    from kiln.runtime.backends.mlx import visible
+    from kiln.runtime.llm.decoding import decode_batch, prefill
+
+    program = export_llm(tiny_decoder("llama"), max_context=256, prefill_chunk=8, slots=3).load()
+    session, cpu = program.session("mlx"), program.session("cpu")
+    for s in (session, cpu):
+        prefill(s, list(range(5, 105)), 0, 2)
+        prefill(s, list(range(7, 17)), 0, 0)
+    decode = program.method("decode")
+    for positions, keys in (([10, 100], 128), ([10, 12], 64), ([200, 10], None)):
+        want = decode_batch(cpu, [9, 4], positions, [0, 2])
+        for _ in range(3):  # op by op, then compiled
+            np.testing.assert_allclose(decode_batch(session, [9, 4], positions, [0, 2]), want, rtol=1e-5, atol=1e-5)
+        inputs = [mx.array([[9], [4]]), mx.array(positions), mx.array([0, 2])]
+        hints = session.backend.plan_hints(decode, inputs, {"batch": 2})
+        assert [v for n, v in hints.items() if n.startswith(visible.HINT)] == ([keys] if keys else [])
+    gathered = {getattr(s.kernel, "keywords", {}).get("visible_keys") for p in session._plans["decode"].values()
+                for s in p.steps if s.node.op == "slot_attention"}
+    assert gathered == {128, 64, None}  # (None: the whole cache)

@@ -29,6 +29,7 @@ examples:
   kiln export-llm ./Qwen2.5-0.5B-Instruct -o qwen.kiln --max-context 4096 --quantize int8
   kiln export-llm model.gguf -o model-int4.kiln --quantize int4 --group-size 32
   kiln generate smollm2.kiln --chat --prompt "What is the capital of France?"
+  kiln export-llm model.gguf -o serve.kiln --slots 8    # for `kiln serve`: 8 streams decoded together
 """
 
 
@@ -46,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compute and cache dtype (default: float32, what the CPU runtime is fastest at)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="load the tokenizer from here instead of beside the model")
+    p.add_argument("--slots", type=int, metavar="N",
+                   help="a KV cache for N sequences at once, decoded together in one batched step: what `kiln "
+                        "serve` needs to serve N streams concurrently (cache memory grows N times); default: one "
+                        "sequence")
     add_quantize_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print what each graph pass rewrote and the node counts")
@@ -59,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"{args.source} does not exist: give a checkpoint folder or a .gguf file")
     if args.prefill_chunk < 1 or (args.max_context is not None and args.max_context < 1):
         raise CliError("--max-context and --prefill-chunk must be positive")
+    if args.slots is not None and args.slots < 1:
+        raise CliError(f"--slots must be at least 1, got {args.slots}")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     logging.basicConfig(format="  %(message)s")
     logging.getLogger("kiln.models.llm").setLevel(logging.INFO)
@@ -67,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         builder = export_llm(args.source, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                             dtype=args.dtype, quantize=quantize, tokenizer=args.tokenizer,
+                             dtype=args.dtype, quantize=quantize, tokenizer=args.tokenizer, slots=args.slots,
                              progress=lambda message: print(f"  {message}", flush=True))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
         raise CliError(str(e)) from None
     write_program(builder, args.output, args.verbose, start)
     return 0

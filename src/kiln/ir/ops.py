@@ -19,11 +19,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 6
+OPSET_VERSION = 7
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
-4 add_rms_norm was added; 5 rope_cache_update was added; 6 gated_linear and add_rms_norm_linear were added."""
+4 add_rms_norm was added; 5 rope_cache_update was added; 6 gated_linear and add_rms_norm_linear were added;
+7 slot_attention was added."""
 
 
 class AttrType(enum.IntEnum):
@@ -220,6 +221,13 @@ define("sdpa", "q k v mask?", A("causal", T.BOOL, False), A("scale", T.FLOAT, No
        doc="softmax(q @ k^T * scale + mask) @ v over [..., L, E] / [..., S, E]; scale absent: 1/sqrt(E). "
            "causal masks j > i (top-left aligned); a bool mask keeps True; a float mask is added. "
            "k/v with fewer heads than q (dim -3) are shared by groups of q heads (GQA).")
+define("slot_attention", "q k_cache v_cache slots positions", A("scale", T.FLOAT), A("window", T.INT, 0),
+       doc="Causal attention of B sequences over a KV cache of N slots, each sequence in its own slot: q [B, Hq, "
+           "T, E], k_cache [N, S, Hkv, E], v_cache [N, S, Hkv, Ev], slots int64 [B], positions int64 [B, T] in "
+           "[0, S); out [B, Hq, T, Ev] in q's dtype. Query (b, h, t) attends the keys k_cache[slots[b], j, h // "
+           "(Hq / Hkv)] at j <= positions[b, t] (and j > positions[b, t] - window when window > 0), as "
+           "softmax(q k^T * scale) v. A decode step over several sequences (T = 1) and a prompt chunk of one "
+           "(B = 1) are the same op; a backend reads only the slots and keys the positions reach.")
 
 # ---- shape and view ops ----
 define("reshape", "x", A("shape", T.SYMINTS), doc="Same elements in row-major order, new shape.")

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
 
 from kiln.export import Method, ProgramBuilder, Quantize, export
 from kiln.models.llm_source import llm_metadata, load_causal_lm
-from kiln.runtime.llm.info import MAX_CONTEXT_KEY, NAME_KEY, PREFILL_CHUNK_KEY, RING_CACHE_KEY
+from kiln.runtime.llm.info import MAX_CONTEXT_KEY, NAME_KEY, PREFILL_CHUNK_KEY, RING_CACHE_KEY, SLOTS_KEY
 
 log = logging.getLogger("kiln.models.llm")
 
@@ -47,6 +47,38 @@ class _BufferCache:
         self.keys[layer_idx].index_copy_(2, self.slots[layer_idx], key_states)
         self.values[layer_idx].index_copy_(2, self.slots[layer_idx], value_states)
         return self.keys[layer_idx], self.values[layer_idx]
+
+
+class _SlotCache(_BufferCache):
+    """The cache of a slotted StaticCacheLM: buffers [slots, max_context, kv_heads, head_dim], one slot per sequence;
+    a step's keys and values [B, kv_heads, T, head_dim] go to (slots[b], positions[b, t]), one index_put_ each."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
+                 positions: torch.Tensor):
+        super().__init__(keys, values, [])
+        self.rows, self.positions = slots[:, None], positions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys[layer_idx].index_put_((self.rows, self.positions), key_states.transpose(1, 2))
+        self.values[layer_idx].index_put_((self.rows, self.positions), value_states.transpose(1, 2))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+SLOT_ATTENTION = "kiln_slot_attention"
+"""The transformers attention implementation a slotted StaticCacheLM sets: kiln's slot_attention op."""
+
+
+def _attend_slots(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, *,
+                  kiln_slots: torch.Tensor, kiln_positions: torch.Tensor, kiln_windows: list[int],
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface over a slotted cache: key and value are the whole cache
+    buffers the cache's update returned, and which slot and positions each sequence reads come from the step."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = torch.ops.kiln.slot_attention(query, key, value, kiln_slots, kiln_positions, float(scaling),
+                                        int(kiln_windows[module.layer_idx]))
+    return out.transpose(1, 2).contiguous(), None
 
 
 class _RotaryTable(torch.nn.Module):
@@ -104,11 +136,27 @@ class StaticCacheLM(torch.nn.Module):
     The model's rotary embeddings are replaced by tables of their cos and sin for the positions 0 .. max_context - 1
     (`_RotaryTable`, where the frequencies are static): the model is changed in place, and from then on takes
     positions below max_context only.
+
+    slots=N (serving several sequences at once): each layer's cache is [N, max_context, kv_heads, head_dim], a
+    slot per sequence, and the methods take the slots too:
+    prefill(tokens [1, T], cache_position [T], slot [1]) -> logits [1, vocab]: a chunk of one sequence in its slot;
+    decode(tokens [B, 1], cache_position [B], slots [B]) -> logits [B, vocab]: one token of each of B sequences,
+    each at its own position in its own slot (B from 1 to N).
+    Attention is kiln's slot_attention op (transformers' attention implementation is set to it on the model),
+    which reads only the positions each sequence has; sliding-window layers keep every position (no ring) and
+    mask by the window. Layers that soft-cap their scores (Gemma 2) are not supported with slots.
     """
 
-    def __init__(self, model: PreTrainedModel, max_context: int, prefill_chunk: int | None = None):
+    def __init__(self, model: PreTrainedModel, max_context: int, prefill_chunk: int | None = None,
+                 slots: int | None = None):
         super().__init__()
         config = model.config.get_text_config()
+        if slots is not None and slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
+        if slots is not None and getattr(config, "attn_logit_softcapping", None):
+            raise NotImplementedError(f"{config.model_type}: attention with soft-capped scores "
+                                      "(attn_logit_softcapping) cannot be exported with slots yet; export it without")
         self.sliding_window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None) \
             or ["sliding_attention" if self.sliding_window else "full_attention"] * config.num_hidden_layers
@@ -123,16 +171,34 @@ class StaticCacheLM(torch.nn.Module):
         self.prefill_chunk = self.max_context if prefill_chunk is None else int(prefill_chunk)
         self.num_layers = config.num_hidden_layers
         self.ring_size = self.max_context
-        if self.sliding_window:
+        if self.sliding_window and slots is None:
             self.ring_size = min(self.max_context, int(self.sliding_window) + self.prefill_chunk - 1)
         self.layer_is_ring = [kind == "sliding_attention" and self.ring_size < self.max_context
                               for kind in layer_types]
+        self.layer_windows = [int(self.sliding_window) if kind == "sliding_attention" else 0 for kind in layer_types]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if slots is not None:
+            AttentionInterface.register(SLOT_ATTENTION, _attend_slots)
+            model.set_attn_implementation(SLOT_ATTENTION)
         for i, ring in enumerate(self.layer_is_ring):
             shape = (1, kv_heads, self.ring_size if ring else self.max_context, head_dim)
+            if slots is not None:
+                shape = (slots, self.max_context, kv_heads, head_dim)
             self.register_buffer(f"key_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"value_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
+
+    def _slot_step(self, tokens: torch.Tensor, cache_position: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        positions = cache_position.reshape(tokens.shape)  # [B, T]
+        cache = _SlotCache([getattr(self, f"key_cache_{i}") for i in range(self.num_layers)],
+                           [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)], slots, positions)
+        # slot_attention masks by the positions itself; transformers still wants a mask, used as given when 4-d
+        unused = torch.ones((tokens.shape[0], 1, tokens.shape[1], 1), dtype=torch.bool, device=tokens.device)
+        mask = {kind: unused for kind in self.layer_types} if len(self.layer_types) > 1 else unused
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1, kiln_slots=slots, kiln_positions=positions,
+                         kiln_windows=self.layer_windows)
+        return out.logits[:, -1, :]
 
     def _step(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         ring_slots = cache_position % self.ring_size
@@ -172,13 +238,15 @@ class StaticCacheLM(torch.nn.Module):
         blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
         return blocked.masked_fill(visible, 0.0)
 
-    def prefill(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, cache_position: torch.Tensor,
+                slot: torch.Tensor | None = None) -> torch.Tensor:
         if not torch.compiler.is_compiling() and tokens.shape[1] > self.prefill_chunk:
             raise ValueError(f"prefill takes at most {self.prefill_chunk} tokens at a time, got {tokens.shape[1]}")
-        return self._step(tokens, cache_position)
+        return self._step(tokens, cache_position) if slot is None else self._slot_step(tokens, cache_position, slot)
 
-    def decode(self, token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        return self._step(token, cache_position)
+    def decode(self, token: torch.Tensor, cache_position: torch.Tensor,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
+        return self._step(token, cache_position) if slots is None else self._slot_step(token, cache_position, slots)
 
     def reset(self) -> None:
         """Zero the cache (eager use; an exported program's session has `reset_state()`)."""
@@ -188,37 +256,48 @@ class StaticCacheLM(torch.nn.Module):
 
 
 def export_llama(model: PreTrainedModel | StaticCacheLM, max_context: int, prefill_chunk: int,
-                 **export_options) -> ProgramBuilder:
+                 slots: int | None = None, **export_options) -> ProgramBuilder:
     """Export `prefill` (chunks of 1..prefill_chunk tokens) and `decode` (one token) sharing one KV cache.
 
     model: a transformers causal LM (wrapped here) or a StaticCacheLM. The cache length and chunk size are written to
-    the program's metadata for `greedy_generate`.
+    the program's metadata for `greedy_generate`. slots: a cache of that many sequences, decoded together (see
+    StaticCacheLM); None: one sequence.
     """
     if not 1 <= prefill_chunk <= max_context:
         raise ValueError(f"prefill_chunk must be in 1..max_context ({max_context}), got {prefill_chunk}")
-    lm = model if isinstance(model, StaticCacheLM) else StaticCacheLM(model, max_context, prefill_chunk)
-    if (lm.max_context, lm.prefill_chunk) != (max_context, prefill_chunk):
-        raise ValueError(f"the StaticCacheLM has max_context {lm.max_context} and prefill_chunk {lm.prefill_chunk}, "
-                         f"not {max_context} and {prefill_chunk}")
+    lm = model if isinstance(model, StaticCacheLM) else StaticCacheLM(model, max_context, prefill_chunk, slots)
+    if (lm.max_context, lm.prefill_chunk, lm.slots) != (max_context, prefill_chunk, slots):
+        raise ValueError(f"the StaticCacheLM has max_context {lm.max_context}, prefill_chunk {lm.prefill_chunk} and "
+                         f"slots {lm.slots}, not {max_context}, {prefill_chunk} and {slots}")
     lm.reset()  # the buffers' contents at export become the program's initial state: start empty
     example = min(prefill_chunk, 2)  # torch.export specializes a dimension whose example size is 1
     tokens = torch.zeros((1, example), dtype=torch.long)
     positions = torch.arange(example, dtype=torch.long)
+    slot = () if lm.slots is None else (torch.zeros((1,), dtype=torch.long),)
     if prefill_chunk > 1:
         seq = torch.export.Dim("seq", min=1, max=prefill_chunk)
-        prefill = Method((tokens, positions), dynamic_shapes=({1: seq}, {0: seq}))
+        prefill = Method((tokens, positions, *slot), dynamic_shapes=({1: seq}, {0: seq}, *[None] * len(slot)))
     else:
-        prefill = Method((tokens, positions))
-    decode = Method((torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long)))
+        prefill = Method((tokens, positions, *slot))
+    if lm.slots is None:
+        decode = Method((torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long)))
+    else:
+        batch = min(lm.slots, 2)
+        args = (torch.zeros((batch, 1), dtype=torch.long), torch.zeros((batch,), dtype=torch.long),
+                torch.arange(batch, dtype=torch.long))
+        rows = torch.export.Dim("batch", min=1, max=lm.slots) if lm.slots > 1 else None
+        decode = Method(args, dynamic_shapes=({0: rows}, {0: rows}, {0: rows}) if rows is not None else None)
     metadata = {MAX_CONTEXT_KEY: str(max_context), PREFILL_CHUNK_KEY: str(prefill_chunk),
                 RING_CACHE_KEY: "1" if any(lm.layer_is_ring) else "0"}
+    if lm.slots is not None:
+        metadata[SLOTS_KEY] = str(lm.slots)
     metadata.update(export_options.pop("metadata", None) or {})
     return export(lm, methods={"prefill": prefill, "decode": decode}, metadata=metadata, **export_options)
 
 
 def export_llm(model_or_path: PreTrainedModel | str | os.PathLike, max_context: int | None = None,
                prefill_chunk: int = 128, dtype: str | None = None, quantize: Quantize | str | None = None,
-               tokenizer: Any = None, **export_options) -> ProgramBuilder:
+               tokenizer: Any = None, slots: int | None = None, **export_options) -> ProgramBuilder:
     """Export a transformers decoder-only LM as a program that `kiln generate` / `kiln.llm.Generator` can run alone.
 
     model_or_path: a transformers causal LM, a checkpoint folder, or a .gguf file (loaded by transformers).
@@ -228,6 +307,8 @@ def export_llm(model_or_path: PreTrainedModel | str | os.PathLike, max_context: 
     quantize: weight-only quantization of linear and embedding weights (see kiln.export.Quantize).
     tokenizer: a transformers tokenizer or its path; by default the one beside the model. Its tokenizer.json, chat
     template, special tokens and the stop tokens go into the program's metadata (kiln.runtime.llm.info).
+    slots: a KV cache for that many sequences at once, decoded as one batch (what `kiln serve` batches over);
+    None: one sequence (see StaticCacheLM).
     """
     model, tokenizer = load_causal_lm(model_or_path, tokenizer, dtype)
     config = model.config.get_text_config()
@@ -241,7 +322,8 @@ def export_llm(model_or_path: PreTrainedModel | str | os.PathLike, max_context: 
     if not isinstance(model_or_path, PreTrainedModel):
         metadata[NAME_KEY] = Path(model_or_path).stem if Path(model_or_path).is_file() else Path(model_or_path).name
     metadata.update(export_options.pop("metadata", None) or {})
-    return export_llama(model, max_context, prefill_chunk, quantize=quantize, metadata=metadata, **export_options)
+    return export_llama(model, max_context, prefill_chunk, slots=slots, quantize=quantize, metadata=metadata,
+                        **export_options)
 
 
 __all__ = ["FAMILIES", "MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "export_llama", "export_llm"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.export import torch_ops  # noqa: F401 - defines torch.ops.kiln.*
 from kiln.export.lower.registry import LowerContext, Unsupported, lowering
 
 aten = torch.ops.aten
@@ -25,3 +26,15 @@ def sdpa(ctx: LowerContext, node: torch.fx.Node) -> int:
     return ctx.emit("sdpa", [ctx.value(args["query"]), ctx.value(args["key"]), ctx.value(args["value"]), mask_v],
                     (dtype, shape), causal=bool(args.get("is_causal", False)),
                     scale=None if scale is None else float(scale))
+
+
+@lowering(torch.ops.kiln.slot_attention.default)
+def slot_attention(ctx: LowerContext, node: torch.fx.Node) -> int:
+    names = ("q", "k_cache", "v_cache", "slots", "positions", "scale", "window")
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    if int(args.get("window", 0)) < 0:
+        raise Unsupported(f"slot_attention window must be >= 0, got {args['window']}")
+    inputs = [ctx.value(args[name]) for name in names[:5]]
+    return ctx.emit("slot_attention", inputs, ctx.meta(node), scale=float(args["scale"]),
+                    window=int(args.get("window", 0)))

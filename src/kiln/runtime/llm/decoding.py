@@ -2,7 +2,8 @@
 
 The program is what `kiln.models.llm.export_llama` writes: `prefill(tokens [1, T], cache_position [T])` and
 `decode(token [1, 1], cache_position [1])`, each returning the last position's logits [1, vocab], with the KV cache
-in the session's state buffers. Positions are consecutive and continue where the cache ends (0 after a reset).
+in the session's state buffers; a slotted program (exported with slots=N) takes each call's slots as a last input
+and decodes several sequences per call. Positions are consecutive and continue where the cache ends (0 after a reset).
 `Generator` (generator.py) builds sampling, stop tokens and cache reuse on these; `greedy_generate` is the plain
 argmax loop the model tests compare with transformers.
 """
@@ -10,6 +11,7 @@ argmax loop the model tests compare with transformers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,24 +20,55 @@ from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.session import Session
 
 
-def prefill(session: Session, prompt_ids: Sequence[int], start: int = 0) -> np.ndarray:
-    """Feed `prompt_ids` at positions start, start+1, ... in chunks; returns the last token's logits [vocab]."""
-    chunk = LLMInfo.from_metadata(session.program.metadata).prefill_chunk
+def _slot_inputs(info: LLMInfo, slots: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """The slot input of a slotted program's methods (none for a program of one sequence, where only slot 0
+    exists)."""
+    if info.slots is None:
+        if any(s != 0 for s in slots):
+            raise InputError(f"this program holds one sequence (slot 0), not slots {list(slots)}; export it with "
+                             "--slots N to hold several")
+        return ()
+    if any(not 0 <= s < info.slots for s in slots):
+        raise InputError(f"slots must be in [0, {info.slots}), got {list(slots)}")
+    return (np.asarray(slots, dtype=np.int64),)
+
+
+def prefill(session: Session, prompt_ids: Sequence[int], start: int = 0, slot: int = 0) -> np.ndarray:
+    """Feed `prompt_ids` at positions start, start+1, ... in chunks (into `slot` of a slotted program); returns
+    the last token's logits [vocab]."""
+    info = LLMInfo.from_metadata(session.program.metadata)
     ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if ids.size == 0:
         raise InputError("the prompt is empty; give at least one token")
+    slot_input = _slot_inputs(info, [slot])
     logits = None
-    for lo in range(0, ids.size, chunk):
-        piece = ids[lo:lo + chunk]
-        positions = np.arange(start + lo, start + lo + piece.size, dtype=np.int64)
-        logits = session.run("prefill", piece[None, :], positions)[0]
+    for lo in range(0, ids.size, info.prefill_chunk):
+        logits = prefill_chunk(session, ids[lo:lo + info.prefill_chunk], start + lo, slot_input)
     return session.backend.to_numpy(logits).reshape(-1)
 
 
-def decode_step(session: Session, token: int, position: int) -> np.ndarray:
-    """Feed one token at `position`; returns its logits [vocab] (the distribution of the token after it)."""
-    logits = session.run("decode", np.array([[token]], dtype=np.int64), np.array([position], dtype=np.int64))[0]
-    return session.backend.to_numpy(logits).reshape(-1)
+def prefill_chunk(session: Session, ids: np.ndarray, start: int, slot_input: tuple[np.ndarray, ...] = ()) -> Any:
+    """One prefill call: at most prefill_chunk tokens at positions start, start+1, ...; the backend's logits
+    [1, vocab]. slot_input: () for a program of one sequence, (int64 [slot],) for a slotted one."""
+    positions = np.arange(start, start + ids.size, dtype=np.int64)
+    return session.run("prefill", ids.reshape(1, -1), positions, *slot_input)[0]
+
+
+def decode_step(session: Session, token: int, position: int, slot: int = 0) -> np.ndarray:
+    """Feed one token at `position` (of `slot` in a slotted program); returns its logits [vocab] (the distribution
+    of the token after it)."""
+    return decode_batch(session, [token], [position], [slot]).reshape(-1)
+
+
+def decode_batch(session: Session, tokens: Sequence[int], positions: Sequence[int],
+                 slots: Sequence[int]) -> np.ndarray:
+    """One decode step of several sequences at once (a slotted program; one sequence otherwise): token b at
+    positions[b] in slots[b]; returns logits [B, vocab] as NumPy."""
+    info = LLMInfo.from_metadata(session.program.metadata)
+    slot_input = _slot_inputs(info, slots)
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+    logits = session.run("decode", ids, np.asarray(positions, dtype=np.int64).reshape(-1), *slot_input)[0]
+    return session.backend.to_numpy(logits).reshape(ids.shape[0], -1)
 
 
 def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -64,4 +97,4 @@ def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens:
     return out
 
 
-__all__ = ["decode_step", "greedy_generate", "prefill"]
+__all__ = ["decode_batch", "decode_step", "greedy_generate", "prefill", "prefill_chunk"]

@@ -30,6 +30,10 @@ RING_CACHE_KEY = "kiln.llm.ring_cache"
 """"1" when some layers keep a ring-buffer (sliding-window) cache: then a cache can only be rewound by at most
 prefill_chunk positions (older slots may already hold newer positions)."""
 
+SLOTS_KEY = "kiln.llm.slots"
+"""The sequences the KV cache holds (a program exported with slots, for batched serving): then prefill takes
+(tokens, positions, slot [1]) and decode (tokens [B, 1], positions [B], slots [B]). Absent: one sequence."""
+
 
 @dataclass(frozen=True)
 class LLMInfo:
@@ -45,6 +49,7 @@ class LLMInfo:
     model_type: str | None = None
     name: str | None = None
     ring_cache: bool = False
+    slots: int | None = None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str]) -> LLMInfo:
@@ -65,6 +70,7 @@ class LLMInfo:
             model_type=meta.get(MODEL_TYPE_KEY) or None,
             name=meta.get(NAME_KEY) or None,
             ring_cache=meta.get(RING_CACHE_KEY) == "1",
+            slots=int(meta[SLOTS_KEY]) if meta.get(SLOTS_KEY) else None,
         )
 
     def max_rewind(self, cached: int) -> int:

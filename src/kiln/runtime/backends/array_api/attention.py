@@ -57,3 +57,32 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
     xp.exp(scores, out=scores)
     scores /= xp.sum(scores, axis=-1, keepdims=True)
     return matmul(scores, v).reshape(out_shape)
+
+
+def slot_attention(xp: Any, q: Any, keys: Any, values: Any, positions: Any, first: int, scale: float, window: int,
+                   matmul: Callable[[Any, Any], Any] | None = None) -> Any:
+    """slot_attention over keys and values already gathered per sequence: q [B, Hq, T, E], keys [B, L, Hkv, E]
+    and values [B, L, Hkv, Ev] holding the cache positions first .. first + L - 1 of each sequence's slot,
+    positions [B, T]; out [B, Hq, T, Ev] in q's dtype (float32 or wider).
+
+    GQA as in sdpa: the q heads of a kv head are one [g * T, E] block, so each kv head is one matmul per sequence.
+    """
+    B, Hq, T, E = q.shape
+    L, Hkv = keys.shape[1], keys.shape[2]
+    groups = Hq // Hkv
+    matmul = matmul or xp.matmul
+    q = q.reshape(B, Hkv, groups * T, E)
+    scores = matmul(q, xp.transpose(keys, (0, 2, 3, 1)))  # [B, Hkv, g * T, L]
+    scores *= scores.dtype.type(scale)
+    key = (xp.arange(L) + first)[None, None, None, :]
+    position = positions[:, None, :, None]  # [B, 1, T, 1]: the same for every q head of a group
+    visible = key <= position
+    if window > 0:
+        visible = visible & (key > position - window)
+    scores = scores.reshape(B, Hkv, groups, T, L)
+    scores = xp.where(visible[:, :, None], scores, -xp.inf)
+    scores -= xp.max(scores, axis=-1, keepdims=True)
+    xp.exp(scores, out=scores)
+    scores /= xp.sum(scores, axis=-1, keepdims=True)
+    out = matmul(scores.reshape(B, Hkv, groups * T, L), xp.transpose(values, (0, 2, 1, 3)))
+    return out.reshape(B, Hq, T, values.shape[-1])

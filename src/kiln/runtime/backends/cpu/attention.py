@@ -53,3 +53,27 @@ def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarr
     write = functools.partial(array_api.index.index_put, np, dims=dims, accumulate=False, in_place=in_place)
     return (rope(q, cos, sin, interleaved), write(k_cache, rope(k, cos, sin, interleaved), *indices),
             write(v_cache, v, *indices))
+
+
+def check_slots(slots: np.ndarray, positions: np.ndarray, slot_count: int, length: int) -> None:
+    """Slots and positions inside the cache (a gather past its end would read another slot's keys or fail)."""
+    if slots.size and not (0 <= slots.min() and slots.max() < slot_count):
+        raise IndexError(f"slot_attention: slots must be in [0, {slot_count}), got {slots.tolist()}")
+    if positions.size and not (0 <= positions.min() and positions.max() < length):
+        raise IndexError(f"slot_attention: positions must be in [0, {length}), got min {positions.min()} "
+                         f"max {positions.max()}")
+
+
+@kernel("slot_attention")
+def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                   scale: float, window: int = 0) -> np.ndarray:
+    """Gathers only the keys some query of the batch sees (from the earliest any window starts to the latest
+    position), so a step costs what its positions reach, not the cache's length."""
+    check_slots(slots, positions, k_cache.shape[0], k_cache.shape[1])
+    if q.size == 0:
+        return np.zeros(q.shape[:-1] + v_cache.shape[-1:], q.dtype)
+    last = int(positions.max()) + 1
+    first = max(0, int(positions.min()) - window + 1) if window > 0 else 0
+    dtype = q.dtype
+    q, keys, values = upcast(q, k_cache[slots, first:last], v_cache[slots, first:last])
+    return array_api.slot_attention(np, q, keys, values, positions, first, scale, window).astype(dtype, copy=False)

@@ -109,3 +109,11 @@ def sdpa(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int])
 
     kernel = visible.sdpa_for(node, env)
     return None if kernel is None else (kernel, tuple(node.inputs))
+
+
+@preparer("slot_attention")
+def slot_attention(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+    from kiln.runtime.backends.mlx import visible
+
+    kernel = visible.slot_attention_for(node, env)
+    return None if kernel is None else (kernel, tuple(node.inputs))

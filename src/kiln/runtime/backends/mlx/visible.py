@@ -10,10 +10,14 @@ ops) is computed on the host with the CPU backend's kernels, the last key any qu
 bucket (64, 96, 128, 192, 256, ...: at most 1.5x the keys needed, two compiled variants per doubling), and the
 bucket becomes a hint in the plan's signature (Backend.plan_hints), so each bucket has its own compiled method
 whose sdpa reads only that many keys. The result is exactly the same: the keys left out are masked out.
+
+slot_attention (the serving programs' attention over a cache of several sequences) is narrowed the same way from
+its positions input: the largest position plus one, bucketed, is how many keys of each slot it gathers.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +44,10 @@ SMALLEST = 64
 
 @dataclass(frozen=True)
 class HostMask:
-    mask: int  # the mask value
+    mask: int  # the mask value (an sdpa's bool mask, or a slot_attention's positions)
     nodes: tuple[Node, ...]  # the nodes that compute it, in the method's order
     inputs: tuple[int, ...]  # the positions of the method inputs it reads
+    keys: int = 0  # for positions: the keys a slot holds (for a mask, its last dim says)
 
 
 def bucket(keys: int, total: int) -> int:
@@ -76,17 +81,22 @@ def _closure(method: Method, made_by: dict[int, Node], value: int) -> tuple[Node
 
 
 def host_masks(arrays: ProgramArrays, method: Method, made_by: dict[int, Node]) -> tuple[HostMask, ...]:
-    """The bool masks of the method's sdpa nodes that can be computed on the host from its inputs."""
+    """The bool masks of the method's sdpa nodes, and the positions of its slot_attention nodes, that can be
+    computed on the host from its inputs."""
     def find() -> tuple[HostMask, ...]:
         found = []
-        masks = {n.inputs[3] for n in method.nodes if n.op == "sdpa" and len(n.inputs) > 3 and n.inputs[3] >= 0}
-        for mask in sorted(masks):
-            if method.values[mask].dtype.name != "bool":
-                continue
-            nodes = _closure(method, made_by, mask)
-            if nodes:
-                read = {i for n in nodes for i in n.inputs}
-                found.append(HostMask(mask, nodes, tuple(k for k, v in enumerate(method.inputs) if v in read)))
+        masks = {n.inputs[3]: 0 for n in method.nodes if n.op == "sdpa" and len(n.inputs) > 3 and n.inputs[3] >= 0
+                 and method.values[n.inputs[3]].dtype.name == "bool"}
+        for n in method.nodes:
+            length = method.values[n.inputs[1]].shape[1] if n.op == "slot_attention" else None
+            if isinstance(length, int):
+                masks[n.inputs[4]] = max(masks.get(n.inputs[4], 0), length)
+        for mask, keys in sorted(masks.items()):
+            read = {mask} if method.values[mask].kind == ValueKind.INPUT else None
+            nodes = () if read else _closure(method, made_by, mask)
+            if nodes or read:
+                read = read or {i for n in nodes for i in n.inputs}
+                found.append(HostMask(mask, nodes, tuple(k for k, v in enumerate(method.inputs) if v in read), keys))
         return tuple(found)
     return arrays.derived(("host masks", method.name, id(method)), find, evaluate=False)
 
@@ -109,6 +119,12 @@ def hints(arrays: ProgramArrays, method: Method, made_by: dict[int, Node], input
             result = CPUBackend.kernels[node.op](*args, **resolve_attrs(ops.OPS[node.op], node.attrs, env))
             for i, r in zip(node.outputs, result if len(node.outputs) > 1 else (result,)):
                 values[i] = np.asarray(r)
+        if host.keys:  # a slot_attention's positions
+            positions = values[host.mask]
+            keys = bucket(int(positions.max()) + 1 if positions.size else 0, host.keys)
+            if keys < host.keys:
+                out[HINT + str(host.mask)] = keys
+            continue
         mask = values[host.mask]
         total = mask.shape[-1] if mask.ndim else 0
         if total == 0:
@@ -141,3 +157,9 @@ def sdpa_for(node: Node, env: dict[str, int]) -> Callable[..., mx.array] | None:
     keys = env.get(HINT + str(node.inputs[3]))
     every_row_sees = bool(env.get(EVERY_ROW_HINT + str(node.inputs[3])))
     return None if keys is None and not every_row_sees else narrowed_sdpa(keys, every_row_sees)
+
+
+def slot_attention_for(node: Node, env: dict[str, int]) -> Callable[..., mx.array] | None:
+    """The slot_attention kernel gathering only the keys the node's positions reach (plan hint), or None."""
+    keys = env.get(HINT + str(node.inputs[4]))
+    return None if keys is None else functools.partial(attention.slot_attention, visible_keys=keys)

@@ -14,6 +14,7 @@ import numpy as np
 
 from kiln.runtime.backends.array_api import BFLOAT16, rotate, upcast
 from kiln.runtime.backends.array_api import sdpa as portable_sdpa
+from kiln.runtime.backends.array_api import slot_attention as portable_slot_attention
 from kiln.runtime.backends.array_api.index import target
 from kiln.runtime.backends.cuda import cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.index import index_put
@@ -109,6 +110,17 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     dtype = q.dtype
     q, k, v, mask = upcast(q, k, v, mask)
     return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas).astype(dtype, copy=False)
+
+
+@kernel("slot_attention")
+def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: Any, scale: float,
+                   window: int = 0) -> Any:
+    """The portable composition over every key of each sequence's slot (cuBLAS products): narrowing to the keys
+    the positions reach would read them on the host, a synchronization per layer that a CUDA graph cannot hold."""
+    dtype = q.dtype
+    q, keys, values = upcast(q, k_cache[slots], v_cache[slots])
+    return portable_slot_attention(cp, q, keys, values, positions, 0, scale, window,
+                                   matmul=matmul_cublas).astype(dtype, copy=False)
 
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # as common.cuh numbers them for the attention kernels
