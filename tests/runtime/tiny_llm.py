@@ -30,10 +30,12 @@ def tokenizer_metadata() -> dict[str, str]:
             info.SPECIAL_TOKENS_KEY: json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})}
 
 
-def export_tiny_llm(family: str = "llama", with_tokenizer: bool = True) -> tuple[object, ProgramBuilder]:
-    """(eager model, exported program) with max_context 64 and prefill chunks of 8."""
+def export_tiny_llm(family: str = "llama", with_tokenizer: bool = True, slots: int | None = None,
+                    max_context: int = MAX_CONTEXT) -> tuple[object, ProgramBuilder]:
+    """(eager model, exported program) with max_context 64 (unless given) and prefill chunks of 8; slots: a
+    KV cache of that many sequences."""
     model = tiny_decoder(family)
     metadata = {info.VOCAB_SIZE_KEY: "128", info.STOP_TOKENS_KEY: json.dumps(STOP_TOKENS), info.NAME_KEY: "tiny"}
     if with_tokenizer:
         metadata.update(tokenizer_metadata())
-    return model, export_llama(model, MAX_CONTEXT, CHUNK, metadata=metadata)
+    return model, export_llama(model, max_context, CHUNK, slots=slots, metadata=metadata)

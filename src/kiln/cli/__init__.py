@@ -27,6 +27,7 @@ from kiln.cli import (
     inspect_cmd,
     ops_cmd,
     run_cmd,
+    serve_cmd,
     transcribe_cmd,
 )
 from kiln.cli.common import CliError, error
@@ -39,7 +40,7 @@ from kiln.errors import (
 )
 
 COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, export_parakeet_cmd, inspect_cmd, run_cmd, bench_cmd,
-            ops_cmd, classify_cmd, detect_cmd, generate_cmd, chat_cmd, transcribe_cmd)
+            ops_cmd, classify_cmd, detect_cmd, generate_cmd, chat_cmd, transcribe_cmd, serve_cmd)
 
 USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
 """Errors the user can fix from the message alone: printed without a traceback, exit status 2."""

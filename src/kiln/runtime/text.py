@@ -31,10 +31,10 @@ class TextTokenizer:
     truncation setting. Padding uses the file's pad token (id 0, "[PAD]", for BERT).
     """
 
-    def __init__(self, path: str | os.PathLike, max_length: int | None = None):
+    def __init__(self, path: str | os.PathLike | None, max_length: int | None = None, json_text: str | None = None):
         tk = _tokenizers()
-        self.path = os.fspath(path)
-        self._tok = tk.Tokenizer.from_file(self.path)
+        self.path = os.fspath(path) if path is not None else None
+        self._tok = tk.Tokenizer.from_str(json_text) if json_text is not None else tk.Tokenizer.from_file(self.path)
         padding = self._tok.padding or {}
         pad_id, pad_token = padding.get("pad_id", 0), padding.get("pad_token", "[PAD]")
         self._tok.enable_padding(pad_id=pad_id, pad_token=pad_token)  # to the longest text, not a fixed length
@@ -58,6 +58,16 @@ class TextTokenizer:
         return self._tok.encode(text).tokens  # padding to the longest of one text adds nothing
 
 
+TOKENIZER_KEY = "kiln.text.tokenizer_json"
+"""Program metadata: the whole tokenizer.json of a text encoder (an embedding program), so the file is enough."""
+
+
+def program_tokenizer(metadata: dict[str, str], max_length: int | None = None) -> TextTokenizer | None:
+    """The tokenizer a program carries in its metadata (TOKENIZER_KEY), or None."""
+    text = metadata.get(TOKENIZER_KEY)
+    return TextTokenizer(None, max_length, json_text=text) if text else None
+
+
 def load_tokenizer(path: str | os.PathLike, max_length: int | None = None) -> TextTokenizer:
     """A TextTokenizer from a tokenizer.json file (or a directory that holds one)."""
     path = os.fspath(path)
@@ -68,4 +78,4 @@ def load_tokenizer(path: str | os.PathLike, max_length: int | None = None) -> Te
     return TextTokenizer(path, max_length)
 
 
-__all__ = ["TextTokenizer", "load_tokenizer"]
+__all__ = ["TOKENIZER_KEY", "TextTokenizer", "load_tokenizer", "program_tokenizer"]
