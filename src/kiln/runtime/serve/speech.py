@@ -48,24 +48,12 @@ class SpeechService:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError(400, "send the audio as multipart/form-data with a 'file' field", param="file")
         try:
-            form = await request.form(max_files=1, max_fields=16)
+            async with request.form(max_files=1, max_fields=16) as form:
+                fmt, data = await self._fields(form)
+        except APIError:
+            raise
         except Exception as e:  # a malformed multipart body
             raise APIError(400, f"the multipart body cannot be read: {e}", param="file") from None
-        async with form:
-            model = form.get("model")
-            if not isinstance(model, str) or model != self.model_id:
-                raise APIError(400, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
-                               param="model", code="model_not_found")
-            fmt = form.get("response_format") or "json"
-            if fmt not in FORMATS:
-                raise bad_field("response_format", f"'response_format' must be one of {list(FORMATS)}",
-                                code="invalid_value")
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise bad_field("file", "'file' is a required multipart file field", code="missing_required_parameter")
-            data = await upload.read(MAX_UPLOAD_BYTES + 1)
-        if len(data) > MAX_UPLOAD_BYTES:
-            raise bad_field("file", f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MiB", code="invalid_value")
         transcript = await asyncio.to_thread(self._transcribe, data)
         self.metrics.count("kiln_audio_seconds_total", "seconds of audio transcribed", transcript.audio_seconds)
         if fmt == "text":
@@ -74,6 +62,24 @@ class SpeechService:
             return JSONResponse({"task": "transcribe", "duration": transcript.audio_seconds, "text": transcript.text,
                                  "segments": [{"id": k, "text": t} for k, t in enumerate(transcript.windows)]})
         return JSONResponse({"text": transcript.text})
+
+    async def _fields(self, form: Any) -> tuple[str, bytes]:
+        """(response_format, the file's bytes) of the upload, its model checked."""
+        model = form.get("model")
+        if not isinstance(model, str) or model != self.model_id:
+            raise APIError(400, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+        fmt = form.get("response_format") or "json"
+        if fmt not in FORMATS:
+            raise bad_field("response_format", f"'response_format' must be one of {list(FORMATS)}",
+                            code="invalid_value")
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise bad_field("file", "'file' is a required multipart file field", code="missing_required_parameter")
+        data = await upload.read(MAX_UPLOAD_BYTES + 1)
+        if len(data) > MAX_UPLOAD_BYTES:
+            raise bad_field("file", f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MiB", code="invalid_value")
+        return fmt, data
 
     def _transcribe(self, data: bytes) -> Transcript:
         try:
