@@ -91,12 +91,16 @@ class CUDABackend(Backend):
     def capture(self, body: Callable[[], list[Any]]) -> tuple[Any, list[Any]]:
         """body's kernels recorded as a CUDA graph on a side stream (capture needs a stream other than the default).
 
+        The side stream is non-blocking: a blocking one is implicitly ordered with the legacy default stream, so
+        another thread's session launching there while this one captures would invalidate the capture (CUDA error
+        906, found by the sessions-on-threads tests).
+
         Everything body allocates comes from a memory pool of the graph's own, which the returned graph keeps: the
         replays write those addresses, so no other array may be given that memory while the graph lives.
         """
         cp = self.cp
         if self._capture_stream is None:
-            self._capture_stream = cp.cuda.Stream(non_blocking=False)
+            self._capture_stream = cp.cuda.Stream(non_blocking=True)
         stream, pool = self._capture_stream, cp.cuda.MemoryPool()
         cp.cuda.get_current_stream().synchronize()
         with cp.cuda.using_allocator(pool.malloc), stream:
