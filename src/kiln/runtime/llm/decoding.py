@@ -20,7 +20,7 @@ from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.session import Session
 
 
-def _slot_inputs(info: LLMInfo, slots: Sequence[int]) -> tuple[np.ndarray, ...]:
+def slot_inputs(info: LLMInfo, slots: Sequence[int]) -> tuple[np.ndarray, ...]:
     """The slot input of a slotted program's methods (none for a program of one sequence, where only slot 0
     exists)."""
     if info.slots is None:
@@ -33,14 +33,21 @@ def _slot_inputs(info: LLMInfo, slots: Sequence[int]) -> tuple[np.ndarray, ...]:
     return (np.asarray(slots, dtype=np.int64),)
 
 
-def prefill(session: Session, prompt_ids: Sequence[int], start: int = 0, slot: int = 0) -> np.ndarray:
+def _info(session: Session, info: LLMInfo | None) -> LLMInfo:
+    """The program's LLM metadata: the caller's parsed copy (a loop calling once per token passes it), else
+    parsed now."""
+    return info if info is not None else LLMInfo.from_metadata(session.program.metadata)
+
+
+def prefill(session: Session, prompt_ids: Sequence[int], start: int = 0, slot: int = 0,
+            info: LLMInfo | None = None) -> np.ndarray:
     """Feed `prompt_ids` at positions start, start+1, ... in chunks (into `slot` of a slotted program); returns
     the last token's logits [vocab]."""
-    info = LLMInfo.from_metadata(session.program.metadata)
+    info = _info(session, info)
     ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if ids.size == 0:
         raise InputError("the prompt is empty; give at least one token")
-    slot_input = _slot_inputs(info, [slot])
+    slot_input = slot_inputs(info, [slot])
     logits = None
     for lo in range(0, ids.size, info.prefill_chunk):
         logits = prefill_chunk(session, ids[lo:lo + info.prefill_chunk], start + lo, slot_input)
@@ -54,18 +61,18 @@ def prefill_chunk(session: Session, ids: np.ndarray, start: int, slot_input: tup
     return session.run("prefill", ids.reshape(1, -1), positions, *slot_input)[0]
 
 
-def decode_step(session: Session, token: int, position: int, slot: int = 0) -> np.ndarray:
+def decode_step(session: Session, token: int, position: int, slot: int = 0,
+                info: LLMInfo | None = None) -> np.ndarray:
     """Feed one token at `position` (of `slot` in a slotted program); returns its logits [vocab] (the distribution
     of the token after it)."""
-    return decode_batch(session, [token], [position], [slot]).reshape(-1)
+    return decode_batch(session, [token], [position], [slot], info).reshape(-1)
 
 
-def decode_batch(session: Session, tokens: Sequence[int], positions: Sequence[int],
-                 slots: Sequence[int]) -> np.ndarray:
+def decode_batch(session: Session, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                 info: LLMInfo | None = None) -> np.ndarray:
     """One decode step of several sequences at once (a slotted program; one sequence otherwise): token b at
     positions[b] in slots[b]; returns logits [B, vocab] as NumPy."""
-    info = LLMInfo.from_metadata(session.program.metadata)
-    slot_input = _slot_inputs(info, slots)
+    slot_input = slot_inputs(_info(session, info), slots)
     ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
     logits = session.run("decode", ids, np.asarray(positions, dtype=np.int64).reshape(-1), *slot_input)[0]
     return session.backend.to_numpy(logits).reshape(ids.shape[0], -1)
@@ -78,13 +85,14 @@ def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens:
     reset: start from an empty cache (the positions always start at 0, so only turn this off when the cache is
     known to be empty). Stops early after `eos_token_id` (which is included) or when the cache is full.
     """
-    max_context = LLMInfo.from_metadata(session.program.metadata).max_context
+    info = LLMInfo.from_metadata(session.program.metadata)
+    max_context = info.max_context
     n_prompt = len(prompt_ids)
     if n_prompt > max_context:
         raise InputError(f"the prompt has {n_prompt} tokens but the program's cache holds {max_context}")
     if reset:
         session.reset_state()
-    logits = prefill(session, prompt_ids)
+    logits = prefill(session, prompt_ids, info=info)
     out: list[int] = []
     position = n_prompt
     while len(out) < max_new_tokens:
@@ -92,9 +100,9 @@ def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens:
         out.append(token)
         if token == eos_token_id or position >= max_context:
             break
-        logits = decode_step(session, token, position)
+        logits = decode_step(session, token, position, info=info)
         position += 1
     return out
 
 
-__all__ = ["decode_batch", "decode_step", "greedy_generate", "prefill", "prefill_chunk"]
+__all__ = ["decode_batch", "decode_step", "greedy_generate", "prefill", "prefill_chunk", "slot_inputs"]

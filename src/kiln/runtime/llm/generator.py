@@ -294,7 +294,7 @@ class Generator:
         stats.cached_tokens = start
         self.cached = []  # until prefill succeeds the cache's contents are unknown: the next call starts over
         t0 = time.perf_counter()
-        logits = prefill(self.session, ids[start:], start)
+        logits = prefill(self.session, ids[start:], start, info=self.info)
         stats.prefill_seconds = time.perf_counter() - t0
         self.cached = list(ids)
         position = len(ids)
@@ -316,7 +316,7 @@ class Generator:
                 stats.stop_reason = "context_full"
                 break
             t0 = time.perf_counter()
-            logits = decode_step(self.session, token, position)
+            logits = decode_step(self.session, token, position, info=self.info)
             stats.decode_seconds += time.perf_counter() - t0
             stats.decode_steps += 1
             self.cached.append(token)

@@ -30,6 +30,8 @@ from kiln.runtime.serve.embeddings import EmbeddingService
 from kiln.runtime.serve.llm import LLMService
 from kiln.runtime.serve.metrics import Metrics
 from kiln.runtime.serve.protocol import APIError, now
+from kiln.runtime.serve.service import ServeOptions, Service
+from kiln.runtime.serve.speech import SpeechService
 from kiln.runtime.speech.info import MODEL_KIND_KEY
 
 log = logging.getLogger("kiln.serve")
@@ -40,6 +42,8 @@ KINDS: list[tuple[str, Callable[[Mapping[str, str]], bool]]] = [
     ("embedding", lambda meta: meta.get("task") == "sentence-embedding"),
 ]
 """How a program says what it is, tried in order."""
+SERVICES: dict[str, type[Service]] = {"llm": LLMService, "speech": SpeechService, "embedding": EmbeddingService}
+"""The service that serves each kind."""
 
 
 def program_kind(metadata: Mapping[str, str]) -> str:
@@ -48,17 +52,6 @@ def program_kind(metadata: Mapping[str, str]) -> str:
             return kind
     raise KilnError("kiln serve serves language models (`kiln export-llm`), sentence-embedding programs and speech "
                     "programs (`kiln export-whisper`, `kiln export-parakeet`); this program is none of them")
-
-
-def _service(kind: str, program: Program, backend: str, model_id: str, metrics: Metrics, max_queue: int,
-             tokenizer: Any) -> Any:
-    if kind == "llm":
-        return LLMService(program, backend, model_id, metrics, max_queue)
-    if kind == "embedding":
-        return EmbeddingService(program, backend, model_id, metrics, tokenizer)
-    from kiln.runtime.serve.speech import SpeechService  # the audio front end: only for speech programs
-
-    return SpeechService(program, backend, model_id, metrics)
 
 
 def model_name(program: Program, path: str | None) -> str:
@@ -83,7 +76,7 @@ def create_app(program: Program | str | os.PathLike, backend: str = "cpu", model
     kind = program_kind(program.metadata)
     model_id = model_id or model_name(program, path)
     metrics = Metrics(model_id)
-    service = _service(kind, program, backend, model_id, metrics, max_queue, tokenizer)
+    service = SERVICES[kind](program, backend, model_id, metrics, ServeOptions(max_queue, tokenizer))
 
     async def models(request: Request) -> Response:
         card = {"id": model_id, "object": "model", "created": created, "owned_by": "kiln", "kind": kind,
@@ -151,4 +144,4 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
 
-__all__ = ["KINDS", "create_app", "model_name", "program_kind"]
+__all__ = ["KINDS", "SERVICES", "create_app", "model_name", "program_kind"]

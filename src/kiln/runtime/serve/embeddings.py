@@ -20,39 +20,28 @@ from starlette.routing import Route
 from kiln.errors import InputError
 from kiln.runtime.program import Program
 from kiln.runtime.serve.metrics import Metrics
-from kiln.runtime.serve.protocol import APIError, bad_field, field, read_json
+from kiln.runtime.serve.protocol import bad_field, field, read_json
+from kiln.runtime.serve.service import ServeOptions, Service
 from kiln.runtime.text import TextTokenizer, program_tokenizer
 
 MAX_INPUTS = 2048
 
 
-class EmbeddingService:
+class EmbeddingService(Service):
     kind = "embedding"
 
-    def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics,
-                 tokenizer: TextTokenizer | None = None):
-        self.model_id = model_id
-        self.metrics = metrics
+    def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics, options: ServeOptions):
+        super().__init__(model_id, metrics)
         self.session = program.session(backend)
-        self.tokenizer = tokenizer or program_tokenizer(program.metadata)
+        self.tokenizer: TextTokenizer | None = options.tokenizer or program_tokenizer(program.metadata)
         self._lock = threading.Lock()
 
     def routes(self) -> list[Route]:
         return [Route("/v1/embeddings", self.embeddings, methods=["POST"])]
 
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-    def start(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
     async def embeddings(self, request: Request) -> Response:
         body = await read_json(request)
-        model = field(body, "model", "string")
-        if model != self.model_id:
-            raise APIError(400, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+        self.check_model(body.get("model"))
         encoding = field(body, "encoding_format", "string", "float",
                          lambda v: None if v in ("float", "base64") else "must be 'float' or 'base64'")
         if body.get("dimensions") is not None:

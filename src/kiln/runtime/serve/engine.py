@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.runtime.llm.decoding import decode_batch, prefill_chunk
+from kiln.runtime.llm.decoding import decode_batch, prefill_chunk, slot_inputs
 from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.llm.sampling import Sampler
 from kiln.runtime.llm.tokenizer import LLMTokenizer
@@ -103,10 +103,10 @@ class EngineMetrics:
 
     def step(self, batch: int, seconds: float) -> None:
         """One decode step over `batch` sequences took `seconds`."""
-    def prefill(self, tokens: int, seconds: float) -> None:
-        """A prompt of `tokens` finished prefilling, `seconds` after its request arrived."""
+
     def token(self, first: bool, seconds: float) -> None:
         """A token was sampled: the first of its request `seconds` after it arrived, or `seconds` after the last."""
+
     def finished(self, generation: Generation) -> None:
         """A generation ended (its finish_reason says how)."""
 
@@ -223,13 +223,12 @@ class LLMEngine:
         chunk = self.info.prefill_chunk
         start = generation.prefilled
         ids = np.asarray(generation.prompt_ids[start:start + chunk], dtype=np.int64)
-        slot_input = (np.array([generation.slot], dtype=np.int64),) if self.info.slots else ()
+        slot_input = slot_inputs(self.info, [generation.slot])
         logits = prefill_chunk(self.session, ids, start, slot_input)
         generation.prefilled += ids.size
         if generation.prefilled < generation.prompt_tokens:
-            return  # (on a GPU this chunk may still be running: it is timed with the last one)
+            return
         row = self.session.backend.to_numpy(logits).reshape(-1)
-        self.metrics.prefill(generation.prompt_tokens, time.perf_counter() - generation.submitted)
         generation.position = generation.prompt_tokens
         self._accept(generation, generation.sampler(row))
 
@@ -244,7 +243,7 @@ class LLMEngine:
             tokens, positions, slots = tokens + tokens[-1:] * extra, positions + positions[-1:] * extra, \
                 slots + slots[-1:] * extra
         t0 = time.perf_counter()
-        logits = decode_batch(self.session, tokens, positions, slots)
+        logits = decode_batch(self.session, tokens, positions, slots, self.info)
         self.metrics.step(size, time.perf_counter() - t0)
         for generation, row in zip(generations, logits):
             generation.position += 1

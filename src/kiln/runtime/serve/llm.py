@@ -35,6 +35,7 @@ from kiln.runtime.serve.protocol import (
     refuse_unsupported,
     string_list,
 )
+from kiln.runtime.serve.service import ServeOptions, Service
 
 UNSUPPORTED = {
     "n": lambda v: v == 1, "best_of": lambda v: v == 1, "logprobs": lambda v: v in (False, None),
@@ -74,15 +75,14 @@ class EventQueue:
             pass
 
 
-class LLMService:
+class LLMService(Service):
     """The routes of one language-model program."""
 
     kind = "llm"
 
-    def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics, max_queue: int = 64):
-        self.model_id = model_id
-        self.metrics = metrics
-        self.engine = LLMEngine(program, backend, max_queue, metrics)
+    def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics, options: ServeOptions):
+        super().__init__(model_id, metrics)
+        self.engine = LLMEngine(program, backend, options.max_queue, metrics)
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
         metrics.gauge("kiln_queue_depth", "requests waiting for a KV-cache slot", lambda: self.engine.queue_depth)
@@ -106,7 +106,7 @@ class LLMService:
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request)
-        self._check_model(body)
+        self.check_model(body.get("model"))
         messages = field(body, "messages", "array", check=lambda v: None if v else "must not be empty")
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
@@ -120,18 +120,12 @@ class LLMService:
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request)
-        self._check_model(body)
+        self.check_model(body.get("model"))
         ids = self._prompt_ids(body.get("prompt", None))
         options = self._options(body, len(ids), ("max_tokens",), default_max=16)
         return await self._respond(request, ids, options, chat=False)
 
     # ---- request fields ----
-
-    def _check_model(self, body: dict[str, Any]) -> None:
-        model = field(body, "model", "string")
-        if model != self.model_id:
-            raise APIError(400, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
 
     @staticmethod
     def _messages(messages: list[Any]) -> list[dict[str, str]]:

@@ -18,6 +18,7 @@ from kiln.runtime.audio.wav import AudioFormatError, load_audio
 from kiln.runtime.program import Program
 from kiln.runtime.serve.metrics import Metrics
 from kiln.runtime.serve.protocol import APIError, bad_field
+from kiln.runtime.serve.service import ServeOptions, Service
 from kiln.runtime.speech import transcriber
 from kiln.runtime.speech.transcript import Transcript
 
@@ -25,24 +26,16 @@ MAX_UPLOAD_BYTES = 100 * 1024 * 1024
 FORMATS = ("json", "text", "verbose_json")
 
 
-class SpeechService:
+class SpeechService(Service):
     kind = "speech"
 
-    def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics):
-        self.model_id = model_id
-        self.metrics = metrics
+    def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics, options: ServeOptions):
+        super().__init__(model_id, metrics)
         self.transcriber = transcriber(program, backend)
         self._lock = threading.Lock()
 
     def routes(self) -> list[Route]:
         return [Route("/v1/audio/transcriptions", self.transcriptions, methods=["POST"])]
-
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-    def start(self) -> None: ...
-
-    def shutdown(self) -> None: ...
 
     async def transcriptions(self, request: Request) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -65,10 +58,7 @@ class SpeechService:
 
     async def _fields(self, form: Any) -> tuple[str, bytes]:
         """(response_format, the file's bytes) of the upload, its model checked."""
-        model = form.get("model")
-        if not isinstance(model, str) or model != self.model_id:
-            raise APIError(400, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+        self.check_model(form.get("model"))
         fmt = form.get("response_format") or "json"
         if fmt not in FORMATS:
             raise bad_field("response_format", f"'response_format' must be one of {list(FORMATS)}",

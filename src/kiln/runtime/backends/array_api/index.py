@@ -46,15 +46,16 @@ def gather(xp: Any, x: Any, index: Any, dim: int) -> Any:
     return xp.take_along_axis(_crop_to(x, index, dim), index, axis=dim)
 
 
-def index_key(ndim: int, dims: Any, indices: Any) -> tuple:
-    """An indexing key: the index at each of dims, full slices elsewhere; a bool mask covers mask.ndim dims."""
+def index_key(ndim: int, dims: Any, indices: Any, bool_dtype: Any = np.bool_) -> tuple:
+    """An indexing key: the index at each of dims, full slices elsewhere; a bool mask (of the array library's
+    bool_dtype) covers mask.ndim dims."""
     at = dict(zip(dims, indices))
     key: list = []
     d = 0
     while d < ndim:
         idx = at.get(d)
         key.append(slice(None) if idx is None else idx)
-        d += idx.ndim if idx is not None and idx.dtype == np.bool_ else 1
+        d += idx.ndim if idx is not None and idx.dtype == bool_dtype else 1
     return tuple(key)
 
 

@@ -11,20 +11,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kiln.runtime.backends.array_api.index import index_key as portable_index_key
 from kiln.runtime.backends.mlx.arrays import FLOATS, LOW_PRECISION, is_float
 from kiln.runtime.backends.mlx.registry import kernel
 
 
 def index_key(ndim: int, dims: Any, indices: Any) -> tuple:
-    """An indexing key: the index at each of dims, full slices elsewhere; a bool mask covers mask.ndim dims."""
-    at = dict(zip(dims, indices))
-    key: list = []
-    d = 0
-    while d < ndim:
-        idx = at.get(d)
-        key.append(slice(None) if idx is None else idx)
-        d += idx.ndim if idx is not None and idx.dtype == mx.bool_ else 1
-    return tuple(key)
+    """array_api's indexing key, with MLX's bool type for masks."""
+    return portable_index_key(ndim, dims, indices, mx.bool_)
 
 
 def write_at(x: mx.array, values: mx.array, dims: Any, indices: Any) -> mx.array:
