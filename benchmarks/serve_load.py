@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import platform
 import socket
@@ -40,11 +41,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("program", type=Path, help="a language-model .kiln file (export with --slots N to batch)")
     p.add_argument("--backend", default="cpu")
     p.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels (default: 1,4)")
-    p.add_argument("--requests", type=int, default=8, help="requests per level (default: 8)")
+    p.add_argument("--requests", type=int, default=8, help="requests per level, at least (default: 8)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="at least this many requests per worker at each level (default: 1)")
     p.add_argument("--prompt-lengths", default="32,96", help="prompt lengths of the mix (default: 32,96)")
     p.add_argument("--output-lengths", default="48,96", help="output lengths of the mix (default: 48,96)")
+    p.add_argument("--client", choices=("openai", "raw"), default="openai",
+                   help="the official AsyncOpenAI client, or a bare asyncio HTTP client that parses only what is "
+                        "measured (for rates one Python client process cannot parse with openai)")
+    p.add_argument("--engine", action="store_true",
+                   help="also run each level on an LLMEngine in this process, without HTTP")
+    p.add_argument("--export-llama", metavar="SHAPE",
+                   help="when PROGRAM does not exist, export a random-weight Llama of this shape there "
+                        "(cpu_compare.LLAMA_SIZES; word-level tokenizer of its vocabulary; needs torch)")
+    p.add_argument("--dtype", default="bfloat16", help="--export-llama: weight type (default: bfloat16)")
+    p.add_argument("--slots", type=int, default=64, help="--export-llama: KV-cache slots (default: 64)")
+    p.add_argument("--max-context", type=int, default=1024, help="--export-llama: context (default: 1024)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="--export-llama: prefill chunk (default: 256)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def export_llama_shape(path: Path, shape: str, dtype: str, slots: int, max_context: int, chunk: int) -> None:
+    """A random-weight Llama of `shape` (seed 0) exported with slots, a word-level tokenizer ("w0", "w1", ...) of
+    its whole vocabulary in the program so that every token id streams as text."""
+    import torch
+    from cpu_compare import LLAMA_SIZES
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kiln.models.llm import export_llama
+    from kiln.runtime.llm import info
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA_SIZES[shape], attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config.vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    metadata = {info.VOCAB_SIZE_KEY: str(config.vocab_size), info.STOP_TOKENS_KEY: "[]", info.NAME_KEY: shape,
+                info.TOKENIZER_KEY: tokenizer.to_str()}
+    start = time.perf_counter()
+    export_llama(model, max_context, chunk, slots=slots, metadata=metadata).save(path)
+    print(f"exported {shape} ({dtype}, {slots} slots, context {max_context}) to {path} in "
+          f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -55,6 +94,15 @@ class Level:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     errors: int = 0
+    client_cpu: float = 0.0
+    decode_seconds: float = 0.0
+    """(engine alone) the time of the level's batched decode steps, sampling included"""
+
+    def arrived(self, start: float, last: float | None) -> float:
+        """A content chunk of a stream sent at `start` whose previous chunk came at `last`: its TTFT or ITL."""
+        now = time.perf_counter()
+        (self.ttft if last is None else self.itl).append(now - (start if last is None else last))
+        return now
 
 
 def free_port() -> int:
@@ -68,6 +116,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(client, model: str, prompt: list[int], max_tokens: int, level: Level) -> None:
+    """One streamed completion through the official client (AsyncOpenAI)."""
     import openai
 
     start = time.perf_counter()
@@ -80,34 +129,116 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, le
             if chunk.usage is not None:
                 level.output_tokens += chunk.usage.completion_tokens
             if chunk.choices and chunk.choices[0].text:
-                now = time.perf_counter()
-                if last is None:
-                    level.ttft.append(now - start)
-                else:
-                    level.itl.append(now - last)
-                last = now
+                last = level.arrived(start, last)
     except openai.APIError as e:
         print(f"request failed: {e}", file=sys.stderr)
         level.errors += 1
 
 
-async def run_level(port: int, model: str, concurrency: int, work: list[tuple[list[int], int]]) -> Level:
-    import openai
+async def one_raw_request(port: int, model: str, prompt: list[int], max_tokens: int, level: Level) -> None:
+    """The same request as one_request over a bare asyncio connection (HTTP/1.0: the stream ends when the server
+    closes it), parsing only what is measured: a client light enough not to be what limits tens of thousands of
+    chunks a second."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
+    start = time.perf_counter()
+    last = None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        status = await reader.readline()
+        if b" 200 " not in status:
+            print(f"request failed: {status.decode().strip()} {(await reader.read()).decode()[:300]}", file=sys.stderr)
+            level.errors += 1
+            return
+        while (await reader.readline()).strip():  # the headers
+            pass
+        async for line in reader:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                print(f"request failed: {chunk['error']}", file=sys.stderr)
+                level.errors += 1
+                return
+            if chunk.get("usage"):
+                level.output_tokens += chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = level.arrived(start, last)
+    finally:
+        writer.close()
 
+
+async def run_level(port: int, model: str, concurrency: int, work: list[tuple[list[int], int]],
+                    raw: bool) -> Level:
     level = Level(concurrency)
     queue = list(work)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                timeout=600)
+    client = None
+    if not raw:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                    timeout=600)
 
     async def worker() -> None:
         while queue:
             prompt, max_tokens = queue.pop(0)
-            await one_request(client, model, prompt, max_tokens, level)
+            if raw:
+                await one_raw_request(port, model, prompt, max_tokens, level)
+            else:
+                await one_request(client, model, prompt, max_tokens, level)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     level.wall = time.perf_counter() - start
-    await client.close()
+    level.client_cpu = (time.process_time() - cpu) / level.wall
+    if client is not None:
+        await client.close()
+    return level
+
+
+def engine_level(engine, concurrency: int, work: list[tuple[list[int], int]]) -> Level:
+    """The same closed loop on an LLMEngine in this process, no HTTP: what the engine alone sustains."""
+    import threading
+
+    from kiln.runtime.llm.sampling import Sampler
+    from kiln.runtime.serve.engine import Generation
+
+    level = Level(concurrency)
+    queue = list(work)
+    lock, done = threading.Lock(), threading.Semaphore(0)
+
+    def submit() -> bool:
+        with lock:
+            if not queue:
+                return False
+            prompt, max_tokens = queue.pop(0)
+        start = time.perf_counter()
+        times: list[float] = []
+
+        def emit(event) -> None:
+            if event.kind == "token":
+                times.append(time.perf_counter())
+            elif event.kind in ("done", "error"):
+                with lock:
+                    level.errors += event.kind == "error"
+                    level.output_tokens += len(times)
+                    if times:
+                        level.ttft.append(times[0] - start)
+                        level.itl.extend(np.diff(times).tolist())
+                done.release()
+
+        engine.submit(Generation(prompt, max_tokens, Sampler(), [], [], emit))
+        return True
+
+    start = time.perf_counter()
+    running = sum(submit() for _ in range(concurrency))
+    while running:
+        done.acquire()
+        running -= 1
+        running += submit()
+    level.wall = time.perf_counter() - start
     return level
 
 
@@ -127,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt_lengths = [int(n) for n in args.prompt_lengths.split(",")]
     output_lengths = [int(n) for n in args.output_lengths.split(",")]
     sys.path.insert(0, str(REPO / "src"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    if args.export_llama and not args.program.exists():
+        export_llama_shape(args.program, args.export_llama, args.dtype, args.slots, args.max_context,
+                           args.prefill_chunk)
     import kiln
     from kiln.runtime.llm.info import LLMInfo
 
@@ -134,19 +269,25 @@ def main(argv: list[str] | None = None) -> int:
     info = LLMInfo.from_metadata(program.metadata)
     vocab = info.vocab_size or 1000
     rng = np.random.default_rng(args.seed)
-    mix = list(itertools.islice(itertools.cycle(itertools.product(prompt_lengths, output_lengths)), args.requests))
-    work = [(rng.integers(0, vocab, n).tolist(), m) for n, m in mix]
+    pairs = itertools.cycle(itertools.product(prompt_lengths, output_lengths))
+    work = [(rng.integers(0, vocab, n).tolist(), m) for n, m in itertools.islice(pairs, 4 * args.requests)]
+
+    def level_work(concurrency: int) -> list[tuple[list[int], int]]:
+        count = max(args.requests, args.rounds * concurrency)
+        return list(itertools.islice(itertools.cycle(work), count))
+
     print(f"single-stream decode (Generator, {args.backend}) ...", file=sys.stderr, flush=True)
     reference = single_stream_decode(args.program, args.backend, work[0][0], max(output_lengths))
-    del program
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
+                                                                      os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(args.program), "--port", str(port),
                                "--backend", args.backend, "--model-name", "bench", "--log-level", "warning",
-                               "--max-queue", str(max(levels) + args.requests)], cwd=REPO, env=env)
+                               "--max-queue", str(max(len(level_work(c)) for c in levels))], cwd=REPO, env=env)
+    raw = args.client == "raw"
     try:
-        for _ in range(600):
+        for _ in range(1800):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
@@ -154,33 +295,72 @@ def main(argv: list[str] | None = None) -> int:
                 if server.poll() is not None:
                     raise SystemExit("the server exited") from None
                 time.sleep(0.2)
-        asyncio.run(run_level(port, "bench", 1, work[:1]))  # warm-up
+        for c in levels:  # warm-up: every batch size's plan (and graph) before anything is timed
+            asyncio.run(run_level(port, "bench", c, [(p, 4) for p, _ in level_work(c)[:c]], raw))
         results = []
         for c in levels:
-            print(f"concurrency {c}: {args.requests} requests ...", file=sys.stderr, flush=True)
-            results.append(asyncio.run(run_level(port, "bench", c, work)))
+            print(f"concurrency {c}: {len(level_work(c))} requests ...", file=sys.stderr, flush=True)
+            results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw)))
     finally:
         server.terminate()
         server.wait(60)
 
+    engine_results = []
+    if args.engine:
+        from kiln.runtime.serve.engine import EngineMetrics, LLMEngine
+
+        class StepTime(EngineMetrics):
+            seconds = 0.0
+
+            def step(self, batch: int, seconds: float) -> None:
+                self.seconds += seconds
+
+        steps = StepTime()
+        engine = LLMEngine(program, args.backend, max_queue=max(len(level_work(c)) for c in levels),
+                           metrics=steps).start()
+        try:
+            for c in levels:
+                engine_level(engine, c, [(p, 4) for p, _ in level_work(c)[:c]])
+                print(f"engine alone, concurrency {c} ...", file=sys.stderr, flush=True)
+                before = steps.seconds
+                engine_results.append(engine_level(engine, c, level_work(c)))
+                engine_results[-1].decode_seconds = steps.seconds - before
+        finally:
+            engine.shutdown()
+    del program
+
     print(f"\nProgram {args.program.name}: slots {info.slots or 1}, context {info.max_context}, backend "
-          f"{args.backend}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print(f"Mix: {args.requests} requests per level, prompt lengths {prompt_lengths} x output lengths "
-          f"{output_lengths}, greedy, ignore_eos. Single-stream decode without a server (Generator): "
-          f"{reference:.1f} tokens/s.\n")
-    print("| concurrency | output tokens/s | x concurrency 1 | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    base = results[0].output_tokens / results[0].wall
-    for r in results:
-        rate = r.output_tokens / r.wall
-        print(f"| {r.concurrency} | {rate:.1f} | {rate / base:.2f} | {percentile(r.ttft, 50) * 1e3:.0f} / "
-              f"{percentile(r.ttft, 99) * 1e3:.0f} | {percentile(r.itl, 50) * 1e3:.1f} / "
-              f"{percentile(r.itl, 99) * 1e3:.1f} | {r.errors} |")
+          f"{args.backend}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; client "
+          f"{args.client}")
+    print(f"Mix: at least {args.requests} requests (and {args.rounds} per worker) per level, prompt lengths "
+          f"{prompt_lengths} x output lengths {output_lengths}, greedy, ignore_eos. Single-stream decode without "
+          f"a server (Generator): {reference:.1f} tokens/s.\n")
+    table("server", results, show_client=True)
+    if engine_results:
+        print()
+        table("engine alone (no HTTP)", engine_results, show_client=False)
     first = results[0]
     per_stream = 1 / statistics.median(first.itl) if first.itl else float("nan")
     print(f"\nconcurrency {first.concurrency}: {per_stream:.1f} tokens/s per stream (1 / median inter-token gap), "
           f"{per_stream / reference:.2f}x the single-stream decode without a server ({reference:.1f})")
-    return 1 if any(r.errors for r in results) else 0
+    return 1 if any(r.errors for r in results + engine_results) else 0
+
+
+def table(title: str, results: list[Level], show_client: bool) -> None:
+    """Markdown rows; the server's with the client process's CPU share (near 100%: the client limits), the
+    engine's with the share of its wall time in batched decode steps (the rest: prefill and the engine's own
+    work between steps)."""
+    client = " client CPU |" if show_client else " decode steps |"
+    print(f"| {title}: concurrency | output tokens/s | x concurrency 1 | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+          f"| errors |{client}")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    base = results[0].output_tokens / results[0].wall
+    for r in results:
+        rate = r.output_tokens / r.wall
+        cpu = f" {r.client_cpu if show_client else r.decode_seconds / r.wall:.0%} |"
+        print(f"| {r.concurrency} | {rate:.1f} | {rate / base:.2f} | {percentile(r.ttft, 50) * 1e3:.1f} / "
+              f"{percentile(r.ttft, 99) * 1e3:.1f} | {percentile(r.itl, 50) * 1e3:.2f} / "
+              f"{percentile(r.itl, 99) * 1e3:.2f} | {r.errors} |{cpu}")
 
 
 if __name__ == "__main__":

@@ -257,6 +257,77 @@ def test_decode_attention_of_a_query_that_sees_nothing_is_nan() -> None:
     assert np.allclose(out[0, 0], 1.0) and np.isnan(out[0, 1]).all()
 
 
+def _slot_attention64(q, k_cache, v_cache, slots, positions, scale, window):
+    """slot_attention in float64 from its definition: query t of sequence b sees the keys of slot slots[b] at
+    cache positions <= positions[b, t] (and > positions[b, t] - window when window > 0)."""
+    keys = np.swapaxes(k_cache[slots], 1, 2)  # [B, Hkv, L, E]
+    values = np.swapaxes(v_cache[slots], 1, 2)
+    key = np.arange(keys.shape[2])[None, None, None, :]
+    position = positions[:, None, :, None]
+    visible = (key <= position) & ((key > position - window) if window > 0 else True)
+    return _attention64(q, keys, values, visible, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("heads,kv_heads,e", [(4, 4, 64), (8, 2, 64), (6, 1, 128)], ids=["mha", "g4", "g6-e128"])
+@pytest.mark.parametrize("window", [0, 50], ids=["full", "window"])
+def test_slot_decode_attention_reads_each_slot_in_place(dtype, heads, kv_heads, e, window) -> None:
+    """A batch of sequences in shuffled slots (one slot twice), each at its own position (0, inside the first
+    chunk, on a chunk boundary, near the cache's end) by the decode kernel, against float64."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import _slot_decode_applies, slot_attention
+
+    rng = np.random.default_rng(heads + e + window)
+    slots_n, length = 6, 300
+    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    slots = np.array([4, 0, 2, 5, 2], np.int64)
+    positions = np.array([[0], [37], [127], [299], [64]], np.int64)
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    args = [cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)]
+    assert _slot_decode_applies(args[0], cp.swapaxes(args[1], 1, 2), cp.swapaxes(args[2], 1, 2), args[3], args[4])
+    got = cp.asnumpy(slot_attention(*args, 0.125, window)).astype(np.float64)
+    want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_slot_decode_attention_of_a_slot_outside_the_cache_reads_nothing() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.attention import slot_attention
+
+    cache = cp.ones((2, 70, 1, 64), cp.float16)
+    out = cp.asnumpy(slot_attention(cp.ones((2, 2, 1, 64), cp.float16), cache, cache,
+                                    cp.asarray([1, 7], cp.int64), cp.asarray([[5], [5]], cp.int64), 0.1))
+    assert np.allclose(out[0], 1.0) and np.isnan(out[1]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 40], ids=["full", "window"])
+def test_slot_prefill_attention_by_flash_with_the_positions_as_mask(dtype, window, monkeypatch) -> None:
+    """A prefill chunk of 70 queries at positions 90..159 of slot 2 (a chunk after the first), against float64."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    rng = np.random.default_rng(7 + window)
+    k_cache = rng.standard_normal((3, 256, 2, 64)).astype(dtype)
+    v_cache = rng.standard_normal((3, 256, 2, 64)).astype(dtype)
+    q = rng.standard_normal((1, 8, 70, 64)).astype(dtype)
+    slots, positions = np.array([2], np.int64), np.arange(90, 160, dtype=np.int64)[None]
+    called = []
+    flash = attention._flash_attention
+    monkeypatch.setattr(attention, "_flash_attention", lambda *a: called.append(1) or flash(*a))
+    got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
+                                              0.125, window)).astype(np.float64)
+    assert called
+    want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> None:

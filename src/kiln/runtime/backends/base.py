@@ -79,6 +79,12 @@ class Backend:
     def to_numpy(self, x: Any) -> np.ndarray:
         raise NotImplementedError
 
+    def argmax_rows(self, x: Any) -> np.ndarray:
+        """The index of the largest value of each row of x ([rows, n]; the first of ties) as NumPy int64, computed
+        where x lives: a GPU hands back `rows` integers, not the rows themselves (a serving engine's greedy
+        sequences, whose logits over a large vocabulary would otherwise cross to the host every step)."""
+        return np.argmax(self.to_numpy(x).reshape(x.shape[0], -1), axis=1)
+
     def numpy_dtype(self, x: Any) -> np.dtype:
         """x's element type as a NumPy dtype (the type the program's specs are written in)."""
         return x.dtype

@@ -69,13 +69,15 @@ def decode_step(session: Session, token: int, position: int, slot: int = 0,
 
 
 def decode_batch(session: Session, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                 info: LLMInfo | None = None) -> np.ndarray:
+                 info: LLMInfo | None = None, host: bool = True) -> Any:
     """One decode step of several sequences at once (a slotted program; one sequence otherwise): token b at
-    positions[b] in slots[b]; returns logits [B, vocab] as NumPy."""
+    positions[b] in slots[b]; returns logits [B, vocab] as NumPy, or with host=False as the backend's array (left
+    where it is: a GPU's logits of a large vocabulary cost more to move than to reduce there)."""
     slot_input = slot_inputs(_info(session, info), slots)
     ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
     logits = session.run("decode", ids, np.asarray(positions, dtype=np.int64).reshape(-1), *slot_input)[0]
-    return session.backend.to_numpy(logits).reshape(ids.shape[0], -1)
+    logits = logits.reshape(ids.shape[0], -1)
+    return session.backend.to_numpy(logits) if host else logits
 
 
 def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens: int,

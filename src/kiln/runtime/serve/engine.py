@@ -243,12 +243,22 @@ class LLMEngine:
             tokens, positions, slots = tokens + tokens[-1:] * extra, positions + positions[-1:] * extra, \
                 slots + slots[-1:] * extra
         t0 = time.perf_counter()
-        logits = decode_batch(self.session, tokens, positions, slots, self.info)
+        logits = decode_batch(self.session, tokens, positions, slots, self.info, host=False)
+        picks = self._sample(generations, logits)
         self.metrics.step(size, time.perf_counter() - t0)
-        for generation, row in zip(generations, logits):
+        for generation, token in zip(generations, picks):
             generation.position += 1
             generation.pending = None
-            self._accept(generation, generation.sampler(row))
+            self._accept(generation, token)
+
+    def _sample(self, generations: list[Generation], logits: Any) -> list[int]:
+        """Each sequence's next token from its row of the step's logits (the backend's array, maybe padded with
+        extra rows): when every sequence is greedy, the argmax of each row where the logits are (a GPU sends back
+        one integer per row); otherwise the rows come to the host and each sampler picks from its own."""
+        if all(g.sampler.greedy for g in generations):
+            return [int(t) for t in self.session.backend.argmax_rows(logits)[:len(generations)]]
+        rows = self.session.backend.to_numpy(logits)
+        return [g.sampler(row) for g, row in zip(generations, rows)]
 
     def _accept(self, generation: Generation, token: int) -> None:
         """A sampled token: emitted, then the generation ends or waits for the next decode step."""

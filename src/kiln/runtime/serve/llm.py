@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,18 +63,53 @@ class Options:
     include_usage: bool
 
 
+class LoopMailbox:
+    """Engine events on their way to one event loop, handed over in batches: the engine thread appends, and only
+    the first event since the loop last emptied the box wakes the loop (call_soon_threadsafe writes to the loop's
+    wake-up pipe; one write per token of every stream was a system call per token)."""
+
+    _boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        box = cls._boxes.get(loop)
+        if box is None:
+            box = cls._boxes[loop] = cls(loop)
+        return box
+
+    def post(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
 class EventQueue:
     """Engine events handed to the request's event loop (the engine thread must never block on a client)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._mailbox = LoopMailbox.of(asyncio.get_running_loop())
 
     def emit(self, event: Event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop has closed: nobody is listening any more
-            pass
+        self._mailbox.post(self.queue, event)
 
 
 class LLMService(Service):

@@ -79,6 +79,12 @@ class CUDABackend(Backend):
     def to_numpy(self, x: Any) -> np.ndarray:
         return self.cp.asnumpy(x)
 
+    def argmax_rows(self, x: Any) -> np.ndarray:
+        rows = x.reshape(x.shape[0], -1)
+        if rows.dtype.kind != "f" or rows.dtype.itemsize < 4:  # CuPy's reductions take float32 and wider
+            rows = rows.astype(self.cp.float32)
+        return self.cp.asnumpy(self.cp.argmax(rows, axis=1)).astype(np.int64, copy=False)
+
     def empty_like(self, x: Any) -> Any:
         return self.cp.empty(x.shape, dtype=x.dtype)
 

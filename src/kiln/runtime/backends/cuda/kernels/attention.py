@@ -115,14 +115,43 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
 @kernel("slot_attention")
 def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: Any, scale: float,
                    window: int = 0) -> Any:
-    """The portable composition over every key of each sequence's slot (cuBLAS products): narrowing to the keys
-    the positions reach would read them on the host, a synchronization per layer that a CUDA graph cannot hold."""
+    """A decode step (one query per sequence) by the split-key decode kernel reading each sequence's slot in
+    place, up to its own position (no gather, no host read of the positions, so a CUDA graph holds it); several
+    queries per sequence (a prefill chunk) by the flash kernel over the gathered slots with the positions as a bool
+    mask built on the device (key tiles past the last position are skipped there), or, for types flash.cu does
+    not take, by the portable composition over the whole slot (cuBLAS products)."""
+    keys, values = cp.swapaxes(k_cache, 1, 2), cp.swapaxes(v_cache, 1, 2)  # [N, Hkv, L, E] views
+    if _slot_decode_applies(q, keys, values, slots, positions):
+        return _decode_attention(q, keys, values, None, scale, slots=slots, positions=positions, window=window)
+    k_rows, v_rows = k_cache[slots], v_cache[slots]  # [B, L, Hkv, E]
+    keys, values = cp.swapaxes(k_rows, 1, 2), cp.swapaxes(v_rows, 1, 2)
+    if positions.shape == q.shape[:1] + q.shape[2:3] and _flash_attention_applies(q, keys, values, None):
+        key = cp.arange(keys.shape[2])[None, None, None, :]
+        position = positions[:, None, :, None]
+        visible = key <= position
+        if window > 0:
+            visible &= key > position - window
+        return _flash_attention(q, keys, values, visible, False, scale)
     dtype = q.dtype
-    q, keys, values = upcast(q, k_cache[slots], v_cache[slots])
+    q, keys, values = upcast(q, k_rows, v_rows)
     return portable_slot_attention(cp, q, keys, values, positions, 0, scale, window,
                                    matmul=matmul_cublas).astype(dtype, copy=False)
 
 
+def _slot_decode_applies(q: Any, keys: Any, values: Any, slots: Any, positions: Any) -> bool:
+    """One query per sequence, int64 slots [B] and positions [B, 1] (or [B]), contiguous, and q and the caches
+    (keys, values: [N, Hkv, L, E] views) as the decode kernel takes them."""
+    if q.ndim != 4 or keys.ndim != 4 or q.shape[2] != 1 or not nvrtc.supports(q, keys, values):
+        return False
+    if slots.dtype != cp.int64 or positions.dtype != cp.int64 or slots.size != q.shape[0] or \
+            positions.size != q.shape[0] or not (slots.flags.c_contiguous and positions.flags.c_contiguous):
+        return False
+    if 0 in q.shape + keys.shape or keys.shape[3] != q.shape[3] or q.shape[1] % keys.shape[1]:
+        return False
+    return _decode_kernel_takes(q, keys, values)
+
+
+NULL = np.uint64(0)  # a pointer argument the kernel does not read
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # as common.cuh numbers them for the attention kernels
 
 
@@ -227,6 +256,11 @@ def _flash_function(dtype: np.dtype, e: int) -> Any:
 
 
 DECODE_CHUNK, DECODE_THREADS, DECODE_GROUPS = 64, 128, (1, 2, 4, 8)  # as decode.cu defines and instantiates them
+DECODE_BLOCKS = 1024
+"""Blocks of decode.cu a batch's chunking aims at (decode_chunk). Measured on the H100 (benchmarks/gpu_slot_decode.py,
+Llama-3.2-1B shape, bfloat16, 64 sequences at position 400 of 1024): slot_attention's GPU time per step 1319 us with
+64-key chunks (8192 blocks), 827 with 1024 blocks, 828 with 512, 826 with 256; one sequence's step is unchanged
+(it keeps 64-key chunks below 1024 blocks)."""
 COMBINE_THREADS, COMBINE_MAX_SPLITS, COMBINE_COLUMNS = 128, 1024, (1, 2, 4, 8)  # decode.cu's attend_combine
 
 
@@ -234,19 +268,34 @@ def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -
     """One query per head over a cache whose rows the decode kernel reads 16 bytes at a time: unit stride along the
     head dim, rows 16-byte aligned, at most 32 such pieces per row, at most 8 q heads per kv head, at most
     COMBINE_MAX_SPLITS chunks."""
-    if causal or not _grouped_attention(q, k, v, mask) or q.shape[2] != 1 or k.shape != v.shape:
+    if causal or not _grouped_attention(q, k, v, mask) or q.shape[2] != 1:
         return False
+    return _decode_kernel_takes(q, k, v)
+
+
+def _decode_kernel_takes(q: Any, k: Any, v: Any) -> bool:
+    """The head width, group size, key count and row layout decode.cu is built for."""
     per16 = 16 // q.itemsize
     e = q.shape[3]
     if e % per16 or e // per16 > 32 or q.shape[1] // k.shape[1] > DECODE_GROUPS[-1] or \
-            k.shape[2] > DECODE_CHUNK * COMBINE_MAX_SPLITS:
+            k.shape[2] > DECODE_CHUNK * COMBINE_MAX_SPLITS or k.shape != v.shape:
         return False
     return _rows_of_16_bytes(k, v)
 
 
-def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) -> Any:
+def decode_chunk(heads: int, seq: int) -> int:
+    """Keys per block of decode.cu: DECODE_CHUNK while the (sequence, kv head) pairs alone give fewer blocks than
+    DECODE_BLOCKS (one sequence: many small chunks, for latency), longer chunks, down to one per pair, as the batch
+    grows (a block's fixed cost, the merge of its warps and the combine's reads, is then paid fewer times)."""
+    splits = max(1, min(-(-seq // DECODE_CHUNK), -(-DECODE_BLOCKS // max(heads, 1))))
+    return -(-seq // splits // DECODE_CHUNK) * DECODE_CHUNK  # ceil(ceil(seq / splits) / DECODE_CHUNK) chunks
+
+
+def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, slots: Any = None,
+                      positions: Any = None, window: int = 0) -> Any:
     """decode.cu: the keys in chunks of DECODE_CHUNK, a block per chunk and kv head serving the group's q heads
-    (k and v read once per group, keys the mask hides not read), then a kernel combining the chunks' partials."""
+    (k and v read once per group, keys the mask hides not read), then a kernel combining the chunks' partials.
+    With slots (and positions), query row b reads k/v row slots[b] up to key positions[b] (slot_attention)."""
     b, hq, _, e = q.shape
     hkv, seq = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -254,7 +303,8 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) ->
     if q.data.ptr % 16:  # a view at an odd offset: the kernel loads q 16 bytes at a time
         q = q.copy()
     kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
-    splits = (seq + DECODE_CHUNK - 1) // DECODE_CHUNK
+    chunk = decode_chunk(b * hkv, seq)
+    splits = (seq + chunk - 1) // chunk
     part = cp.empty((b, hq, splits, e + 2), dtype=cp.float32)
     ks, vs = elements(k.strides, k.itemsize), elements(v.strides, v.itemsize)
     scale = 1 / math.sqrt(e) if scale is None else scale
@@ -262,7 +312,9 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None) ->
     nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
         (splits, hkv, b), (DECODE_THREADS,),
         (q, k, v, mask_b, part, np.int32(groups), np.int32(seq), np.int32(e), np.float32(scale),
-         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits)))
+         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits),
+         NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
+         np.int32(window), np.int32(chunk)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),

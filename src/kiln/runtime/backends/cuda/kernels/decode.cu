@@ -1,5 +1,5 @@
-// One-query attention (a decode step) over a KV cache, flash-decoding style: the keys split in chunks of
-// DECODE_CHUNK, a block per (chunk, kv head, batch) serving the G q heads of its kv head (k and v read once per
+// One-query attention (a decode step) over a KV cache, flash-decoding style: the keys split in chunks (`chunk`
+// keys, a multiple of DECODE_CHUNK, chosen by attention.py), a block per (chunk, kv head, batch) serving the G q heads of its kv head (k and v read once per
 // group), and a second kernel combining the chunks' softmax partials.
 //
 // The kernel is built for latency, not throughput: at batch 1 a layer's whole cache is a few MB, so what costs is
@@ -13,9 +13,15 @@
 // that the mask hides from every head of the group (false, or -inf) is not read: a static cache's unwritten
 // slots cost nothing, and a chunk with no visible key only writes an empty partial. part [B, Hq, splits, E + 2]
 // gets each head's unnormalized output, its max score and its exp-sum.
+//
+// A serving program's cache of several sequences (slot_attention) is read in place: with `slots`, query row b
+// reads cache row slots[b] (a slot outside [0, slot_count) reads nothing: NaN, as a query that sees no key), and
+// with `positions`, it sees keys up to positions[b] (and, with a window > 0, none before positions[b] - window + 1),
+// so a chunk past a sequence's length costs one empty partial whatever the cache's length.
 
 #define DECODE_WARPS 4    // warps per block (attention.py's DECODE_THREADS / 32)
-#define DECODE_CHUNK 64   // keys per block (attention.py's DECODE_CHUNK; 32, 128 and 256 measured within 1.5 us)
+#define DECODE_CHUNK 64   // the fewest keys per block (attention.py's DECODE_CHUNK; 32, 128 and 256 measured within
+                          // 1.5 us for one sequence)
 #define DECODE_LOADS 4    // key rows each lane has in flight per phase
 
 // The mask's additive term for key s of q head h: 0 or -inf for a bool mask, the value for a float one.
@@ -44,7 +50,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              const typename S::T* __restrict__ v, const void* __restrict__ mask,
                              float* __restrict__ part, int groups, int seq, int e, float scale, long long kb,
                              long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
-                             long long mb, long long mh, long long ms, int splits) {
+                             long long mb, long long mh, long long ms, int splits,
+                             const long long* __restrict__ slots, const long long* __restrict__ positions,
+                             int slot_count, int window, int chunk) {
     grid_dependency_sync();
     constexpr int V = S::PER16;
     __shared__ float merged[DECODE_WARPS][G][2];
@@ -58,7 +66,17 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
     const bool reads = sub < pieces;
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int heads = gridDim.y * groups;
-    const int s0 = split * DECODE_CHUNK, s1 = min(seq, s0 + DECODE_CHUNK);
+    int s0 = split * chunk, s1 = min(seq, s0 + chunk);
+    long long row = b;  // the cache row this query reads
+    if (positions != nullptr) {
+        const long long last = positions[b];
+        s1 = (int)min((long long)s1, last + 1);
+        if (window > 0) s0 = (int)max((long long)s0, last - window + 1);
+    }
+    if (slots != nullptr) {
+        row = slots[b];
+        if (row < 0 || row >= slot_count) s1 = s0, row = 0;
+    }
     const int h0 = hk * groups;                       // the group's first q head
     const long long qh = (long long)b * heads + h0;  // its row in q and part
 
@@ -78,8 +96,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 #pragma unroll
         for (int i = 0; i < V; ++i) o[g][i] = 0.0f;
     }
-    const typename S::T* kp = k + b * kb + hk * kh + sub * V;
-    const typename S::T* vp = v + b * vb + hk * vh + sub * V;
+    const typename S::T* kp = k + row * kb + hk * kh + sub * V;
+    const typename S::T* vp = v + row * vb + hk * vh + sub * V;
     const int step = DECODE_WARPS * kpw;  // keys the block reads per load
     // the loop bound is the warp's, not the lane's: every lane must reach the shuffles below
     for (int first = s0 + warp * kpw; first < s1; first += step * DECODE_LOADS) {

@@ -1,0 +1,84 @@
+"""The batched decode step of a slotted LLM program on one GPU: step time per batch size against the roofline
+(every weight read once plus each sequence's keys and values up to its position, at the copy bandwidth measured in
+the same run), and the ops that take the GPU's time at the largest batch.
+
+    PYTHONPATH=src python3 benchmarks/gpu_slot_decode.py PROGRAM.kiln [--batches 1,8,32,64] [--position 400]
+
+Each sample is --steps back-to-back decode calls (the session's CUDA graph for that batch, as the serving engine
+runs it, padded to a power of two), the GPU synchronized at the end; medians of --repeat samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_harness import copy_bandwidth, gpu_op_times  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("program", type=Path)
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--position", type=int, default=400, help="each sequence's position (default 400)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--op-times", type=int, default=12, metavar="N", help="top N ops at the largest batch")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+    import numpy as np
+
+    import kiln
+    from kiln.runtime.llm.decoding import slot_inputs
+    from kiln.runtime.llm.info import LLMInfo
+
+    program = kiln.load(args.program)
+    info = LLMInfo.from_metadata(program.metadata)
+    session = program.session("cuda")
+    weights = program.constant_bytes
+    bandwidth = copy_bandwidth(cp)
+    caches = [c for c in session.state if c.ndim == 4]  # [slots, context, kv heads, head dim] per layer, k and v
+    kv_per_token = sum(c.nbytes // (c.shape[0] * c.shape[1]) for c in caches)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB; KV bytes per token "
+          f"{kv_per_token}", flush=True)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        tokens = np.full((batch, 1), 42, np.int64)
+        positions = np.full(batch, args.position, np.int64)
+        inputs = (tokens, positions, *slot_inputs(info, list(range(batch))))
+        for _ in range(3):
+            session.run("decode", *inputs)
+        cp.cuda.Device().synchronize()
+        samples = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                out = session.run("decode", *inputs)[0]
+            cp.cuda.Device().synchronize()
+            samples.append((time.perf_counter() - start) / args.steps)
+        del out
+        step = statistics.median(samples)
+        roof = (weights + batch * (args.position + 1) * kv_per_token) / bandwidth
+        rows.append((batch, step, roof))
+        print(f"batch {batch}: step {step * 1e3:.3f} ms", flush=True)
+    print("\n| batch | step ms | tokens/s | roofline ms | step / roofline |")
+    print("|---:|---:|---:|---:|---:|")
+    for batch, step, roof in rows:
+        print(f"| {batch} | {step * 1e3:.3f} | {batch / step:,.0f} | {roof * 1e3:.3f} | {step / roof:.2f} |")
+    if args.op_times:
+        batch = rows[-1][0]
+        inputs = (np.full((batch, 1), 42, np.int64), np.full(batch, args.position, np.int64),
+                  *slot_inputs(info, list(range(batch))))
+        print(f"\nGPU time per op, decode at batch {batch}:")
+        print(gpu_op_times(program, cp, "decode", inputs, args.op_times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
