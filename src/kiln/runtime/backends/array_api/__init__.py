@@ -17,7 +17,7 @@ from kiln.runtime.backends.array_api import (  # noqa: F401 - importing the fami
     shape,
     sort,
 )
-from kiln.runtime.backends.array_api.attention import rotate, sdpa, slot_attention
+from kiln.runtime.backends.array_api.attention import rotate, sdpa, slot_attention, slot_visibility
 from kiln.runtime.backends.array_api.core import (
     BFLOAT16,
     LOW_PRECISION,
@@ -30,4 +30,4 @@ from kiln.runtime.backends.array_api.core import (
 )
 
 __all__ = ["BFLOAT16", "LOW_PRECISION", "PORTABLE", "PortableKernel", "bind", "in_float32", "portable", "rotate",
-           "sdpa", "slot_attention", "upcast"]
+           "sdpa", "slot_attention", "slot_visibility", "upcast"]

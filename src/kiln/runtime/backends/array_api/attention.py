@@ -59,6 +59,17 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
     return matmul(scores, v).reshape(out_shape)
 
 
+def slot_visibility(key: Any, positions: Any, window: int) -> Any:
+    """slot_attention's mask, in any array library: bool [B, 1, T, L], whether query t of sequence b sees the
+    cache position key[j] (key [L]): key[j] <= positions[b, t], and > positions[b, t] - window when window > 0."""
+    key = key[None, None, None, :]
+    position = positions[:, None, :, None]
+    visible = key <= position
+    if window > 0:
+        visible = visible & (key > position - window)
+    return visible
+
+
 def slot_attention(xp: Any, q: Any, keys: Any, values: Any, positions: Any, first: int, scale: float, window: int,
                    matmul: Callable[[Any, Any], Any] | None = None) -> Any:
     """slot_attention over keys and values already gathered per sequence: q [B, Hq, T, E], keys [B, L, Hkv, E]
@@ -74,11 +85,7 @@ def slot_attention(xp: Any, q: Any, keys: Any, values: Any, positions: Any, firs
     q = q.reshape(B, Hkv, groups * T, E)
     scores = matmul(q, xp.transpose(keys, (0, 2, 3, 1)))  # [B, Hkv, g * T, L]
     scores *= scores.dtype.type(scale)
-    key = (xp.arange(L) + first)[None, None, None, :]
-    position = positions[:, None, :, None]  # [B, 1, T, 1]: the same for every q head of a group
-    visible = key <= position
-    if window > 0:
-        visible = visible & (key > position - window)
+    visible = slot_visibility(xp.arange(L) + first, positions, window)  # the same for every q head of a group
     scores = scores.reshape(B, Hkv, groups, T, L)
     scores = xp.where(visible[:, :, None], scores, -xp.inf)
     scores -= xp.max(scores, axis=-1, keepdims=True)

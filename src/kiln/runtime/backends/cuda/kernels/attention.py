@@ -12,7 +12,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.backends.array_api import BFLOAT16, rotate, upcast
+from kiln.runtime.backends.array_api import BFLOAT16, rotate, slot_visibility, upcast
 from kiln.runtime.backends.array_api import sdpa as portable_sdpa
 from kiln.runtime.backends.array_api import slot_attention as portable_slot_attention
 from kiln.runtime.backends.array_api.index import target
@@ -126,11 +126,7 @@ def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: An
     k_rows, v_rows = k_cache[slots], v_cache[slots]  # [B, L, Hkv, E]
     keys, values = cp.swapaxes(k_rows, 1, 2), cp.swapaxes(v_rows, 1, 2)
     if positions.shape == q.shape[:1] + q.shape[2:3] and _flash_attention_applies(q, keys, values, None):
-        key = cp.arange(keys.shape[2])[None, None, None, :]
-        position = positions[:, None, :, None]
-        visible = key <= position
-        if window > 0:
-            visible &= key > position - window
+        visible = slot_visibility(cp.arange(keys.shape[2]), positions, window)
         return _flash_attention(q, keys, values, visible, False, scale)
     dtype = q.dtype
     q, keys, values = upcast(q, k_rows, v_rows)

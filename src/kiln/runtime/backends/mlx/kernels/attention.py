@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kiln.runtime.backends.array_api.attention import slot_visibility
 from kiln.runtime.backends.mlx.kernels.index import write_at
 from kiln.runtime.backends.mlx.registry import kernel, on_cpu, upcast
 
@@ -105,10 +106,6 @@ def slot_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.
     values = v_cache[slots, :length].transpose(0, 2, 1, 3)
     if on_cpu():
         q, keys, values = upcast(q, keys, values)
-    key = mx.arange(length)
-    position = positions[:, None, :, None]
-    visible = key <= position
-    if window > 0:
-        visible = visible & (key > position - window)
+    visible = slot_visibility(mx.arange(length), positions, window)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible)
     return out.astype(dtype)
