@@ -21,6 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_harness import copy_bandwidth, gpu_op_times  # noqa: E402
 
 
+def step_inputs(info, rows: int, position: int) -> tuple:
+    """A decode call of `rows` rows: a row per slot at `position`, and rows past the slots (a prompt chunk riding in
+    the step, as the serving engine feeds it) at the next positions of the slots again."""
+    import numpy as np
+
+    from kiln.runtime.llm.decoding import slot_inputs
+
+    slots = info.slots or 1
+    positions = [position + r // slots for r in range(rows)]
+    return (np.full((rows, 1), 42, np.int64), np.asarray(positions, np.int64),
+            *slot_inputs(info, [r % slots for r in range(rows)]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("program", type=Path)
@@ -32,10 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import cupy as cp
-    import numpy as np
 
     import kiln
-    from kiln.runtime.llm.decoding import slot_inputs
     from kiln.runtime.llm.info import LLMInfo
 
     program = kiln.load(args.program)
@@ -49,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{kv_per_token}", flush=True)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        tokens = np.full((batch, 1), 42, np.int64)
-        positions = np.full(batch, args.position, np.int64)
-        inputs = (tokens, positions, *slot_inputs(info, list(range(batch))))
+        inputs = step_inputs(info, batch, args.position)
         for _ in range(3):
             session.run("decode", *inputs)
         cp.cuda.Device().synchronize()
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             samples.append((time.perf_counter() - start) / args.steps)
         del out
         step = statistics.median(samples)
-        roof = (weights + batch * (args.position + 1) * kv_per_token) / bandwidth
+        roof = (weights + sum(p + 1 for p in step_inputs(info, batch, args.position)[1]) * kv_per_token) / bandwidth
         rows.append((batch, step, roof))
         print(f"batch {batch}: step {step * 1e3:.3f} ms", flush=True)
     print("\n| batch | step ms | tokens/s | roofline ms | step / roofline |")
@@ -73,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {batch} | {step * 1e3:.3f} | {batch / step:,.0f} | {roof * 1e3:.3f} | {step / roof:.2f} |")
     if args.op_times:
         batch = rows[-1][0]
-        inputs = (np.full((batch, 1), 42, np.int64), np.full(batch, args.position, np.int64),
-                  *slot_inputs(info, list(range(batch))))
+        inputs = step_inputs(info, batch, args.position)
         print(f"\nGPU time per op, decode at batch {batch}:")
         print(gpu_op_times(program, cp, "decode", inputs, args.op_times))
     return 0

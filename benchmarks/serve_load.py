@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
         steps = StepTime()
         engine = LLMEngine(program, args.backend, max_queue=max(len(level_work(c)) for c in levels),
-                           metrics=steps).start()
+                           metrics=steps).warm_up().start()
         try:
             for c in levels:
                 engine_level(engine, c, [(p, 4) for p, _ in level_work(c)[:c]])

@@ -50,6 +50,19 @@ def test_batched_decode_equals_one_sequence_at_a_time(programs, family, backend)
     assert batched_greedy(programs(family, 4).session(backend), PROMPTS, SLOTS, STEPS) == want
 
 
+def test_decode_rotates_and_writes_each_layer_in_one_node(programs):
+    """The decode step's RoPE of q and k and its two slot writes are one rope_cache_update per layer (its k taken
+    before the transposes around the rotation); prefill, whose cos and sin differ per token, keeps them apart."""
+    program = programs("llama", 4)
+    decode = [n.op for n in program.ir.methods["decode"].nodes]
+    layers = decode.count("slot_attention")
+    assert decode.count("rope_cache_update") == layers and not {"rope", "index_put"} & set(decode)
+    fused = next(n for n in program.ir.methods["decode"].nodes if n.op == "rope_cache_update")
+    assert fused.attrs["dims"] == (0, 1) and fused.attrs["in_place"]
+    prefill_ops = [n.op for n in program.ir.methods["prefill"].nodes]
+    assert "rope_cache_update" not in prefill_ops and prefill_ops.count("index_put") == 2 * layers
+
+
 def test_sequences_join_and_leave_the_batch(programs, backend):
     """A sequence prefilled while others are mid-decode, and one that leaves early, do not disturb the others;
     a freed slot's stale keys are never read by the sequence that reuses it."""
@@ -88,8 +101,8 @@ def test_slot_inputs_are_checked(programs):
 
 def test_program_describes_its_slots(programs):
     program = programs("llama", 4)
-    assert program.metadata["kiln.llm.slots"] == "4"
-    assert "where batch in [1, 4]" in program.info("decode").describe()
+    assert program.metadata["kiln.llm.slots"] == "4" and program.metadata["kiln.llm.decode_rows"] == "12"
+    assert "where batch in [1, 12]" in program.info("decode").describe()  # 4 slots + a prefill chunk of 8
     assert "slot_attention" in {n.op for n in program.method("decode").nodes}
 
 

@@ -368,6 +368,100 @@ def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> 
     np.testing.assert_array_equal(cp.asnumpy(v_out).astype(np.float64), want_v)
 
 
+def _rope64(x, cos, sin, interleaved):
+    """The rope op's formula in float64 on the host (cos/sin broadcast against x)."""
+    import cupy as cp
+
+    x, c, s = (cp.asnumpy(a).astype(np.float64) for a in (x, cos, sin))
+    d = x.shape[-1]
+    if interleaved:
+        turned = np.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+    else:
+        turned = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    return x * c + turned * s
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_cache_update_of_a_slotted_decode_step_in_one_kernel(dtype, interleaved, monkeypatch) -> None:
+    """A serving program's decode step: q [B, Hq, 1, D] and k/v [B, 1, Hkv, D] as views of one projection, cos/sin
+    [B, 1, 1, D] per sequence, the caches [slots, S, Hkv, D] written in place at (slot, position) with a negative
+    slot and position, and two rows writing one place (the later one wins, as index_put keeps the last); against
+    float64. The fused kernel is the one that runs (the per-op path is made to fail)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    rng = np.random.default_rng(5)
+    b, hq, hkv, d, slot_count, size = 5, 8, 2, 64, 4, 40
+    qkv = cp.asarray(rng.standard_normal((b, 1, (hq + 2 * hkv) * d)).astype(dtype))
+    q = qkv[..., :hq * d].reshape(b, 1, hq, d).transpose(0, 2, 1, 3)
+    k = qkv[..., hq * d:(hq + hkv) * d].reshape(b, 1, hkv, d)
+    v = qkv[..., (hq + hkv) * d:].reshape(b, 1, hkv, d)
+    angles = rng.standard_normal((b, 1, 1, d))
+    cos, sin = (cp.asarray(f(angles).astype(dtype)) for f in (np.cos, np.sin))
+    caches = [cp.asarray(rng.standard_normal((slot_count, size, hkv, d)).astype(dtype)) for _ in range(2)]
+    before = [cp.asnumpy(c).astype(np.float64) for c in caches]
+    slots_host, positions_host = np.array([2, 0, -1, 1, 2], np.int64), np.array([7, 0, 39, -2, 7], np.int64)
+    slots, positions = cp.asarray(slots_host[:, None]), cp.asarray(positions_host[:, None])
+    assert attention._slot_step_cos_sin(q, k, v, cos, sin, *caches, (slots, positions), [0, 1]) is not None
+    monkeypatch.setattr(attention, "index_put", None)  # the unfused path would fail
+    q_out, k_out, v_out = attention.rope_cache_update(q, k, v, cos, sin, *caches, slots, positions, dims=[0, 1],
+                                                      interleaved=interleaved, in_place=True)
+    assert k_out is caches[0] and v_out is caches[1]
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(cp.asnumpy(q_out).astype(np.float64), _rope64(q, cos, sin, interleaved),
+                               rtol=tol, atol=tol)
+    want_k, want_v = before
+    rotated, values = _rope64(k, cos, sin, interleaved), cp.asnumpy(v).astype(np.float64)
+    for row in range(b):  # in order, so the last writer of a place wins
+        want_k[slots_host[row], positions_host[row]] = rotated[row, 0]
+        want_v[slots_host[row], positions_host[row]] = values[row, 0]
+    np.testing.assert_allclose(cp.asnumpy(k_out).astype(np.float64), want_k, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(cp.asnumpy(v_out).astype(np.float64), want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_index_put_at_slot_and_position_is_one_flat_scatter(dtype, monkeypatch) -> None:
+    """A slotted prefill's cache write, cache[slot [1, 1], positions [1, T]] = values [1, T, Hkv, D], and a batch
+    of rows with a repeated place: equal to NumPy's assignment (its last writer winning), without the portable
+    path."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import index
+
+    rng = np.random.default_rng(6)
+    monkeypatch.setattr(index.portable, "index_put", None)
+    cache = rng.standard_normal((3, 50, 2, 16)).astype(dtype)
+    for rows, at in ((np.array([[1]]), np.arange(10, 30)[None]), (np.array([[0], [2], [0]]), np.array([[4], [9], [4]])),
+                     (np.array([[-1]]), np.array([[-3, 5]]))):
+        values = rng.standard_normal(np.broadcast_shapes(rows.shape, at.shape) + (2, 16)).astype(dtype)
+        want = cache.copy()
+        want[rows, at] = values
+        got = index.index_put(cp.asarray(cache), cp.asarray(values), cp.asarray(rows), cp.asarray(at), dims=[0, 1],
+                              accumulate=False, in_place=False)
+        np.testing.assert_array_equal(cp.asnumpy(got), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_argmax_rows_in_the_logits_own_type_as_numpy(dtype) -> None:
+    """argmax.cu over vocabulary-wide rows: the first of tied maxima, a maximum in the last column, -inf rows and
+    NaN (the first NaN wins, as np.argmax has it); equal to np.argmax on the same values."""
+    import cupy as cp
+
+    from kiln.runtime.backends import create
+
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((6, 50257)).astype(np.float32)
+    rows[1, [17, 4000, 50000]] = 9.0
+    rows[2, -1] = 10.0
+    rows[3] = -np.inf
+    rows[4, [30, 900]] = np.nan
+    rows = rows.astype(dtype)
+    backend = create("cuda", None)
+    np.testing.assert_array_equal(backend.argmax_rows(cp.asarray(rows)), np.argmax(rows.astype(np.float32), axis=1))
+
+
 def _prefill_case(mode: str, queries: int, keys: int, rng: np.random.Generator):
     """The mask and causal flag of a prefill: 'causal' (queries == keys, is_causal), 'cache' (the queries are the
     last positions written into a longer cache, a bool mask over [query, slot]), 'float' (an additive float mask

@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the model id clients send in 'model' (default: the program's own name, else its file name)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="language models: most requests waiting for a slot before 503 answers (default: 64)")
+    p.add_argument("--prefill-tokens", type=int, metavar="N",
+                   help="language models: most prompt tokens one decode step carries, where prompts ride in decode "
+                        "steps (default: the program's prefill chunk; fewer: shorter steps for running streams)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="embedding programs without a tokenizer inside: a tokenizer.json to read text with")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.prefill_tokens is not None and args.prefill_tokens < 1:
+        raise CliError(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
     try:
         from kiln.runtime.serve import Server, create_app
     except ImportError as e:
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s:     %(message)s")
     print(f"loading {args.model} on {args.backend}", flush=True)
-    app = create_app(program, args.backend, args.model_name, args.max_queue, tokenizer)
+    app = create_app(program, args.backend, args.model_name, args.max_queue, tokenizer, args.prefill_tokens)
     print(f"serving '{app.state.model_id}' ({app.state.service.kind}) at http://{args.host}:{args.port}/v1",
           flush=True)
     Server(app, args.host, args.port, log_level=args.log_level).run()

@@ -24,7 +24,14 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from kiln.export import Method, ProgramBuilder, Quantize, export
 from kiln.models.llm_source import llm_metadata, load_causal_lm
-from kiln.runtime.llm.info import MAX_CONTEXT_KEY, NAME_KEY, PREFILL_CHUNK_KEY, RING_CACHE_KEY, SLOTS_KEY
+from kiln.runtime.llm.info import (
+    DECODE_ROWS_KEY,
+    MAX_CONTEXT_KEY,
+    NAME_KEY,
+    PREFILL_CHUNK_KEY,
+    RING_CACHE_KEY,
+    SLOTS_KEY,
+)
 
 log = logging.getLogger("kiln.models.llm")
 
@@ -140,8 +147,10 @@ class StaticCacheLM(torch.nn.Module):
     slots=N (serving several sequences at once): each layer's cache is [N, max_context, kv_heads, head_dim], a
     slot per sequence, and the methods take the slots too:
     prefill(tokens [1, T], cache_position [T], slot [1]) -> logits [1, vocab]: a chunk of one sequence in its slot;
-    decode(tokens [B, 1], cache_position [B], slots [B]) -> logits [B, vocab]: one token of each of B sequences,
-    each at its own position in its own slot (B from 1 to N).
+    decode(tokens [B, 1], cache_position [B], slots [B]) -> logits [B, vocab]: B rows, each one token at its own
+    position in its own slot (B from 1 to N + prefill_chunk): one token of each decoding sequence, and a serving
+    engine may add a prompt chunk's tokens as rows of their sequence (consecutive positions), which share the
+    step's weight reads; every row's keys are written before any row attends, so each sees the earlier ones.
     Attention is kiln's slot_attention op (transformers' attention implementation is set to it on the model),
     which reads only the positions each sequence has; sliding-window layers keep every position (no ring) and
     mask by the window. Layers that soft-cap their scores (Gemma 2) are not supported with slots.
@@ -282,15 +291,14 @@ def export_llama(model: PreTrainedModel | StaticCacheLM, max_context: int, prefi
     if lm.slots is None:
         decode = Method((torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long)))
     else:
-        batch = min(lm.slots, 2)
-        args = (torch.zeros((batch, 1), dtype=torch.long), torch.zeros((batch,), dtype=torch.long),
-                torch.arange(batch, dtype=torch.long))
-        rows = torch.export.Dim("batch", min=1, max=lm.slots) if lm.slots > 1 else None
-        decode = Method(args, dynamic_shapes=({0: rows}, {0: rows}, {0: rows}) if rows is not None else None)
+        args = (torch.zeros((2, 1), dtype=torch.long), torch.zeros((2,), dtype=torch.long),
+                torch.zeros((2,), dtype=torch.long))  # 2 rows: torch.export specializes a dim of example size 1
+        rows = torch.export.Dim("batch", min=1, max=lm.slots + prefill_chunk)
+        decode = Method(args, dynamic_shapes=({0: rows}, {0: rows}, {0: rows}))
     metadata = {MAX_CONTEXT_KEY: str(max_context), PREFILL_CHUNK_KEY: str(prefill_chunk),
                 RING_CACHE_KEY: "1" if any(lm.layer_is_ring) else "0"}
     if lm.slots is not None:
-        metadata[SLOTS_KEY] = str(lm.slots)
+        metadata[SLOTS_KEY], metadata[DECODE_ROWS_KEY] = str(lm.slots), str(lm.slots + prefill_chunk)
     metadata.update(export_options.pop("metadata", None) or {})
     return export(lm, methods={"prefill": prefill, "decode": decode}, metadata=metadata, **export_options)
 

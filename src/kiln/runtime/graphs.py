@@ -22,8 +22,10 @@ WARMUP_RUNS = 1
 """Runs of a signature op by op before it is captured: the first compiles kernels and sets up cuBLAS, which must
 not happen inside a capture; and a signature seen once (a prefill of an odd length) is not worth compiling."""
 
-MAX_GRAPHS_PER_METHOD = 8
-"""Captured signatures kept per method; the least recently used gives its graph and memory back."""
+MAX_GRAPHS_PER_METHOD = 16
+"""Captured signatures kept per method; the least recently used gives its graph and memory back. A serving
+engine's decode steps come in 15 padded row counts (kiln.runtime.serve.engine.padded_rows) for 64 slots and a
+256-token prefill chunk."""
 
 
 class CaptureError(KilnError):

@@ -58,3 +58,76 @@ def test_greedy_sequences_in_a_batch_get_what_they_get_alone(llm_path, mixed) ->
         assert len(together[k]) == 10
         if sampler.greedy:
             assert together[k] == alone[k]
+
+
+def test_padded_rows_keeps_graphs_few_and_padding_small() -> None:
+    from kiln.runtime.serve.engine import padded_rows
+
+    sizes = {padded_rows(n, 320) for n in range(1, 321)}
+    assert sorted(sizes) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 192, 256, 320]
+    assert [padded_rows(n, 320) for n in (3, 9, 33, 65, 300)] == [4, 16, 40, 128, 320]
+    assert padded_rows(60, 50) == 50 and all(padded_rows(n, 320) >= n for n in range(1, 321))
+
+
+@pytest.mark.parametrize("prefill_tokens", [3, 16], ids=["prompt-split-over-steps", "prompts-share-a-step"])
+def test_prompts_fed_as_decode_rows_give_what_the_prefill_method_gives(llm_path, backend, prefill_tokens) -> None:
+    """Prompts ridden in decode steps (a prompt over several steps beside running streams, or several prompts in
+    one step) generate exactly what the engine that prefills by the prefill method generates, greedy, alone and
+    together; a sampled sequence's rows leave the device with the others."""
+    program = kiln.load(llm_path)
+    prompts = [[9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24], [30]]
+    reference = LLMEngine(program, backend, prefill_in_steps=False).start()
+    try:
+        want = [run_together(reference, [(p, 8, Sampler())])[0] for p in prompts]
+    finally:
+        reference.shutdown()
+    engine = LLMEngine(program, backend, prefill_tokens=prefill_tokens, prefill_in_steps=True).start()
+    try:
+        assert engine.prefill_in_steps and engine.max_rows == engine.capacity + engine.info.prefill_chunk
+        alone = [run_together(engine, [(p, 8, Sampler())])[0] for p in prompts]
+        together = run_together(engine, [(p, 8, Sampler()) for p in prompts])
+        with_sampled = run_together(engine, [(p, 8, Sampler(temperature=0.9, seed=1) if k == 1 else Sampler())
+                                             for k, p in enumerate(prompts)])
+    finally:
+        engine.shutdown()
+    assert alone == want and together == want
+    assert [t for k, t in enumerate(with_sampled) if k != 1] == [t for k, t in enumerate(want) if k != 1]
+    assert len(with_sampled[1]) == 8
+
+
+def test_prompts_in_steps_need_a_program_with_room_for_them(tmp_path) -> None:
+    """A slotted program whose decode takes only its slots' rows (exported before decode_rows) prefills by its
+    prefill method, and refuses prompts in steps with a message that says why."""
+    pytest.importorskip("transformers")
+    from kiln.errors import KilnError
+    from kiln.runtime.llm.info import DECODE_ROWS_KEY, LLMInfo
+    from tests.runtime.tiny_llm import export_tiny_llm
+
+    program = kiln.load(export_tiny_llm(slots=2)[1].save(tmp_path / "tiny.kiln"))
+    assert LLMEngine(program).max_rows == 2 + LLMInfo.from_metadata(program.metadata).prefill_chunk
+    del program.ir.metadata[DECODE_ROWS_KEY]  # as a program exported before decode_rows reads
+    assert LLMInfo.from_metadata(program.metadata).decode_rows == 2
+    engine = LLMEngine(program)
+    assert not engine.prefill_in_steps and engine.max_rows == 2
+    with pytest.raises(KilnError, match="no room for prompt tokens"):
+        LLMEngine(program, prefill_in_steps=True)
+
+
+def test_warm_up_captures_every_padded_step_before_serving(llm_path) -> None:
+    """On a backend that captures graphs, warm_up leaves one graph per padded row count a step can have, so no
+    stream waits for a capture; a no-op elsewhere."""
+    from tests.conftest import BACKENDS
+
+    if "cuda" not in BACKENDS:
+        pytest.skip("needs the cuda backend (the only one that captures)")
+    from kiln.runtime.serve.engine import padded_rows
+
+    engine = LLMEngine(kiln.load(llm_path), "cuda").warm_up()
+    assert engine.prefill_in_steps
+    want = {padded_rows(n, engine.max_rows) for n in range(1, engine.max_rows + 1)}
+    assert engine.session.captured_graphs == {"decode": len(want)}
+    engine.start()
+    try:
+        assert run_together(engine, [([9, 10, 11], 4, Sampler())])[0]
+    finally:
+        engine.shutdown()

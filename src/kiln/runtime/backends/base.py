@@ -66,6 +66,10 @@ class Backend:
     (kiln.runtime.graphs); state stays functional (each run returns new state arrays)."""
     graphs_by_default: bool = False
     """Whether sessions capture (or compile) unless told otherwise."""
+    attends_rows_in_place: bool = False
+    """Whether slot_attention reads each row's slot where it lies, so many rows of one slot cost what their keys
+    cost: a serving engine then feeds prompt chunks as rows of its decode steps (kiln.runtime.serve.engine). A
+    backend that copies a slot's keys per row would pay a whole slot for every prompt token."""
 
     def constant(self, index: int) -> Any:
         raise NotImplementedError

@@ -33,6 +33,10 @@ prefill_chunk positions (older slots may already hold newer positions)."""
 SLOTS_KEY = "kiln.llm.slots"
 """The sequences the KV cache holds (a program exported with slots, for batched serving): then prefill takes
 (tokens, positions, slot [1]) and decode (tokens [B, 1], positions [B], slots [B]). Absent: one sequence."""
+DECODE_ROWS_KEY = "kiln.llm.decode_rows"
+"""The most rows a slotted program's decode takes in one call: slots + prefill_chunk, so that one step can carry a
+token of every sequence and a prompt chunk's tokens (each row a token of some sequence at its own position; rows
+of one sequence are written before any row attends). Absent (programs exported before it): slots."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class LLMInfo:
     name: str | None = None
     ring_cache: bool = False
     slots: int | None = None
+    decode_rows: int | None = None
+    """See DECODE_ROWS_KEY; None for a program of one sequence."""
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str]) -> LLMInfo:
@@ -71,6 +77,7 @@ class LLMInfo:
             name=meta.get(NAME_KEY) or None,
             ring_cache=meta.get(RING_CACHE_KEY) == "1",
             slots=int(meta[SLOTS_KEY]) if meta.get(SLOTS_KEY) else None,
+            decode_rows=int(meta.get(DECODE_ROWS_KEY) or meta[SLOTS_KEY]) if meta.get(SLOTS_KEY) else None,
         )
 
     def max_rewind(self, cached: int) -> int:

@@ -8,8 +8,15 @@ sequence leaves the batch when it ends (a stop token, a stop string, max_tokens,
 client going away) and its slot is free for the next one at once; the slot is not cleared, since a program's
 attention reads only the positions a sequence has written.
 
-Each turn of the loop runs at most one prefill chunk and then one decode step, so a long prompt being prefilled
-delays the running streams by one chunk per token, not by the whole prompt.
+Where the program's decode takes more rows than it has slots (programs exported with `decode_rows`, see
+kiln.runtime.llm.info) and the backend attends to many rows of one slot in place, prompts are fed as rows of the
+decode steps themselves: a step carries one token of every decoding sequence and up to `prefill_tokens` prompt
+tokens (of one or more sequences, each token a row at its own position), so decoding and prefilling share one
+read of the weights, and a running stream waits for a prompt's chunk only as long as that chunk's share of the
+step. The rows whose logits are sampled (the decode rows, then each prompt's last token) come first, so the
+logits that leave the device are one leading slice. Otherwise each turn of the loop runs at most one chunk of the
+`prefill` method and then one decode step, so a long prompt delays the running streams by one chunk per token,
+not by the whole prompt.
 
 Programs exported without slots run too, one sequence at a time (slot 0). The engine thread is the only one that
 runs the session; events reach the requester through its `emit` callback, called on the engine thread.
@@ -28,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.runtime.graphs import WARMUP_RUNS
 from kiln.runtime.llm.decoding import decode_batch, prefill_chunk, slot_inputs
 from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.llm.sampling import Sampler
@@ -111,16 +119,32 @@ class EngineMetrics:
         """A generation ended (its finish_reason says how)."""
 
 
+def padded_rows(rows: int, most: int) -> int:
+    """The row count a step of `rows` rows is padded to where graphs are captured per row count: a power of two
+    up to 8, a multiple of 8 up to 64, then of 64 (at most `most`): few graphs, and little padding at the batch
+    sizes a GPU serves (a step of 33 sequences runs 40 rows, not 64)."""
+    step = 64 if rows > 64 else 8 if rows > 8 else 0
+    padded = -(-rows // step) * step if step else 1 << (rows - 1).bit_length()
+    return min(most, padded)
+
+
 class LLMEngine:
     """Runs generations of one language-model program with continuous batching (see the module's docstring).
 
     max_queue: the most requests waiting for a slot; `submit` raises QueueFullError beyond it.
+    prefill_tokens: the most prompt tokens one decode step carries where prompts ride in decode steps (default:
+    the program's prefill chunk); fewer keep each step shorter for the running streams, more fill the slots faster.
+    prefill_in_steps: feed prompts as rows of the decode steps (True), or by the prefill method (False); default:
+    where the program and the backend allow it (see the module's docstring).
     """
 
     def __init__(self, program: Program, backend: str = "cpu", max_queue: int = 64,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, prefill_tokens: int | None = None,
+                 prefill_in_steps: bool | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.program = program
         self.info = LLMInfo.from_metadata(program.metadata)
         if not {"prefill", "decode"} <= set(program.methods):
@@ -132,6 +156,17 @@ class LLMEngine:
         self.max_queue = max_queue
         self.metrics = metrics or EngineMetrics()
         self._pad_batches = bool(getattr(self.session.backend, "can_capture", False))
+        self.max_rows = self.info.decode_rows or 1
+        room = self.max_rows > self.capacity
+        if prefill_in_steps is None:
+            prefill_in_steps = room and self.session.backend.attends_rows_in_place
+        if prefill_in_steps and not room:
+            raise KilnError(f"this program's decode takes at most {self.max_rows} rows for {self.capacity} slots: "
+                            "no room for prompt tokens in a step; export it again with --slots to serve prompts "
+                            "in decode steps")
+        self.prefill_in_steps = bool(prefill_in_steps)
+        self.prefill_tokens = min(prefill_tokens or self.info.prefill_chunk, self.max_rows - 1) \
+            if prefill_in_steps else 0
         self._waiting: deque[Generation] = deque()
         self._running: list[Generation] = []
         self._free = list(range(self.capacity - 1, -1, -1))
@@ -149,6 +184,21 @@ class LLMEngine:
 
     def start(self) -> LLMEngine:
         self._thread.start()
+        return self
+
+    def warm_up(self) -> LLMEngine:
+        """Run each padded row count a decode step can have (padded_rows) until the backend has captured its
+        graph, before any request: otherwise the first steps of each size pay for a run op by op and a capture
+        (tens of milliseconds on a GPU) in the middle of the streams. Writes go to slot 0 at the first positions,
+        which a sequence always rewrites before reading them. Nothing to do where steps are not padded (cpu).
+        Call before start()."""
+        if not self._pad_batches or self._thread.is_alive():
+            return self
+        most = self.max_rows if self.prefill_in_steps else self.capacity
+        for rows in sorted({padded_rows(n, most) for n in range(1, most + 1)}):
+            positions = [p % self.info.max_context for p in range(rows)]
+            for _ in range(WARMUP_RUNS + 1):
+                decode_batch(self.session, [0] * rows, positions, [0] * rows, self.info, host=False)
         return self
 
     def submit(self, generation: Generation) -> None:
@@ -192,6 +242,9 @@ class LLMEngine:
                 self._admit()
             for generation in [g for g in self._running if g.cancelled]:
                 self._finish(generation, "cancelled")
+            if self.prefill_in_steps:
+                self._step_with_prompts()
+                continue
             prefilling = next((g for g in self._running if g.pending is None), None)
             if prefilling is not None:
                 self._guarded([prefilling], self._prefill_chunk)
@@ -233,30 +286,76 @@ class LLMEngine:
         self._accept(generation, generation.sampler(row))
 
     def _decode_step(self, generations: list[Generation]) -> None:
-        tokens = [g.pending for g in generations]
-        positions = [g.position for g in generations]
-        slots = [g.slot for g in generations]
-        size = len(generations)
-        if self._pad_batches:  # one captured graph per power of two instead of one per batch size
-            padded = min(self.capacity, 1 << (size - 1).bit_length())
-            extra = padded - size  # repeats of the last row: the same keys written to the same place
-            tokens, positions, slots = tokens + tokens[-1:] * extra, positions + positions[-1:] * extra, \
-                slots + slots[-1:] * extra
+        rows = [(g.pending, g.position, g.slot) for g in generations]
         t0 = time.perf_counter()
-        logits = decode_batch(self.session, tokens, positions, slots, self.info, host=False)
+        logits = self._run_rows(rows, self.capacity)
         picks = self._sample(generations, logits)
-        self.metrics.step(size, time.perf_counter() - t0)
+        self.metrics.step(len(generations), time.perf_counter() - t0)
         for generation, token in zip(generations, picks):
             generation.position += 1
             generation.pending = None
+            self._accept(generation, token)
+
+    def _run_rows(self, rows: list[tuple[int, int, int]], most: int) -> Any:
+        """One decode call over rows of (token, position, slot); the backend's logits, a row each (and the
+        padding's after them). Where graphs are captured, the rows are padded (padded_rows) with repeats of the
+        last row: the same keys written to the same place."""
+        if self._pad_batches:
+            rows = rows + rows[-1:] * (padded_rows(len(rows), most) - len(rows))
+        tokens, positions, slots = zip(*rows)
+        return decode_batch(self.session, tokens, positions, slots, self.info, host=False)
+
+    def _step_with_prompts(self) -> None:
+        """One decode step carrying every decoding sequence's token and up to prefill_tokens prompt tokens (the
+        module's docstring): rows of decoding sequences first, then each prompt's last token where this step
+        ends it, then the other prompt tokens, so the rows sampled are the leading ones."""
+        decoding = [g for g in self._running if g.pending is not None and not g.cancelled]
+        room = min(self.prefill_tokens, self.max_rows - len(decoding))
+        chunks: list[tuple[Generation, int]] = []
+        for generation in self._running:
+            if room <= 0:
+                break
+            if generation.pending is None and not generation.cancelled:
+                count = min(room, generation.prompt_tokens - generation.prefilled)
+                chunks.append((generation, count))
+                room -= count
+        ending = [g for g, count in chunks if g.prefilled + count == g.prompt_tokens]
+        rows = [(g.pending, g.position, g.slot) for g in decoding]
+        rows += [(g.prompt_ids[-1], g.prompt_tokens - 1, g.slot) for g in ending]
+        for generation, count in chunks:
+            first = generation.prefilled
+            last = first + count - (generation in ending)  # an ending prompt's last token is already a row
+            rows += [(generation.prompt_ids[p], p, generation.slot) for p in range(first, last)]
+        if not rows:
+            return
+        self._guarded(decoding + [g for g, _ in chunks],
+                      lambda _: self._run_step_with_prompts(rows, decoding, chunks, ending))
+
+    def _run_step_with_prompts(self, rows: list[tuple[int, int, int]], decoding: list[Generation],
+                    chunks: list[tuple[Generation, int]], ending: list[Generation]) -> None:
+        t0 = time.perf_counter()
+        logits = self._run_rows(rows, self.max_rows)
+        sampled = decoding + ending
+        picks = self._sample(sampled, logits) if sampled else []
+        if decoding:
+            self.metrics.step(len(decoding), time.perf_counter() - t0)
+        for generation, count in chunks:
+            generation.prefilled += count
+        for generation in ending:
+            generation.position = generation.prompt_tokens
+        for generation, token in zip(sampled, picks):
+            if generation.pending is not None:
+                generation.position += 1
+                generation.pending = None
             self._accept(generation, token)
 
     def _sample(self, generations: list[Generation], logits: Any) -> list[int]:
         """Each sequence's next token from its row of the step's logits (the backend's array, maybe padded with
         extra rows): when every sequence is greedy, the argmax of each row where the logits are (a GPU sends back
         one integer per row); otherwise the rows come to the host and each sampler picks from its own."""
+        logits = logits[:len(generations)]
         if all(g.sampler.greedy for g in generations):
-            return [int(t) for t in self.session.backend.argmax_rows(logits)[:len(generations)]]
+            return [int(t) for t in self.session.backend.argmax_rows(logits)]
         rows = self.session.backend.to_numpy(logits)
         return [g.sampler(row) for g, row in zip(generations, rows)]
 
@@ -306,4 +405,4 @@ class LLMEngine:
 
 
 __all__ = ["EngineMetrics", "EngineStoppedError", "Event", "FINISH_REASONS", "Generation", "LLMEngine",
-           "QueueFullError"]
+           "QueueFullError", "padded_rows"]

@@ -119,7 +119,7 @@ class LLMService(Service):
 
     def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics, options: ServeOptions):
         super().__init__(model_id, metrics)
-        self.engine = LLMEngine(program, backend, options.max_queue, metrics)
+        self.engine = LLMEngine(program, backend, options.max_queue, metrics, options.prefill_tokens)
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
         metrics.gauge("kiln_queue_depth", "requests waiting for a KV-cache slot", lambda: self.engine.queue_depth)
@@ -134,7 +134,7 @@ class LLMService(Service):
         return {"max_context": self.info.max_context, "slots": self.engine.capacity}
 
     def start(self) -> None:
-        self.engine.start()
+        self.engine.warm_up().start()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

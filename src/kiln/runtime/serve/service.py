@@ -18,10 +18,12 @@ from kiln.runtime.serve.protocol import APIError
 @dataclass(frozen=True)
 class ServeOptions:
     """Server options some kinds use. max_queue: language models' most requests waiting for a KV-cache slot;
-    tokenizer: a kiln.runtime.text.TextTokenizer for an embedding program that carries none."""
+    tokenizer: a kiln.runtime.text.TextTokenizer for an embedding program that carries none; prefill_tokens:
+    language models' most prompt tokens per decode step (None: the engine's default)."""
 
     max_queue: int = 64
     tokenizer: Any = None
+    prefill_tokens: int | None = None
 
 
 class Service:

@@ -30,6 +30,8 @@ from kiln.runtime.program import Program
 
 log = logging.getLogger("kiln.runtime.cuda")
 
+ARGMAX_THREADS = 1024  # threads of kernels/argmax.cu's block per row (its ARGMAX_THREADS)
+
 
 def _cupy() -> Any:
     """CuPy, once a GPU is known to be there; otherwise a BackendUnavailableError that says what is missing."""
@@ -51,6 +53,7 @@ def _cupy() -> Any:
 class CUDABackend(Backend):
     name = "cuda"
     can_capture = True
+    attends_rows_in_place = True  # decode.cu reads each row's slot in place (kernels/attention.py)
     graphs_by_default = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
     def __init__(self, program: Program):
@@ -80,10 +83,20 @@ class CUDABackend(Backend):
         return self.cp.asnumpy(x)
 
     def argmax_rows(self, x: Any) -> np.ndarray:
+        """kernels/argmax.cu over contiguous float rows (one pass in their own type, a block per row); CuPy's
+        argmax (which takes float32 and wider) otherwise."""
+        from kiln.runtime.backends.cuda import nvrtc
+
+        cp = self.cp
         rows = x.reshape(x.shape[0], -1)
+        if rows.size and rows.flags.c_contiguous and nvrtc.supports(rows):
+            out = cp.empty(rows.shape[0], dtype=cp.int64)
+            nvrtc.function("argmax", "argmax_rows", rows.dtype)((rows.shape[0],), (ARGMAX_THREADS,),
+                                                                (rows, out, np.int64(rows.shape[1])))
+            return cp.asnumpy(out)
         if rows.dtype.kind != "f" or rows.dtype.itemsize < 4:  # CuPy's reductions take float32 and wider
-            rows = rows.astype(self.cp.float32)
-        return self.cp.asnumpy(self.cp.argmax(rows, axis=1)).astype(np.int64, copy=False)
+            rows = rows.astype(cp.float32)
+        return cp.asnumpy(cp.argmax(rows, axis=1)).astype(np.int64, copy=False)
 
     def empty_like(self, x: Any) -> Any:
         return self.cp.empty(x.shape, dtype=x.dtype)

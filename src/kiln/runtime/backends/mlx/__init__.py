@@ -63,10 +63,15 @@ class MLXBackend(Backend):
         return self._constants.array(index)
 
     def initial_state(self, index: int, buffer: StateBuffer) -> Any:
+        """Evaluated at once: an unevaluated array belongs to the stream of the thread that made it, and a session
+        made on one thread may run on another (a server's engine thread)."""
         mx = self.mx
         if buffer.init >= 0:
-            return mx.array(self.constant(buffer.init))  # its own array object: kernels may rebind it
-        return mx.zeros(buffer.shape, dtype=self._arrays.mx_dtype(buffer.dtype))
+            state = mx.array(self.constant(buffer.init))  # its own array object: kernels may rebind it
+        else:
+            state = mx.zeros(buffer.shape, dtype=self._arrays.mx_dtype(buffer.dtype))
+        mx.eval(state)
+        return state
 
     def asarray(self, x: Any) -> Any:
         return self._arrays.to_mlx(x)

@@ -50,8 +50,12 @@ def _rope_fused(x: Any, cos: Any, sin: Any, interleaved: bool) -> Any:
 @kernel("rope_cache_update")
 def rope_cache_update(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any, *indices: Any,
                       dims: list[int], interleaved: bool, in_place: bool) -> tuple[Any, Any, Any]:
-    """A decode step's (one position) in one kernel; otherwise the rope and index_put kernels it stands for."""
+    """A decode step's (one position; or one token of each sequence of a serving program's slotted cache) in one
+    kernel; otherwise the rope and index_put kernels it stands for."""
     k_out, v_out = target(k_cache, in_place), target(v_cache, in_place)
+    slotted = _slot_step_cos_sin(q, k, v, cos, sin, k_out, v_out, indices, dims)
+    if slotted is not None:
+        return _rope_slot_update(q, k, v, *slotted, k_out, v_out, indices, interleaved)
     shared = _one_position_cos_sin(q, k, v, cos, sin, k_out, v_out, indices, dims)
     if shared is None:
         return (rope(q, cos, sin, interleaved), index_put(k_out, rope(k, cos, sin, interleaved), *indices, dims=dims,
@@ -66,6 +70,48 @@ def rope_cache_update(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, 
         grid(total), (256,), (q, k, v, cos_b, sin_b, q_out, k_out, v_out, indices[0], np.int32(hq), np.int32(hkv),
                               np.int32(d), np.int32(k_out.shape[2]), qs[0], qs[1], qs[3], ks[0], ks[1], ks[3],
                               vs[0], vs[1], vs[3], cs[0], cs[3], np.int64(total), np.int32(bool(interleaved))))
+    return q_out, k_out, v_out
+
+
+def _slot_step_cos_sin(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
+                       indices: tuple[Any, ...], dims: list[int]) -> tuple[Any, Any] | None:
+    """cos and sin as [B, 1, 1, D] views when rope_slot_update takes the update: a serving program's decode step,
+    one token of each of B sequences written at (slot, position) of contiguous [slots, S, Hkv, D] caches from k/v
+    [B, 1, Hkv, D] and q [B, Hq, 1, D] of one storage type, the slots and positions one int64 each per sequence;
+    else None."""
+    if len(indices) != 2 or list(dims) != [0, 1] or any(a.ndim != 4 for a in (q, k, v, k_cache, v_cache)):
+        return None
+    if not nvrtc.supports(q, k, v, cos, sin, k_cache, v_cache):
+        return None
+    _, _, hkv, d = k_cache.shape
+    b = q.shape[0]
+    if k.shape != (b, 1, hkv, d) or v.shape != k.shape or v_cache.shape != k_cache.shape or d % 2:
+        return None
+    if q.shape[2:] != (1, d) or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        return None
+    if any(i.dtype != cp.int64 or i.shape not in ((b,), (b, 1)) for i in indices):
+        return None
+    try:
+        cos_b, sin_b = cp.broadcast_to(cos, (b, 1, 1, d)), cp.broadcast_to(sin, (b, 1, 1, d))
+    except ValueError:
+        return None
+    return (cos_b, sin_b) if cos_b.strides == sin_b.strides else None
+
+
+def _rope_slot_update(q: Any, k: Any, v: Any, cos_b: Any, sin_b: Any, k_out: Any, v_out: Any,
+                      indices: tuple[Any, ...], interleaved: bool) -> tuple[Any, Any, Any]:
+    """fused.cu's rope_slot_update: the rotated q, and k and v written into their sequences' slots."""
+    (b, hq, _, d), (slot_count, size, hkv, _) = q.shape, k_out.shape
+    q_out = cp.empty(q.shape, dtype=q.dtype)
+    qs, ks, vs, cs = (elements(a.strides, a.itemsize) for a in (q, k, v, cos_b))
+    per_row = (hq + 2 * hkv) * d
+    if b and per_row:
+        slots, positions = (cp.ascontiguousarray(i.reshape(-1)) for i in indices)
+        nvrtc.function("fused", "rope_slot_update", q.dtype)(
+            (b, -(-per_row // 256)), (256,),
+            (q, k, v, cos_b, sin_b, q_out, k_out, v_out, slots, positions, np.int32(b), np.int32(hq), np.int32(hkv),
+             np.int32(d), np.int32(slot_count), np.int32(size), qs[0], qs[1], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2],
+             vs[3], cs[0], cs[3], np.int32(bool(interleaved))))
     return q_out, k_out, v_out
 
 

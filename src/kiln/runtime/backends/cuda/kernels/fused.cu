@@ -169,3 +169,48 @@ __global__ void rope_cache_update(const typename S::T* __restrict__ q, const typ
         }
     }
 }
+
+// rope_cache_update for a serving program's decode step (one token of each of B sequences) in one launch instead of
+// about ten: q [B, hq, 1, D] rotated into q_out (contiguous); k [B, 1, hkv, D] rotated and v [B, 1, hkv, D]
+// copied into the caches [slot_count, size, hkv, D] (contiguous) at (slots[b], positions[b]). q, k and v in any
+// layout (element strides over batch, head and D); cos/sin [B, 1, 1, D] (strides cs0 over batch, cs3 over D).
+// Blocks (row b, piece): each block's threads first look at the rows after b together (one each), and the block
+// leaves b's place to a later row writing the same one (index_put keeps the last of repeated places); a place
+// outside the cache is not written (a CUDA graph cannot raise; the portable path checks the slots). Then one
+// thread per element of the piece of q, k and v.
+template <class S>
+__global__ void rope_slot_update(const typename S::T* __restrict__ q, const typename S::T* __restrict__ k,
+                                 const typename S::T* __restrict__ v, const typename S::T* __restrict__ cos_,
+                                 const typename S::T* __restrict__ sin_, typename S::T* __restrict__ q_out,
+                                 typename S::T* __restrict__ k_cache, typename S::T* __restrict__ v_cache,
+                                 const long long* __restrict__ slots, const long long* __restrict__ positions,
+                                 int batch, int hq, int hkv, int d, int slot_count, int size,
+                                 long long qs0, long long qs1, long long qs3, long long ks0, long long ks2,
+                                 long long ks3, long long vs0, long long vs2, long long vs3, long long cs0,
+                                 long long cs3, int interleaved) {
+    grid_dependency_sync();
+    const int b = blockIdx.x;
+    const long long slot = slots[b] < 0 ? slots[b] + slot_count : slots[b];
+    const long long at = positions[b] < 0 ? positions[b] + size : positions[b];
+    bool later = false;
+    for (int b2 = b + 1 + threadIdx.x; b2 < batch; b2 += blockDim.x) {
+        const long long s2 = slots[b2] < 0 ? slots[b2] + slot_count : slots[b2];
+        const long long a2 = positions[b2] < 0 ? positions[b2] + size : positions[b2];
+        later |= s2 == slot && a2 == at;
+    }
+    const bool writes = !__syncthreads_or(later) && slot >= 0 && slot < slot_count && at >= 0 && at < size;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    const int h = i / d, j = i - h * d;
+    const typename S::T* c = cos_ + b * cs0;
+    const typename S::T* s = sin_ + b * cs0;
+    if (h < hq) {
+        q_out[((long long)b * hq + h) * d + j] = rotated<S>(q + b * qs0 + h * qs1, qs3, c, s, cs3, j, d, interleaved);
+    } else if (writes && h < hq + hkv) {
+        const int hk = h - hq;
+        k_cache[((slot * size + at) * hkv + hk) * d + j] = rotated<S>(k + b * ks0 + hk * ks2, ks3, c, s, cs3, j, d,
+                                                                      interleaved);
+    } else if (writes && h < hq + 2 * hkv) {
+        const int hk = h - hq - hkv;
+        v_cache[((slot * size + at) * hkv + hk) * d + j] = v[b * vs0 + hk * vs2 + j * vs3];
+    }
+}

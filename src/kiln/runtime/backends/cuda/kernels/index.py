@@ -51,10 +51,32 @@ def index_copy(x: Any, index: Any, source: Any, dim: int, in_place: bool) -> Any
     return _write(target(x, in_place), dim, index, source)
 
 
+_PLACE = cp.ElementwiseKernel(
+    "int64 row, int64 at, int64 rows, int64 size", "int64 place",
+    "place = ((row % rows + rows) % rows) * size + (at % size + size) % size", "kiln_slot_place")
+"""The flat place (row, at) of a [rows, size, ...] array, each index wrapped into its dim as CuPy's fancy
+assignment wraps it (the portable path's behaviour: a graph cannot raise, and nothing is written outside)."""
+
+
+def _write_two(out: Any, values: Any, rows: Any, at: Any) -> Any:
+    """out[rows, at] = values for a contiguous out (a serving program's slotted KV cache [slots, S, Hkv, D]
+    written at each token's (slot, position)): the two indices as one flat index into out viewed as [slots * S,
+    ...], then _write's last-writer scatter."""
+    shape = np.broadcast_shapes(rows.shape, at.shape)
+    place = _PLACE(rows, at, np.int64(out.shape[0]), np.int64(out.shape[1])).reshape(-1)
+    rest = out.shape[2:]
+    source = cp.broadcast_to(values, shape + rest).reshape((-1,) + rest)
+    _write(out.reshape((-1,) + rest), 0, place, source)
+    return out
+
+
 @kernel("index_put")
 def index_put(x: Any, values: Any, *indices: Any, dims: Any, accumulate: bool, in_place: bool) -> Any:
-    """The KV-cache form (one 1-d integer index, no accumulation) with repeats made harmless; the rest portable
-    (accumulation is atomic, so repeats add up)."""
+    """The KV-cache forms (one 1-d integer index, or int64 indices at dims 0 and 1 of a contiguous cache; no
+    accumulation) with repeats made harmless; the rest portable (accumulation is atomic, so repeats add up)."""
+    if not accumulate and list(dims) == [0, 1] and x.flags.c_contiguous and x.ndim >= 2 and x.size \
+            and all(i.dtype == cp.int64 for i in indices):
+        return _write_two(target(x, in_place), values, *indices)
     if accumulate or len(indices) != 1 or len(dims) != 1 or indices[0].dtype == cp.bool_ or indices[0].ndim != 1:
         return portable.index_put(cp, x, values, *indices, dims=dims, accumulate=accumulate, in_place=in_place)
     return _write(target(x, in_place), dims[0], indices[0], values)
