@@ -286,15 +286,7 @@ class LLMEngine:
         self._accept(generation, generation.sampler(row))
 
     def _decode_step(self, generations: list[Generation]) -> None:
-        rows = [(g.pending, g.position, g.slot) for g in generations]
-        t0 = time.perf_counter()
-        logits = self._run_rows(rows, self.capacity)
-        picks = self._sample(generations, logits)
-        self.metrics.step(len(generations), time.perf_counter() - t0)
-        for generation, token in zip(generations, picks):
-            generation.position += 1
-            generation.pending = None
-            self._accept(generation, token)
+        self._run_step([(g.pending, g.position, g.slot) for g in generations], generations, [], self.capacity)
 
     def _run_rows(self, rows: list[tuple[int, int, int]], most: int) -> Any:
         """One decode call over rows of (token, position, slot); the backend's logits, a row each (and the
@@ -311,40 +303,40 @@ class LLMEngine:
         ends it, then the other prompt tokens, so the rows sampled are the leading ones."""
         decoding = [g for g in self._running if g.pending is not None and not g.cancelled]
         room = min(self.prefill_tokens, self.max_rows - len(decoding))
-        chunks: list[tuple[Generation, int]] = []
+        chunks: list[tuple[Generation, int, bool]] = []  # (generation, its prompt tokens this step, ends it)
         for generation in self._running:
             if room <= 0:
                 break
             if generation.pending is None and not generation.cancelled:
-                count = min(room, generation.prompt_tokens - generation.prefilled)
-                chunks.append((generation, count))
+                left = generation.prompt_tokens - generation.prefilled
+                count = min(room, left)
+                chunks.append((generation, count, count == left))
                 room -= count
-        ending = [g for g, count in chunks if g.prefilled + count == g.prompt_tokens]
         rows = [(g.pending, g.position, g.slot) for g in decoding]
-        rows += [(g.prompt_ids[-1], g.prompt_tokens - 1, g.slot) for g in ending]
-        for generation, count in chunks:
+        rows += [(g.prompt_ids[-1], g.prompt_tokens - 1, g.slot) for g, _, ends in chunks if ends]
+        for generation, count, ends in chunks:  # an ending prompt's last token is already a row
             first = generation.prefilled
-            last = first + count - (generation in ending)  # an ending prompt's last token is already a row
-            rows += [(generation.prompt_ids[p], p, generation.slot) for p in range(first, last)]
-        if not rows:
-            return
-        self._guarded(decoding + [g for g, _ in chunks],
-                      lambda _: self._run_step_with_prompts(rows, decoding, chunks, ending))
+            rows += [(generation.prompt_ids[p], p, generation.slot) for p in range(first, first + count - ends)]
+        if rows:
+            self._guarded(decoding + [g for g, _, _ in chunks],
+                          lambda _: self._run_step(rows, decoding, chunks, self.max_rows))
 
-    def _run_step_with_prompts(self, rows: list[tuple[int, int, int]], decoding: list[Generation],
-                    chunks: list[tuple[Generation, int]], ending: list[Generation]) -> None:
+    def _run_step(self, rows: list[tuple[int, int, int]], decoding: list[Generation],
+                  chunks: list[tuple[Generation, int, bool]], most: int) -> None:
+        """One decode call over `rows` (decoding's rows first, then the last token of each chunk that ends its
+        prompt): prompts advance by their chunks, and the sequences whose rows lead get their next token."""
         t0 = time.perf_counter()
-        logits = self._run_rows(rows, self.max_rows)
-        sampled = decoding + ending
+        logits = self._run_rows(rows, most)
+        sampled = decoding + [g for g, _, ends in chunks if ends]
         picks = self._sample(sampled, logits) if sampled else []
         if decoding:
             self.metrics.step(len(decoding), time.perf_counter() - t0)
-        for generation, count in chunks:
+        for generation, count, ends in chunks:
             generation.prefilled += count
-        for generation in ending:
-            generation.position = generation.prompt_tokens
+            if ends:
+                generation.position = generation.prompt_tokens
         for generation, token in zip(sampled, picks):
-            if generation.pending is not None:
+            if generation.pending is not None:  # a decoding sequence (an ended prompt has none yet)
                 generation.position += 1
                 generation.pending = None
             self._accept(generation, token)

@@ -91,6 +91,12 @@ def _slot_step_cos_sin(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any,
         return None
     if any(i.dtype != cp.int64 or i.shape not in ((b,), (b, 1)) for i in indices):
         return None
+    return _per_sequence_cos_sin(cos, sin, b, d)
+
+
+def _per_sequence_cos_sin(cos: Any, sin: Any, b: int, d: int) -> tuple[Any, Any] | None:
+    """cos and sin as [B, 1, 1, D] views laid out alike (what the fused kernels read: one row per sequence, the
+    same for every head), or None (cos/sin per head or per query: not theirs)."""
     try:
         cos_b, sin_b = cp.broadcast_to(cos, (b, 1, 1, d)), cp.broadcast_to(sin, (b, 1, 1, d))
     except ValueError:
@@ -130,11 +136,7 @@ def _one_position_cos_sin(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: A
         return None
     if q.shape[0] != b or q.shape[2:] != (1, d) or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         return None
-    try:
-        cos_b, sin_b = cp.broadcast_to(cos, (b, 1, 1, d)), cp.broadcast_to(sin, (b, 1, 1, d))
-    except ValueError:  # cos/sin per head or per query: not this kernel's
-        return None
-    return (cos_b, sin_b) if cos_b.strides == sin_b.strides else None
+    return _per_sequence_cos_sin(cos, sin, b, d)
 
 
 @kernel("sdpa")
