@@ -208,3 +208,90 @@ def test_compiled_max_pool_matches_torch(kernel, stride, padding, dilation, ceil
     got = CPU_KERNELS.kernels["max_pool"](x, kernel, stride, padding, dilation, ceil_mode)
     want = F.max_pool2d(torch.from_numpy(x), kernel, stride, padding, dilation, ceil_mode).numpy()
     np.testing.assert_array_equal(got, want)
+
+
+def _linear_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, threads: int) -> np.ndarray:
+    out = np.full((x.shape[0], w.shape[0]), np.nan, dtype=np.float32)
+    lib.kiln_linear_rows_f32(x.ctypes.data, w.ctypes.data, native.address(bias), out.ctypes.data, x.shape[0],
+                             w.shape[0], x.shape[1], threads)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(1, 1), (13, 19), (37, 64), (300, 576), (4099, 33)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_few_row_linear_matches_float64(n, k, with_bias):
+    rng = np.random.default_rng(n * 7 + k)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    bias = rng.standard_normal(n, dtype=np.float32) if with_bias else None
+    for m in (1, 2, 3, 5, 8, 9, 17):  # past 8 rows the kernel takes the rows 8 at a time
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        want = x.astype(np.float64) @ w.T.astype(np.float64) + (0.0 if bias is None else bias)
+        for threads in (1, 2, 3):
+            got = _linear_rows(x, w, bias, threads)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(k))
+
+
+@needs_native
+def test_few_row_linear_is_the_same_alone_batched_and_on_any_thread_count():
+    """A sequence's logits may not depend on its neighbours in a batch, nor on the thread count: greedy streams
+    served together must equal the same requests served alone (bitwise, not within a tolerance)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((4096 + 5, 203), dtype=np.float32)
+    bias = rng.standard_normal(w.shape[0], dtype=np.float32)
+    x = rng.standard_normal((8, 203), dtype=np.float32)
+    batched = _linear_rows(x, w, bias, threads=1)
+    for threads in (2, 3, 4):
+        assert np.array_equal(_linear_rows(x, w, bias, threads), batched)
+    for m in range(1, 8):
+        for start in range(0, 8 - m + 1, 3):
+            assert np.array_equal(_linear_rows(np.ascontiguousarray(x[start:start + m]), w, bias, 2),
+                                  batched[start:start + m])
+
+
+@needs_native
+def test_linear_kernel_takes_few_rows_to_the_helper_and_many_to_blas():
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((70, 48), dtype=np.float32)
+    bias = rng.standard_normal(70, dtype=np.float32)
+    linear = CPU_KERNELS.kernels["linear"]
+    for rows in (1, 8, 9, 40):
+        x = rng.standard_normal((2, rows, 48), dtype=np.float32)[:, :, :]  # two leading dims
+        got = linear(x[0][None], w, bias)
+        np.testing.assert_allclose(got[0], x[0] @ w.T + bias, rtol=1e-5, atol=1e-5)
+    x = rng.standard_normal((5, 48), dtype=np.float32)[::-1]  # not contiguous: copied first
+    np.testing.assert_allclose(linear(x, w, None), x @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(linear(x[:2], w, bias), _linear_rows(np.ascontiguousarray(x[:2]), w, bias, 1))
+
+
+@needs_native
+def test_thread_pool_callers_on_several_threads_and_after_fork():
+    """Calls from several Python threads at once (one owns the pool, the others run alone) and from a forked child
+    (which has none of the parent's workers) all finish with the right result."""
+    import concurrent.futures
+    import multiprocessing
+
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((2048, 96), dtype=np.float32)
+    xs = [rng.standard_normal((3, 96), dtype=np.float32) for _ in range(16)]
+    want = [_linear_rows(x, w, None, 1) for x in xs]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got = list(pool.map(lambda x: _linear_rows(x, w, None, 2), xs))
+            assert all(np.array_equal(g, e) for g, e in zip(got, want))
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as child:
+        assert child.apply(_child_linear, (xs[0], w), {}) == want[0].tobytes()
+
+
+def _child_linear(x: np.ndarray, w: np.ndarray) -> bytes:
+    return _linear_rows(x, w, None, 2).tobytes()
+
+
+def test_threads_default_and_override(monkeypatch):
+    monkeypatch.delenv("KILN_THREADS", raising=False)
+    assert native.threads() >= 1
+    monkeypatch.setenv("KILN_THREADS", "3")
+    assert native.threads() == 3
+    monkeypatch.setenv("KILN_THREADS", "zero")
+    assert native.threads() >= 1

@@ -6,7 +6,8 @@ without a C compiler still runs every op through the NumPy kernels, which remain
 replace kernels where a benchmark showed they pay (docs/benchmarks.md).
 
 `library()` returns the loaded helpers or None. Set KILN_NATIVE=0 to turn them off, CC to pick the compiler and
-KILN_CACHE_DIR to move the cache (default: $XDG_CACHE_HOME/kiln or ~/.cache/kiln).
+KILN_CACHE_DIR to move the cache (default: $XDG_CACHE_HOME/kiln or ~/.cache/kiln). Helpers that split their work
+over threads (the few-row linear) use `threads()`: KILN_THREADS, else every core the process may run on.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import numpy as np
 log = logging.getLogger("kiln.native")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
-"""gnu99 for the vector extensions; FMA contraction allowed; no -ffast-math, so NaN and inf keep their meaning."""
+FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+         "-pthread")
+"""gnu99 for the vector extensions; FMA contraction allowed; no -ffast-math, so NaN and inf keep their meaning;
+-pthread for the helpers' thread pool."""
 TUNING = ("-march=native", "-mprefer-vector-width=512") if platform.machine().lower() in ("x86_64", "amd64") \
     else ("-mcpu=native",)
 """Build for this CPU: 512-bit vectors made the exp-based activations 2x faster on an AVX-512 Xeon. If the compiler
@@ -47,6 +50,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_dwconv2d_f32": (_ptr, _ptr, _ptr, _ptr) + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float),
     "kiln_im2col2d_f32": (_ptr, _ptr) + (_i64,) * 14,
     "kiln_transpose_bias_f32": (_ptr, _ptr, _ptr, _i64, _i64),
+    "kiln_linear_rows_f32": (_ptr,) * 4 + (_i64,) * 4,
     "kiln_qlinear_f32": (_ptr,) * 7 + (_i64,) * 5,
     "kiln_dequantize_f32": (_ptr,) * 4 + (_i64,) * 4,
     "kiln_maxpool2d_f32": (_ptr, _ptr) + (_i64,) * 13,
@@ -139,6 +143,17 @@ def library() -> ctypes.CDLL | None:
             if not _loaded:
                 _loaded.append(_load())
     return _loaded[0]
+
+
+def threads() -> int:
+    """Threads a helper that splits its work may use: KILN_THREADS, else every core this process may run on."""
+    value = os.environ.get("KILN_THREADS", "")
+    if value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def float32_contiguous(*arrays: np.ndarray | None) -> bool:

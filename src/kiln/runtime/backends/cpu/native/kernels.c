@@ -5,9 +5,13 @@
  * no aliasing through `restrict`). Every function is a leaf over caller-owned, C-contiguous buffers; the
  * caller checks dtypes, shapes and contiguity. Built on first use by native/__init__.py and cached.
  */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int64_t i64;
 
@@ -274,6 +278,237 @@ void kiln_transpose_bias_f32(const float *restrict src, const float *restrict bi
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * A pool of worker threads for the helpers that split their outputs (`parallel_for`). A call hands out
+ * contiguous ranges, runs the first itself and waits for the rest. Workers spin briefly between calls (a decode
+ * step calls the linear kernels back to back, tens of microseconds apart) and then sleep on a condition variable.
+ * One call at a time uses the pool; a second thread calling meanwhile runs its work alone rather than wait.
+ * Every helper that uses it computes each output the same way whatever the split, so results do not depend on
+ * the thread count.
+ */
+typedef void (*task_fn)(const void *ctx, i64 begin, i64 end);
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+enum { MAX_THREADS = 64, SPIN_NS = 100000 };
+
+static struct {
+    pthread_mutex_t lock;      /* guards sleeping and the wake-up */
+    pthread_cond_t wake;
+    pthread_mutex_t busy;      /* held by the call that owns the pool */
+    int started;               /* workers running (threads - 1 of the largest call so far) */
+    long generation;           /* bumped per call: workers wait for it to change */
+    int sleepers;
+    int remaining;             /* workers yet to finish the current call */
+    task_fn fn;
+    const void *ctx;
+    i64 count, parts;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static inline i64 part_begin(i64 part) { return pool.count * part / pool.parts; }
+
+static i64 now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (i64)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *pool_worker(void *arg) {
+    /* arg: the worker's index and the generation before the call that started it, which it then waits for */
+    const i64 index = (i64)((intptr_t)arg & 255);
+    long seen = (long)((intptr_t)arg >> 8);
+    for (;;) {
+        const i64 until = now_ns() + SPIN_NS;
+        int polls = 0;
+        while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
+            cpu_relax();
+            if (++polls % 256 == 0 && now_ns() > until) {
+                pthread_mutex_lock(&pool.lock);
+                __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                while (__atomic_load_n(&pool.generation, __ATOMIC_SEQ_CST) == seen)
+                    pthread_cond_wait(&pool.wake, &pool.lock);
+                __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+        if (index < pool.parts) {
+            pool.fn(pool.ctx, part_begin(index), part_begin(index + 1));
+            __atomic_sub_fetch(&pool.remaining, 1, __ATOMIC_RELEASE);
+        }
+    }
+    return 0;
+}
+
+/* a forked child has none of the parent's workers: start afresh */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, 0);
+    pthread_cond_init(&pool.wake, 0);
+    pthread_mutex_init(&pool.busy, 0);
+    pool.started = pool.sleepers = pool.remaining = 0;
+}
+
+/* workers 1..threads-1 exist afterwards, or as many as could be started */
+static void pool_grow(int threads) {
+    static int registered;
+    if (!registered) registered = !pthread_atfork(0, 0, pool_after_fork);
+    while (pool.started + 1 < threads) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, pool_worker,
+                                          (void *)(((intptr_t)pool.generation << 8) | (pool.started + 1)));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.started++;
+    }
+}
+
+/* fn(ctx, begin, end) over [0, count) in up to `threads` contiguous parts */
+static void parallel_for(task_fn fn, const void *ctx, i64 count, i64 threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > count) threads = count;
+    if (threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        fn(ctx, 0, count);
+        return;
+    }
+    pool_grow((int)threads);
+    const i64 parts = pool.started + 1 < threads ? pool.started + 1 : threads;
+    pool.fn = fn, pool.ctx = ctx, pool.count = count, pool.parts = parts;
+    __atomic_store_n(&pool.remaining, (int)parts - 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    fn(ctx, 0, part_begin(1));
+    /* the workers' parts take about as long as this one: spin a little, then yield, so that on a machine with more
+     * runnable threads than cores the worker being waited for can have this core */
+    for (int polls = 0; __atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE) > 0; polls++) {
+        if (polls < 4096) cpu_relax();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Linear for few rows (a batched decode step): out[r][o] = sum_j x[r][j] w[o][j] + bias[o], each weight row
+ * streamed from memory once for up to LROWS rows. BLAS's SGEMM packs the whole weight on every call (2 rows cost
+ * 2.4x one row's GEMV on SmolLM2's layers); here m rows cost about what one does, since a decode step is bound by
+ * reading the weights. Every output is summed in the same order whatever m, the thread count or the row's place
+ * in the batch (one 8-lane accumulator over j, its lanes summed as a fixed tree, then the tail, then the bias),
+ * so a sequence's logits are bitwise the same alone and batched: greedy streams do not depend on their neighbours.
+ */
+#define LROWS 8
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+
+/* a * b + c in one rounding where the CPU has FMA: written out, since the compiler's own contraction of a * b + c
+ * may differ between two inlined copies of one loop, and the copies must agree to the bit */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__) && defined(__AVX__)
+    return __builtin_ia32_vfmaddps256(a, b, c);
+#elif defined(__aarch64__)
+    for (int i = 0; i < 8; i++) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return c;
+#else
+    volatile v8 product = a * b; /* rounded once here and once in the sum, in every copy */
+    return c + product;
+#endif
+}
+
+static inline float sum_lanes8(v8 v) {
+    typedef float v4 __attribute__((vector_size(16)));
+    const v4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+/* outputs o..o+valid-1 (valid <= WR) for R rows; R and WR are constants at every call, so acc[][] can live in
+ * registers. A short last block rereads its last row rather than use a narrower code path: the compiler may
+ * contract a narrower path's multiply-adds differently, and every output must come out of the same arithmetic. */
+static inline __attribute__((always_inline)) void linear_block(const float *restrict x, const float *restrict w,
+                                                               const float *restrict bias, float *restrict out,
+                                                               i64 n, i64 k, i64 o, i64 valid, const int R,
+                                                               const int WR) {
+    v8 acc[8][LROWS]; /* fixed sizes, not [WR][R]: the compiler keeps a fixed array in registers, not a VLA */
+    const float *row[8];
+    for (int a = 0; a < WR; a++) {
+        row[a] = w + (o + (a < valid ? a : valid - 1)) * k;
+        for (int r = 0; r < R; r++) acc[a][r] = (v8){0};
+    }
+    /* the hardware prefetcher falls behind once each byte feeds several rows: ask for the weight rows four blocks
+     * ahead, a cache line per pair of steps (4 rows of SmolLM2's LM head: 5.6 -> 3.8 ms) */
+    const i64 ahead = 4 * WR * k;
+    const int far = o + 5 * WR <= n;
+    i64 j = 0;
+    for (; j + 8 <= k; j += 8)
+        for (int a = 0; a < WR; a++) {
+            if (far && (j & 15) == 0) __builtin_prefetch(row[a] + ahead + j);
+            const v8 wv = *(const v8u *)(row[a] + j);
+            for (int r = 0; r < R; r++) acc[a][r] = fma8(*(const v8u *)(x + r * k + j), wv, acc[a][r]);
+        }
+    for (int a = 0; a < valid; a++)
+        for (int r = 0; r < R; r++) {
+            float total = sum_lanes8(acc[a][r]);
+            for (i64 t = j; t < k; t++) total = fmaf(x[r * k + t], row[a][t], total);
+            out[r * n + o + a] = total + (bias ? bias[o + a] : 0.0f);
+        }
+}
+
+/* outputs [o0, o1) for R rows: 8 weight rows a pass for one row (eight FMA chains), 4 for more */
+static inline __attribute__((always_inline)) void linear_rows(const float *restrict x, const float *restrict w,
+                                                              const float *restrict bias, float *restrict out, i64 n,
+                                                              i64 k, i64 o0, i64 o1, const int R) {
+    i64 o = o0;
+    if (R == 1)
+        for (; o + 8 <= o1; o += 8) linear_block(x, w, bias, out, n, k, o, 8, R, 8);
+    for (; o < o1; o += 4) linear_block(x, w, bias, out, n, k, o, o1 - o < 4 ? o1 - o : 4, R, 4);
+}
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *out;
+    i64 m, n, k;
+} linear_args;
+
+enum { LINEAR_ALIGN = 8 }; /* outputs per part a multiple of this, so parts keep the widest blocks */
+
+static void linear_part(const void *ctx, i64 begin, i64 end) {
+    const linear_args *a = ctx;
+    const i64 o0 = begin * LINEAR_ALIGN, o1 = end * LINEAR_ALIGN < a->n ? end * LINEAR_ALIGN : a->n;
+    for (i64 r0 = 0; r0 < a->m; r0 += LROWS) {
+        const float *x = a->x + r0 * a->k;
+        float *out = a->out + r0 * a->n;
+        switch (a->m - r0 < LROWS ? a->m - r0 : LROWS) {
+            case 1: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 1); break;
+            case 2: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 2); break;
+            case 3: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 3); break;
+            case 4: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 4); break;
+            case 5: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 5); break;
+            case 6: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 6); break;
+            case 7: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 7); break;
+            default: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 8); break;
+        }
+    }
+}
+
+enum { LINEAR_MIN_PART = 1 << 16 }; /* weight elements a thread's part reads at least: smaller calls run alone */
+
+void kiln_linear_rows_f32(const float *restrict x, const float *restrict w, const float *restrict bias,
+                          float *restrict out, i64 m, i64 n, i64 k, i64 threads) {
+    const linear_args args = {x, w, bias, out, m, n, k};
+    const i64 blocks = (n + LINEAR_ALIGN - 1) / LINEAR_ALIGN, most = n * k / LINEAR_MIN_PART;
+    parallel_for(linear_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
 }
 
 /* ---------------------------------------------------------------------------------------------------------
