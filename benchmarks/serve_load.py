@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=64, help="--export-llama: KV-cache slots (default: 64)")
     p.add_argument("--max-context", type=int, default=1024, help="--export-llama: context (default: 1024)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="--export-llama: prefill chunk (default: 256)")
+    p.add_argument("--engine-in", choices=("process", "thread"), default="process",
+                   help="the server's engine in a process of its own (default, as `kiln serve`) or on a thread")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                       os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(args.program), "--port", str(port),
                                "--backend", args.backend, "--model-name", "bench", "--log-level", "warning",
-                               "--max-queue", str(max(len(level_work(c)) for c in levels))], cwd=REPO, env=env)
+                               "--max-queue", str(max(len(level_work(c)) for c in levels)),
+                               "--engine-in", args.engine_in], cwd=REPO, env=env)
     raw = args.client == "raw"
     try:
         for _ in range(1800):
@@ -331,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nProgram {args.program.name}: slots {info.slots or 1}, context {info.max_context}, backend "
           f"{args.backend}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; client "
-          f"{args.client}")
+          f"{args.client}; server engine in a {args.engine_in}")
     print(f"Mix: at least {args.requests} requests (and {args.rounds} per worker) per level, prompt lengths "
           f"{prompt_lengths} x output lengths {output_lengths}, greedy, ignore_eos. Single-stream decode without "
           f"a server (Generator): {reference:.1f} tokens/s.\n")

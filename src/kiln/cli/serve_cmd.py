@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-tokens", type=int, metavar="N",
                    help="language models: most prompt tokens one decode step carries, where prompts ride in decode "
                         "steps (default: the program's prefill chunk; fewer: shorter steps for running streams)")
+    p.add_argument("--engine-in", choices=("process", "thread"), default="process",
+                   help="language models: run the engine in a process of its own, beside the HTTP server's (default: "
+                        "process; the two then use two cores), or on a thread of the server's process (thread)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="embedding programs without a tokenizer inside: a tokenizer.json to read text with")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s:     %(message)s")
     print(f"loading {args.model} on {args.backend}", flush=True)
-    app = create_app(program, args.backend, args.model_name, args.max_queue, tokenizer, args.prefill_tokens)
+    app = create_app(program, args.backend, args.model_name, args.max_queue, tokenizer, args.prefill_tokens,
+                     engine_process=args.engine_in == "process")
     print(f"serving '{app.state.model_id}' ({app.state.service.kind}) at http://{args.host}:{args.port}/v1",
           flush=True)
     Server(app, args.host, args.port, log_level=args.log_level).run()

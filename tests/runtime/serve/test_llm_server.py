@@ -19,9 +19,10 @@ from tests.runtime.tiny_llm import words
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(llm_path):
-    with live_server(llm_path) as s:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(llm_path, request):
+    """The engine on a thread of the server's process, and in a process of its own (what `kiln serve` runs)."""
+    with live_server(llm_path, engine_process=request.param == "process") as s:
         yield s
 
 

@@ -56,7 +56,8 @@ def test_sigterm_ends_streams_in_flight_and_exits_without_torch(tmp_path):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-c", SERVE, str(path), "--port", str(port), "--log-level",
                                 "warning"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))})
     try:
         wait_healthy(port, process)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -64,20 +64,24 @@ def model_name(program: Program, path: str | None) -> str:
 
 
 def create_app(program: Program | str | os.PathLike, backend: str = "cpu", model_id: str | None = None,
-               max_queue: int = 64, tokenizer: Any = None, prefill_tokens: int | None = None) -> Starlette:
+               max_queue: int = 64, tokenizer: Any = None, prefill_tokens: int | None = None,
+               engine_process: bool = False) -> Starlette:
     """The server's app for one program (a loaded Program or a .kiln path).
 
     model_id: the name clients use in `model` (default: the program's own name, else its file name).
     max_queue: for a language model, the most requests waiting for a KV-cache slot (then 503 with Retry-After).
     tokenizer: a kiln.runtime.text.TextTokenizer for an embedding program that carries none.
     prefill_tokens: for a language model, the most prompt tokens a decode step carries (see LLMEngine).
+    engine_process: for a language model loaded from a file, run its engine in a process of its own (the HTTP
+    work and the engine's host work then use two cores; see serve/engine_process.py); default: a thread.
     """
     path = None if isinstance(program, Program) else os.fspath(program)
     program = program if isinstance(program, Program) else load(program)
     kind = program_kind(program.metadata)
     model_id = model_id or model_name(program, path)
     metrics = Metrics(model_id)
-    service = SERVICES[kind](program, backend, model_id, metrics, ServeOptions(max_queue, tokenizer, prefill_tokens))
+    options = ServeOptions(max_queue, tokenizer, prefill_tokens, engine_process)
+    service = SERVICES[kind](program, backend, model_id, metrics, options)
 
     async def models(request: Request) -> Response:
         card = {"id": model_id, "object": "model", "created": created, "owned_by": "kiln", "kind": kind,

@@ -91,6 +91,8 @@ class Generation:
         self.pending: int | None = None
         """The last token sampled, to be fed at `position` by the next decode step (None while prefilling)."""
         self.completion_tokens = 0
+        self.handle: int | None = None
+        """The engine process's number for it (engine_process.EngineProcess); None in an engine thread."""
         self.cancelled = False
         self.finish_reason: str | None = None
         self.submitted = time.perf_counter()

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from kiln.runtime.llm.sampling import Sampler
 from kiln.runtime.program import Program
 from kiln.runtime.serve.engine import EngineStoppedError, Event, Generation, LLMEngine, QueueFullError
+from kiln.runtime.serve.engine_process import EngineProcess
 from kiln.runtime.serve.metrics import Metrics
 from kiln.runtime.serve.protocol import (
     APIError,
@@ -119,7 +120,13 @@ class LLMService(Service):
 
     def __init__(self, program: Program, backend: str, model_id: str, metrics: Metrics, options: ServeOptions):
         super().__init__(model_id, metrics)
-        self.engine = LLMEngine(program, backend, options.max_queue, metrics, options.prefill_tokens)
+        if options.engine_process:
+            if program.path is None:
+                raise ValueError("engine_process needs a program loaded from a file (the engine process loads it)")
+            self.engine: LLMEngine | EngineProcess = EngineProcess(program.path, backend, options.max_queue, metrics,
+                                                                   options.prefill_tokens)
+        else:
+            self.engine = LLMEngine(program, backend, options.max_queue, metrics, options.prefill_tokens)
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
         metrics.gauge("kiln_queue_depth", "requests waiting for a KV-cache slot", lambda: self.engine.queue_depth)
