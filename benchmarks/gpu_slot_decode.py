@@ -20,18 +20,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_harness import copy_bandwidth, gpu_op_times  # noqa: E402
 
+PROMPT_RUN = 128
+"""Rows past the slots are prompt chunks of this many tokens, each in one slot at consecutive positions."""
+
 
 def step_inputs(info, rows: int, position: int) -> tuple:
-    """A decode call of `rows` rows: a row per slot at `position`, and rows past the slots (a prompt chunk riding in
-    the step, as the serving engine feeds it) at the next positions of the slots again."""
+    """A decode call of `rows` rows as the serving engine feeds it: a row per slot at `position`, then rows past
+    the slots as prompt chunks riding in the step (PROMPT_RUN tokens of one slot each, at the positions after
+    `position`)."""
     import numpy as np
 
     from kiln.runtime.llm.decoding import slot_inputs
 
     slots = info.slots or 1
-    positions = [position + r // slots for r in range(rows)]
-    return (np.full((rows, 1), 42, np.int64), np.asarray(positions, np.int64),
-            *slot_inputs(info, [r % slots for r in range(rows)]))
+    extra = [r - slots for r in range(slots, rows)]
+    slot_of = [r for r in range(min(rows, slots))] + [(k // PROMPT_RUN) % slots for k in extra]
+    positions = [position] * min(rows, slots) + [position + 1 + k % PROMPT_RUN for k in extra]
+    return (np.full((rows, 1), 42, np.int64), np.asarray(positions, np.int64), *slot_inputs(info, slot_of))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--op-times", type=int, default=12, metavar="N", help="top N ops at the largest batch")
+    parser.add_argument("--compare-slot-runs", action="store_true",
+                        help="also time each batch with every row on the decode kernel (prompt runs not by flash)")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -58,28 +65,40 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = sum(c.nbytes // (c.shape[0] * c.shape[1]) for c in caches)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB; KV bytes per token "
           f"{kv_per_token}", flush=True)
+    sessions = {"": session}
+    if args.compare_slot_runs:  # a second session (its own graphs) with every row on the decode kernel
+        from kiln.runtime.backends.cuda.kernels import attention
+        from kiln.runtime.graphs import WARMUP_RUNS
+
+        attention.SLOT_RUNS = False
+        sessions["decode kernel only"] = program.session("cuda")
+        for batch in (int(b) for b in args.batches.split(",")):  # run until captured, with the switch off
+            for _ in range(WARMUP_RUNS + 1):
+                sessions["decode kernel only"].run("decode", *step_inputs(info, batch, args.position))
+        attention.SLOT_RUNS = True
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         inputs = step_inputs(info, batch, args.position)
-        for _ in range(3):
-            session.run("decode", *inputs)
-        cp.cuda.Device().synchronize()
-        samples = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                out = session.run("decode", *inputs)[0]
-            cp.cuda.Device().synchronize()
-            samples.append((time.perf_counter() - start) / args.steps)
-        del out
-        step = statistics.median(samples)
-        roof = (weights + sum(p + 1 for p in step_inputs(info, batch, args.position)[1]) * kv_per_token) / bandwidth
-        rows.append((batch, step, roof))
-        print(f"batch {batch}: step {step * 1e3:.3f} ms", flush=True)
+        steps = {}
+        for _ in range(args.repeat):  # the sessions interleaved
+            for name, s in sessions.items():
+                for _ in range(2):
+                    s.run("decode", *inputs)
+                cp.cuda.Device().synchronize()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    s.run("decode", *inputs)
+                cp.cuda.Device().synchronize()
+                steps.setdefault(name, []).append((time.perf_counter() - start) / args.steps)
+        roof = (weights + sum(p + 1 for p in inputs[1]) * kv_per_token) / bandwidth
+        for name, samples in steps.items():
+            rows.append((batch, name, statistics.median(samples), roof))
+            print(f"batch {batch}{' (' + name + ')' if name else ''}: step {rows[-1][2] * 1e3:.3f} ms", flush=True)
     print("\n| batch | step ms | tokens/s | roofline ms | step / roofline |")
     print("|---:|---:|---:|---:|---:|")
-    for batch, step, roof in rows:
-        print(f"| {batch} | {step * 1e3:.3f} | {batch / step:,.0f} | {roof * 1e3:.3f} | {step / roof:.2f} |")
+    for batch, name, step, roof in rows:
+        label = f"{batch} ({name})" if name else f"{batch}"
+        print(f"| {label} | {step * 1e3:.3f} | {batch / step:,.0f} | {roof * 1e3:.3f} | {step / roof:.2f} |")
     if args.op_times:
         batch = rows[-1][0]
         inputs = step_inputs(info, batch, args.position)

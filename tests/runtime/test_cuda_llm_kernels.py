@@ -293,6 +293,42 @@ def test_slot_decode_attention_reads_each_slot_in_place(dtype, heads, kv_heads, 
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 2)], ids=["g4", "mha", "g3"])
+def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, monkeypatch) -> None:
+    """A serving step's rows: decode rows of distinct slots, then prompt runs (one slot, consecutive positions)
+    that fill aligned groups of FLASH_M / group-size rows (flash.cu) or only part of one (the decode kernel), a run
+    crossing a group boundary, and padding that repeats the last row; every row against float64."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    rng = np.random.default_rng(heads + kv_heads)
+    run = attention.FLASH_M // (heads // kv_heads)
+    slots_n, length, e = 6, 400, 64
+    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    slots = [0, 4, 2]  # decode rows
+    positions = [17, 399, 64]
+    for slot, first, count in ((3, 100, 2 * run + 5), (1, 0, run + 3), (5, 250, 7)):
+        slots += [slot] * count
+        positions += list(range(first, first + count))
+    slots += [slots[-1]] * 3  # padding: the last row again
+    positions += [positions[-1]] * 3
+    slots, positions = np.array(slots, np.int64), np.array(positions, np.int64)[:, None]
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    called = []
+    runs = attention._slot_runs_attention
+    monkeypatch.setattr(attention, "_slot_runs_attention", lambda *a: called.append(a[6]) or runs(*a))
+    monkeypatch.setattr(attention, "SLOT_RUNS_ABOVE", 0)  # (a step this small takes the decode kernel otherwise)
+    got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
+                                              0.125)).astype(np.float64)
+    assert called == [run]
+    want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, 0)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 def test_slot_decode_attention_of_a_slot_outside_the_cache_reads_nothing() -> None:
     import cupy as cp
 

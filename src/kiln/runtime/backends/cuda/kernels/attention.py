@@ -170,7 +170,13 @@ def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: An
     not take, by the portable composition over the whole slot (cuBLAS products)."""
     keys, values = cp.swapaxes(k_cache, 1, 2), cp.swapaxes(v_cache, 1, 2)  # [N, Hkv, L, E] views
     if _slot_decode_applies(q, keys, values, slots, positions):
-        return _decode_attention(q, keys, values, None, scale, slots=slots, positions=positions, window=window)
+        run = _slot_runs_apply(q, keys, values, window)
+        out = _decode_attention(q, keys, values, None, scale, slots=slots, positions=positions, window=window,
+                                run_rows=run)
+        if run:
+            _slot_runs_attention(out, q if q.flags.c_contiguous else cp.ascontiguousarray(q), keys, values, slots,
+                                 positions, run, scale)
+        return out
     k_rows, v_rows = k_cache[slots], v_cache[slots]  # [B, L, Hkv, E]
     keys, values = cp.swapaxes(k_rows, 1, 2), cp.swapaxes(v_rows, 1, 2)
     if positions.shape == q.shape[:1] + q.shape[2:3] and _flash_attention_applies(q, keys, values, None):
@@ -279,9 +285,52 @@ def _flash_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: flo
     _flash_function(q.dtype, e)(
         (row_tiles, hkv, b), (FLASH_THREADS,),
         (q, k, v, mask_b, out, *qs[:3], *ks[:3], *vs[:3], kind, np.int32(aligned), *ms, np.int32(groups),
-         np.int32(queries), np.int32(keys), np.float32(1 / math.sqrt(e) if scale is None else scale), np.int32(causal)),
+         np.int32(queries), np.int32(keys), np.float32(1 / math.sqrt(e) if scale is None else scale), np.int32(causal),
+         np.int64(hq * queries * e), np.int64(queries * e), np.int64(e), NULL, NULL, np.int32(0)),
         shared_mem=smem)
     return out
+
+
+SLOT_RUNS = True
+"""Prompt runs in slotted decode steps by flash.cu (False: the decode kernel for every row; benchmarks compare)."""
+SLOT_RUNS_ABOVE = 256
+"""Steps of more rows than this take the flash.cu path for their prompt runs. Measured on the H100
+(benchmarks/gpu_slot_decode.py --compare-slot-runs, Llama-3.2-1B shape, 64 decode rows at position 400, the rest
+prompt runs of 128 tokens): step at 64 / 128 / 192 / 320 rows 2.281 / 3.189 / 3.517 / 4.508 ms with it, 2.209 /
+2.755 / 3.384 / 4.986 without. flash.cu gives each run one block per kv head and group of rows, walking all its
+keys in turn: with few runs there are too few blocks to fill the GPU (a split over the keys, partials combined
+with the decode rows', is what would make it pay at every size)."""
+
+
+def _slot_runs_apply(q: Any, keys: Any, values: Any, window: int) -> int:
+    """The rows of a flash.cu slot-run group for this step (0: none): FLASH_M // group size, where flash.cu takes
+    the type, head width and layout and the step has more than SLOT_RUNS_ABOVE rows (no window: the run's limit is
+    causal only)."""
+    b, hq, _, e = q.shape
+    if not SLOT_RUNS or window or q.dtype not in FLASH_TYPES or e not in FLASH_WIDTHS or keys.shape != values.shape or \
+            not _rows_of_16_bytes(keys, values):
+        return 0
+    if q.strides[3] != q.itemsize or q.data.ptr % 4 or any(st % 4 for st in q.strides[:3]):
+        return 0
+    run = FLASH_M // (hq // keys.shape[1])
+    return run if b > SLOT_RUNS_ABOVE and b >= run else 0
+
+
+def _slot_runs_attention(out: Any, q: Any, keys: Any, values: Any, slots: Any, positions: Any, run: int,
+                         scale: float) -> None:
+    """flash.cu over the step's aligned groups of `run` rows that are prompt runs (one slot, consecutive positions),
+    written into `out` [rows, Hq, 1, E] over what the decode kernel left there for them; other groups return at
+    once. A group's rows are q seen as [groups, Hq, run, E] through strides (row r = group * run + query)."""
+    rows, hq, _, e = q.shape
+    hkv = keys.shape[1]
+    qs, ks, vs = (elements(a.strides, a.itemsize) for a in (q, keys, values))
+    _flash_function(q.dtype, e)(
+        (1, hkv, rows // run), (FLASH_THREADS,),
+        (q, keys, values, q, out, qs[0] * run, qs[1], qs[0], *ks[:3], *vs[:3], np.int32(MASK_NONE), np.int32(0),
+         *[np.int64(0)] * 4, np.int32(hq // hkv), np.int32(run), np.int32(keys.shape[2]), np.float32(scale),
+         np.int32(1), np.int64(run * hq * e), np.int64(e), np.int64(hq * e), slots, positions,
+         np.int32(keys.shape[0])),
+        shared_mem=flash_smem_bytes(e, q.itemsize))
 
 
 def flash_smem_bytes(e: int, itemsize: int) -> int:
@@ -336,10 +385,11 @@ def decode_chunk(heads: int, seq: int) -> int:
 
 
 def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, slots: Any = None,
-                      positions: Any = None, window: int = 0) -> Any:
+                      positions: Any = None, window: int = 0, run_rows: int = 0) -> Any:
     """decode.cu: the keys in chunks of DECODE_CHUNK, a block per chunk and kv head serving the group's q heads
     (k and v read once per group, keys the mask hides not read), then a kernel combining the chunks' partials.
-    With slots (and positions), query row b reads k/v row slots[b] up to key positions[b] (slot_attention)."""
+    With slots (and positions), query row b reads k/v row slots[b] up to key positions[b] (slot_attention);
+    run_rows > 0 leaves out the aligned groups of that many rows that are prompt runs (flash.cu's to fill)."""
     b, hq, _, e = q.shape
     hkv, seq = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -358,7 +408,7 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
         (q, k, v, mask_b, part, np.int32(groups), np.int32(seq), np.int32(e), np.float32(scale),
          ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits),
          NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
-         np.int32(window), np.int32(chunk)))
+         np.int32(window), np.int32(chunk), np.int32(run_rows)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),

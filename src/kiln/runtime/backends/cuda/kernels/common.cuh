@@ -50,6 +50,17 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+// Whether rows first .. first + count - 1 of a slotted decode step are one prompt run: one slot inside the cache,
+// at consecutive positions. flash.cu attends to such a run's queries together (its keys read once per run) and
+// decode.cu then leaves them out; both ask this of the same rows, so each row is attended to exactly once.
+__device__ __forceinline__ bool slot_run(const long long* slots, const long long* positions, long long first,
+                                         int count, int slot_count) {
+    const long long slot = slots[first], p0 = positions[first];
+    bool run = slot >= 0 && slot < slot_count;
+    for (int j = 1; j < count; ++j) run &= slots[first + j] == slot && positions[first + j] == p0 + j;
+    return run;
+}
+
 // What an attention kernel's mask argument points to (attention.py's MASK_NONE, MASK_BOOL, MASK_FLOAT).
 #define MASK_NONE 0
 #define MASK_BOOL 1

@@ -17,7 +17,9 @@
 // A serving program's cache of several sequences (slot_attention) is read in place: with `slots`, query row b
 // reads cache row slots[b] (a slot outside [0, slot_count) reads nothing: NaN, as a query that sees no key), and
 // with `positions`, it sees keys up to positions[b] (and, with a window > 0, none before positions[b] - window + 1),
-// so a chunk past a sequence's length costs one empty partial whatever the cache's length.
+// so a chunk past a sequence's length costs one empty partial whatever the cache's length. With `run_rows` > 0,
+// rows in an aligned group of that many that is one prompt run (common.cuh's slot_run) are left to flash.cu: their
+// chunks write empty partials, and flash.cu writes their output after the combine.
 
 #define DECODE_WARPS 4    // warps per block (attention.py's DECODE_THREADS / 32)
 #define DECODE_CHUNK 64   // the fewest keys per block (attention.py's DECODE_CHUNK; 32, 128 and 256 measured within
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
                              long long mb, long long mh, long long ms, int splits,
                              const long long* __restrict__ slots, const long long* __restrict__ positions,
-                             int slot_count, int window, int chunk) {
+                             int slot_count, int window, int chunk, int run_rows) {
     grid_dependency_sync();
     constexpr int V = S::PER16;
     __shared__ float merged[DECODE_WARPS][G][2];
@@ -76,6 +78,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
     if (slots != nullptr) {
         row = slots[b];
         if (row < 0 || row >= slot_count) s1 = s0, row = 0;
+        const long long group = b / max(run_rows, 1) * run_rows;
+        if (run_rows > 0 && group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
+            s1 = s0;  // flash.cu attends to this row with the rest of its run
     }
     const int h0 = hk * groups;                       // the group's first q head
     const long long qh = (long long)b * heads + h0;  // its row in q and part

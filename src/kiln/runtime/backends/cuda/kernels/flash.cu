@@ -9,6 +9,11 @@
 // per group, never repeated. Each key tile (FLASH_N keys) is copied to shared memory by the whole block; the
 // products are mma.sync m16n8k16 with float32 accumulation; the probabilities are rounded to the storage type
 // before the product with v, as the products path rounds them.
+//
+// Slot runs (slots given): the queries are rows of a slotted decode step ([rows, Hq, 1, E] seen through q's strides
+// as [rows / queries, Hq, queries, E]), and block z serves rows z * queries .. + queries - 1 if they are one prompt
+// run (common.cuh's slot_run: one slot, consecutive positions p0 ..): it reads that slot's keys, query j seeing
+// keys up to p0 + j. A block whose rows are not a run returns at once (decode.cu takes those rows).
 
 #define FLASH_M 64
 #define FLASH_N 64
@@ -112,7 +117,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
     const void* __restrict__ mask, typename S::T* __restrict__ out, long long qs0, long long qs1, long long qs2,
     long long ks0, long long ks1, long long ks2, long long vs0, long long vs1, long long vs2, int mask_kind,
     int mask_aligned, long long m_b, long long m_h, long long m_i, long long m_j, int groups, int queries, int keys,
-    float scale, int causal) {
+    float scale, int causal, long long os0, long long os1, long long os2, const long long* __restrict__ slots,
+    const long long* __restrict__ positions, int slot_count) {
     grid_dependency_sync();
     typedef typename S::T T;
     constexpr int PAD = E + 8;  // a row of 2 E + 16 bytes: the 8 rows a fragment load touches fall in distinct banks
@@ -125,7 +131,15 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
     __shared__ unsigned tile_flags[FLASH_FLAG_WORDS];
 
     const int kv_head = blockIdx.y, b = blockIdx.z;
-    const int q_heads = gridDim.y * groups, rows = groups * queries;
+    long long kv_row = b;  // the k/v row this block reads (a slot, for slot runs)
+    int offset = 0;        // the causal limit of query j is j + offset (a run's first position)
+    if (slots != nullptr) {
+        const long long first = (long long)b * queries;
+        if (!slot_run(slots, positions, first, queries, slot_count)) return;  // (the same answer in every thread)
+        kv_row = slots[first];
+        offset = (int)positions[first];
+    }
+    const int rows = groups * queries;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * FLASH_M;  // the last queries see the most keys: they start first
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
@@ -148,7 +162,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
         locate(r, h, query[x]);
         live[x] = r < rows;
         q_row[x] = q + b * qs0 + h * qs1 + query[x] * qs2;
-        out_row[x] = out + (((long long)b * q_heads + h) * queries + query[x]) * E;
+        out_row[x] = out + b * os0 + h * os1 + query[x] * os2;
         mask_row[x] = b * m_b + h * m_h + query[x] * m_i;
     }
     // the mask row (and half of each tile's keys) this thread reads for the block
@@ -175,12 +189,12 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
     // With a causal limit no query of the tile sees past its largest query index.
     const int last = min(r0 + FLASH_M, rows) - 1;
     const int last_query = r0 / queries == last / queries ? last % queries : queries - 1;
-    const int end = causal ? min(keys, last_query + 1) : keys;
+    const int end = causal ? min(keys, last_query + offset + 1) : keys;
     const int tiles = (end + FLASH_N - 1) / FLASH_N;
     const float* float_mask = static_cast<const float*>(mask);
     const float scale2 = scale * LOG2E;  // scores in base 2: exp(s) = 2^(s log2 e), one ex2 instruction each
-    const T* k_head = k + b * ks0 + kv_head * ks1;
-    const T* v_head = v + b * vs0 + kv_head * vs1;
+    const T* k_head = k + kv_row * ks0 + kv_head * ks1;
+    const T* v_head = v + kv_row * vs0 + kv_head * vs1;
 
     if (mask_kind != MASK_NONE) {
         if (threadIdx.x < FLASH_FLAG_WORDS) tile_flags[threadIdx.x] = 0;
@@ -274,7 +288,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     float& sv = s[j][2 * x + c];
-                    const bool ok = (pair >> (8 * c) & 1u) && key + c < keys && (!causal || key + c <= query[x]);
+                    const bool ok = (pair >> (8 * c) & 1u) && key + c < keys &&
+                                    (!causal || key + c <= query[x] + offset);
                     if (ok) {
                         sv *= scale2;
                         if (mask_kind == MASK_FLOAT) sv += LOG2E * float_mask[mask_row[x] + (key + c) * m_j];
