@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--op-times", type=int, default=12, metavar="N", help="top N ops at the largest batch")
+    parser.add_argument("--slot-runs-above", type=int, metavar="ROWS",
+                        help="steps of more rows than this give prompt runs to flash.cu (default: attention.py's)")
     parser.add_argument("--compare-slot-runs", action="store_true",
                         help="also time each batch with every row on the decode kernel (prompt runs not by flash)")
     args = parser.parse_args(argv)
@@ -56,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     import kiln
     from kiln.runtime.llm.info import LLMInfo
 
+    if args.slot_runs_above is not None:
+        from kiln.runtime.backends.cuda.kernels import attention
+
+        attention.SLOT_RUNS_ABOVE = args.slot_runs_above
     program = kiln.load(args.program)
     info = LLMInfo.from_metadata(program.metadata)
     session = program.session("cuda")
