@@ -295,3 +295,32 @@ def test_threads_default_and_override(monkeypatch):
     assert native.threads() == 3
     monkeypatch.setenv("KILN_THREADS", "zero")
     assert native.threads() >= 1
+
+
+@needs_native
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 200), (4, 32)], ids=["int8-g64", "int8-channel", "int4-g32"])
+def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bits, group, monkeypatch):
+    """kiln_qlinear_f32 over 1, 2 and 3 threads: the same bits (the split never changes an output's path), and the
+    dequantized reference within float32 rounding."""
+    from kiln.runtime.backends.array_api.quant import dequantize
+
+    rng = np.random.default_rng(bits + group)
+    n, k = 1030, 200 if group == 200 else 256
+    levels = 256 if bits == 8 else 16
+    q = rng.integers(0, levels, (n, k if bits == 8 else k // 2), dtype=np.uint8)
+    if bits == 8:
+        q = q.view(np.int8)
+    else:
+        q = (q & 15) | ((rng.integers(0, 16, q.shape, dtype=np.uint8)) << 4)
+    scale = rng.uniform(0.01, 0.1, (n, k // group)).astype(np.float32)
+    zero = rng.uniform(0, levels / 2, (n, k // group)).astype(np.float32) if bits == 4 else None
+    bias = rng.standard_normal(n, dtype=np.float32)
+    x = rng.standard_normal((5, k), dtype=np.float32)
+    kernel = CPU_KERNELS.kernels["quantized_linear"]
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("KILN_THREADS", threads)
+        results.append(kernel(x, q, scale, zero, bias, bits, group))
+    assert all(np.array_equal(results[0], r) for r in results[1:])
+    weight = dequantize(np, q, scale, zero, bits, group).astype(np.float64)
+    np.testing.assert_allclose(results[0], x.astype(np.float64) @ weight.T + bias, rtol=1e-4, atol=1e-3)

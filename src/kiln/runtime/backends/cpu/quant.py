@@ -36,7 +36,8 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     if compiled and rows <= FEW_ROWS:
         work = np.empty(rows * (k + k // group_size), dtype=np.float32)
         lib.kiln_qlinear_f32(x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
-                             native.address(bias), out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size)
+                             native.address(bias), out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size,
+                             native.threads())
     else:
         band = max(1, _BAND_BYTES // (4 * k))
         weight = np.empty((min(band, n), k), dtype=np.float32)

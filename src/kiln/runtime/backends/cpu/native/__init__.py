@@ -51,7 +51,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_im2col2d_f32": (_ptr, _ptr) + (_i64,) * 14,
     "kiln_transpose_bias_f32": (_ptr, _ptr, _ptr, _i64, _i64),
     "kiln_linear_rows_f32": (_ptr,) * 4 + (_i64,) * 4,
-    "kiln_qlinear_f32": (_ptr,) * 7 + (_i64,) * 5,
+    "kiln_qlinear_f32": (_ptr,) * 7 + (_i64,) * 6,
     "kiln_dequantize_f32": (_ptr,) * 4 + (_i64,) * 4,
     "kiln_maxpool2d_f32": (_ptr, _ptr) + (_i64,) * 13,
     "kiln_winograd23_input_f32": (_ptr, _ptr) + (_i64,) * 8,

@@ -720,28 +720,30 @@ static void qlinear4_rows(const float *restrict xe, const float *restrict xo, co
     finish_rows(total, tail, bias, out);
 }
 
-void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
-                      const float *restrict zero, const float *restrict bias, float *restrict out, float *restrict xs,
-                      i64 m, i64 n, i64 k, i64 bits, i64 group) {
-    const i64 ngroups = k / group;
+typedef struct {
+    const float *x;
+    const void *qv;
+    const float *scale, *zero, *bias;
+    float *out;
+    const float *xs;
+    i64 m, n, k, bits, group;
+} qlinear_args;
+
+/* outputs [begin * QROWS, end * QROWS) of kiln_qlinear_f32, in blocks of QROWS weight rows, the last part's
+ * n % QROWS outputs one by one: each output takes the same path whatever the split, so the thread count does
+ * not change a result */
+static void qlinear_part(const void *ctx, i64 begin, i64 end) {
+    const qlinear_args *a = ctx;
+    const float *restrict x = a->x, *restrict scale = a->scale, *restrict zero = a->zero, *restrict bias = a->bias;
+    const float *restrict xs = a->xs;
+    const void *restrict qv = a->qv;
+    float *restrict out = a->out;
+    const i64 m = a->m, n = a->n, k = a->k, bits = a->bits, group = a->group, ngroups = k / group;
     const float zdefault = bits == 4 ? 8.0f : 0.0f;
-    for (i64 r = 0; r < m; r++) {
-        const float *xr = x + r * k;
-        float *xe = xs + r * (k + ngroups), *xo = xe + k / 2, *xsum = xe + k;
-        if (bits == 4)
-            for (i64 j = 0; j < k / 2; j++) {
-                xe[j] = xr[2 * j];
-                xo[j] = xr[2 * j + 1];
-            }
-        for (i64 g = 0; g < ngroups; g++) {
-            float s = 0.0f;
-            for (i64 j = 0; j < group; j++) s += xr[g * group + j];
-            xsum[g] = s;
-        }
-    }
-    i64 o = 0;
+    const i64 stop = end * QROWS < n ? end * QROWS : n;
+    i64 o = begin * QROWS;
     /* four weight rows per pass: each x vector loaded once feeds four FMA chains */
-    for (; o + QROWS <= n; o += QROWS)
+    for (; o + QROWS <= stop; o += QROWS)
         for (i64 r = 0; r < m; r++) {
             const float *xe = xs + r * (k + ngroups);
             const float *zo = zero ? zero + o * ngroups : 0, *bo = bias ? bias + o : 0;
@@ -752,7 +754,7 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
                 qlinear4_rows(xe, xe + k / 2, (const unsigned char *)qv + o * (k / 2), scale + o * ngroups, zo, bo,
                               out + r * n + o, xe + k, k, group);
         }
-    for (; o < n; o++) {
+    for (; o < stop; o++) {
         const float *so = scale + o * ngroups;
         const float *zo = zero ? zero + o * ngroups : 0;
         for (i64 r = 0; r < m; r++) {
@@ -801,6 +803,29 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
             out[r * n + o] = acc + (bias ? bias[o] : 0.0f);
         }
     }
+}
+
+void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
+                      const float *restrict zero, const float *restrict bias, float *restrict out, float *restrict xs,
+                      i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads) {
+    const i64 ngroups = k / group;
+    for (i64 r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float *xe = xs + r * (k + ngroups), *xo = xe + k / 2, *xsum = xe + k;
+        if (bits == 4)
+            for (i64 j = 0; j < k / 2; j++) {
+                xe[j] = xr[2 * j];
+                xo[j] = xr[2 * j + 1];
+            }
+        for (i64 g = 0; g < ngroups; g++) {
+            float s = 0.0f;
+            for (i64 j = 0; j < group; j++) s += xr[g * group + j];
+            xsum[g] = s;
+        }
+    }
+    const qlinear_args args = {x, qv, scale, zero, bias, out, xs, m, n, k, bits, group};
+    const i64 blocks = (n + QROWS - 1) / QROWS, most = n * k / LINEAR_MIN_PART;
+    parallel_for(qlinear_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
 }
 
 /* Dequantize rows [0, rows) of a quantized weight into float32 w [rows, k] (for many-row inputs, which then use
