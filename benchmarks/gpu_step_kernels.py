@@ -51,17 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize, args.top))
         return 0
     import cupy as cp
-    import numpy as np
 
     import kiln
-    from kiln.runtime.llm.decoding import slot_inputs
     from kiln.runtime.llm.info import LLMInfo
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_slot_decode import step_inputs  # rows past the slots: prompt runs, as the serving engine feeds them
 
     program = kiln.load(args.program)
     info = LLMInfo.from_metadata(program.metadata)
     session = program.session("cuda", graphs=False)
-    inputs = (np.full((args.batch, 1), 42, np.int64), np.full(args.batch, args.position, np.int64),
-              *slot_inputs(info, list(range(args.batch))))
+    inputs = step_inputs(info, args.batch, args.position)
     session.run("decode", *inputs)
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.start()
