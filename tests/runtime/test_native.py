@@ -324,3 +324,31 @@ def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bit
     assert all(np.array_equal(results[0], r) for r in results[1:])
     weight = dequantize(np, q, scale, zero, bits, group).astype(np.float64)
     np.testing.assert_allclose(results[0], x.astype(np.float64) @ weight.T + bias, rtol=1e-4, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize("shape,axes", [((3, 5, 576), 1), ((2, 7), 1), ((4, 3, 17), 2), ((1, 1, 1536), 1)],
+                         ids=["rows", "short-row", "two-axes", "decode-row"])
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
+def test_compiled_rms_norm_matches_float64(shape, axes, with_weight, monkeypatch):
+    """rms_norm and add_rms_norm of float32 rows in one compiled call (row lengths with and without a 16-lane
+    tail), the sum written exactly as the add computes it; NumPy's composition is the fallback."""
+    calls = []
+    compiled = native.add_rms_norm
+    monkeypatch.setattr(native, "add_rms_norm", lambda *a: calls.append(a) or compiled(*a))
+    rng = np.random.default_rng(len(shape) + axes)
+    x, r = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(shape[len(shape) - axes:]).astype(np.float32) if with_weight else None
+    dims = tuple(range(len(shape) - axes, len(shape)))
+
+    def reference(v):
+        v = v.astype(np.float64)
+        out = v / np.sqrt((v * v).mean(axis=dims, keepdims=True) + 1e-5)
+        return out * w if w is not None else out
+
+    total, normed = CPU_KERNELS.kernels["add_rms_norm"](x, r, w, axes, 1e-5)
+    np.testing.assert_array_equal(total, x + r)
+    np.testing.assert_allclose(normed, reference(x + r), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(CPU_KERNELS.kernels["rms_norm"](x, w, axes, 1e-5), reference(x), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 2
+    assert native.add_rms_norm(x.astype(np.float64), None, None, axes, 1e-5) is None  # left to NumPy

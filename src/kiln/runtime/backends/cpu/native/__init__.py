@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -56,6 +57,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_maxpool2d_f32": (_ptr, _ptr) + (_i64,) * 13,
     "kiln_winograd23_input_f32": (_ptr, _ptr) + (_i64,) * 8,
     "kiln_winograd23_output_f32": (_ptr, _ptr, _ptr) + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float),
+    "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 
@@ -198,3 +200,25 @@ def unary(name: str, x: np.ndarray) -> np.ndarray | None:
     if x.size:
         getattr(lib, f"kiln_{name}_f32")(x.ctypes.data, y.ctypes.data, x.size)
     return y
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray | None, axes: int,
+                 eps: float) -> tuple[np.ndarray | None, np.ndarray] | None:
+    """RMSNorm over the last `axes` dims of float32 x (after adding `residual`, of x's shape, when given) in one
+    compiled call: (x + residual, or None without a residual; the normalized rows times weight). None when the
+    helpers cannot take it (another type, a layout other than contiguous rows, a weight not of the normalized
+    shape)."""
+    lib = library()
+    if lib is None or axes < 1 or axes > x.ndim or not float32_contiguous(x, residual, weight):
+        return None
+    if residual is not None and residual.shape != x.shape:
+        return None
+    n = math.prod(x.shape[x.ndim - axes:])  # (np.prod costs microseconds a call: this runs per decode op)
+    if weight is not None and weight.size != n:
+        return None
+    total = np.empty_like(x) if residual is not None else None
+    out = np.empty_like(x)
+    if x.size:
+        lib.kiln_add_rms_norm_f32(x.ctypes.data, address(residual), address(weight), address(total), out.ctypes.data,
+                                  x.size // n, n, float(eps))
+    return total, out
