@@ -13,6 +13,7 @@ over threads (the few-row linear) use `threads()`: KILN_THREADS, else every core
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -152,6 +153,13 @@ def threads() -> int:
     value = os.environ.get("KILN_THREADS", "")
     if value.strip().isdigit() and int(value) > 0:
         return int(value)
+    return _cores()
+
+
+@functools.cache
+def _cores() -> int:
+    """The cores this process may run on, asked once: threads() runs for every linear layer of a decode step, and
+    the system call cost ~1 us each time."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -853,9 +853,9 @@ void kiln_dequantize_f32(const void *restrict qv, const float *restrict scale, c
 
 /* ---------------------------------------------------------------------------------------------------------
  * RMSNorm of rows of n floats, after a residual add when r is given: total = x + r (written to `total`, which
- * must then be given), out = total / sqrt(mean(total^2) + eps) * w (w may be absent). One pass over each row for the sum of
- * squares (16 lanes, then the lanes in order) and one for the output: a decode step's norms are a few hundred
- * floats each, where the NumPy composition paid ~20 us in per-call overhead for what takes well under one here.
+ * must then be given), out = total / sqrt(mean(total^2) + eps) * w (w may be absent). One pass over each row for
+ * the sum of squares (16 lanes, then the lanes in order) and one for the output: a decode step's norms are a few
+ * hundred floats each, where the NumPy composition paid ~20 us in per-call overhead for under 1 us of work.
  */
 void kiln_add_rms_norm_f32(const float *restrict x, const float *restrict r, const float *restrict w,
                            float *restrict total, float *restrict out, i64 rows, i64 n, float eps) {
