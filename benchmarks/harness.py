@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
-                    "NUMEXPR_NUM_THREADS")
+                    "NUMEXPR_NUM_THREADS", "KILN_THREADS")
+"""KILN_THREADS: kiln's own pool (the compiled few-row linears), which otherwise takes every core."""
 
 
 def configure_threads(threads: int) -> None:

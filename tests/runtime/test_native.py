@@ -127,11 +127,13 @@ def test_compiled_unary_matches_torch(name):
 
 
 def test_every_compiled_function_is_declared():
-    source = native.SOURCE.read_text()
+    lines = [line for f in native.SOURCES for line in f.read_text().splitlines()]
     declared = set(native.SIGNATURES)
     defined = {f"kiln_{m}_f32" for m in native.UNARY}
-    defined |= {line.split("(")[0].split()[-1] for line in source.splitlines() if line.startswith("void kiln_")}
+    defined |= {line.split("(")[0].split()[-1] for line in lines if line.startswith(("void kiln_", "i64 kiln_"))}
     assert declared == defined
+    returning = {line.split("(")[0].split()[-1] for line in lines if line.startswith("i64 kiln_")}
+    assert returning == set(native.RESULTS)
 
 
 def _probe(env_update: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
@@ -297,15 +299,9 @@ def test_threads_default_and_override(monkeypatch):
     assert native.threads() >= 1
 
 
-@needs_native
-@pytest.mark.parametrize("bits,group", [(8, 64), (8, 200), (4, 32)], ids=["int8-g64", "int8-channel", "int4-g32"])
-def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bits, group, monkeypatch):
-    """kiln_qlinear_f32 over 1, 2 and 3 threads: the same bits (the split never changes an output's path), and the
-    dequantized reference within float32 rounding."""
-    from kiln.runtime.backends.array_api.quant import dequantize
-
-    rng = np.random.default_rng(bits + group)
-    n, k = 1030, 200 if group == 200 else 256
+def _quantized_case(bits: int, group: int, n: int, k: int, seed: int) -> tuple[np.ndarray, ...]:
+    """A random int8/int4 weight (int4 with zero points) and bias."""
+    rng = np.random.default_rng(seed)
     levels = 256 if bits == 8 else 16
     q = rng.integers(0, levels, (n, k if bits == 8 else k // 2), dtype=np.uint8)
     if bits == 8:
@@ -314,16 +310,118 @@ def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bit
         q = (q & 15) | ((rng.integers(0, 16, q.shape, dtype=np.uint8)) << 4)
     scale = rng.uniform(0.01, 0.1, (n, k // group)).astype(np.float32)
     zero = rng.uniform(0, levels / 2, (n, k // group)).astype(np.float32) if bits == 4 else None
-    bias = rng.standard_normal(n, dtype=np.float32)
-    x = rng.standard_normal((5, k), dtype=np.float32)
+    return q, scale, zero, rng.standard_normal(n, dtype=np.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("dot", ["float", "int8"])
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 200), (4, 32), (4, 64)],
+                         ids=["int8-g64", "int8-channel", "int4-g32", "int4-g64"])
+def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bits, group, dot, monkeypatch):
+    """The few-row kernels (kiln_qlinear_f32; kiln_qlinear_dot_f32 with int8 inputs) over 1, 2 and 3 threads and
+    for rows alone or batched: the same bits (an output's arithmetic never depends on the split or the batch),
+    and the dequantized reference within float32 rounding (float) or within what rounding the inputs to int8 per
+    32 can move an output (int8: sum_j |W[o, j]| * the step of x[j]'s block / 2, a bound)."""
+    from kiln.runtime.backends.array_api.quant import dequantize
+
+    if dot == "int8" and not native.integer_dot():
+        pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
+    monkeypatch.setenv("KILN_QUANT_DOT", dot)
+    n, k = 1030, 200 if group == 200 else 256
+    q, scale, zero, bias = _quantized_case(bits, group, n, k, bits + group)
+    x = np.random.default_rng(1).standard_normal((5, k), dtype=np.float32)
     kernel = CPU_KERNELS.kernels["quantized_linear"]
     results = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("KILN_THREADS", threads)
         results.append(kernel(x, q, scale, zero, bias, bits, group))
     assert all(np.array_equal(results[0], r) for r in results[1:])
+    alone = np.concatenate([kernel(x[i:i + 1], q, scale, zero, bias, bits, group) for i in range(len(x))])
+    assert np.array_equal(results[0], alone)
     weight = dequantize(np, q, scale, zero, bits, group).astype(np.float64)
-    np.testing.assert_allclose(results[0], x.astype(np.float64) @ weight.T + bias, rtol=1e-4, atol=1e-3)
+    want = x.astype(np.float64) @ weight.T + bias
+    if dot == "int8" and k % 32 == 0:
+        step = np.repeat(np.abs(x.reshape(len(x), k // 32, 32)).max(axis=-1) / 127, 32, axis=-1)
+        assert np.all(np.abs(results[0] - want) <= step @ np.abs(weight).T / 2 * (1 + 1e-5) + 1e-3)
+        assert np.abs(results[0] - want).max() > 1e-3  # (the integer path ran)
+    else:
+        np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize("bits,group,k", [(4, 64, 96), (4, 48, 192), (8, 40, 160), (8, 32, 80)])
+def test_integer_dot_declines_shapes_it_cannot_take(bits, group, k):
+    """int4 needs k a multiple of 64 and groups of 32 or of a multiple of 64; int8 k and groups multiples of 32:
+    otherwise kiln_qlinear_dot_f32 returns 0 and leaves out alone (the caller runs the float kernel)."""
+    if not native.integer_dot():
+        pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
+    q, scale, zero, bias = _quantized_case(bits, group, 8, k, 0)
+    x = np.ones((1, k), np.float32)
+    out = np.full((1, 8), 7.0, np.float32)
+    work = np.empty(k + k // group, np.float32)
+    taken = lib.kiln_qlinear_dot_f32(x.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
+                                     bias.ctypes.data, out.ctypes.data, work.ctypes.data, 1, 8, k, bits, group, 1)
+    assert taken == 0 and np.all(out == 7.0)
+
+
+@needs_native
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_integer_dot_leaves_inf_and_nan_to_the_float_kernel(value, monkeypatch):
+    """An input row holding inf or NaN has no int8 scale: the float kernel runs and gives them their meaning."""
+    if not native.integer_dot():
+        pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
+    q, scale, zero, bias = _quantized_case(4, 64, 16, 128, 3)
+    x = np.random.default_rng(0).standard_normal((2, 128), dtype=np.float32)
+    x[1, 5] = value
+    kernel = CPU_KERNELS.kernels["quantized_linear"]
+    got = kernel(x, q, scale, zero, bias, 4, 64)
+    monkeypatch.setenv("KILN_QUANT_DOT", "float")
+    assert np.array_equal(got, kernel(x, q, scale, zero, bias, 4, 64), equal_nan=True)
+    assert not np.isfinite(got[1]).any()
+
+
+def _attention_reference(q, k, v, mask, causal, scale):
+    from kiln.runtime.backends import array_api
+
+    with np.errstate(all="ignore"):
+        return array_api.sdpa(np, q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask, causal,
+                              scale)
+
+
+@needs_native
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D,Dv", [(1, 9, 3, 1, 300, 64, 64), (2, 4, 4, 3, 17, 32, 48),
+                                              (1, 8, 2, 5, 40, 80, 80), (1, 2, 1, 2, 2, 16, 16)])
+@pytest.mark.parametrize("mask_kind", ["none", "shared", "per_head", "prefix", "hidden_row"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_attention_matches_float64(B, Hq, Hkv, L, S, D, Dv, mask_kind, causal):
+    """kiln_attention_f32 over GQA groupings, keys read through strides (a window of a larger cache), bool masks
+    shared or per head, a static cache's prefix mask, and a query that sees no key (NaN, as the reference)."""
+    rng = np.random.default_rng(S + L)
+    q = rng.standard_normal((B, Hq, L, D), dtype=np.float32)
+    k = rng.standard_normal((B, Hkv, S + 5, D), dtype=np.float32)[:, :, 2:S + 2]
+    v = rng.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
+    mask = {"none": None, "shared": rng.random((1, 1, L, S)) < 0.7, "per_head": rng.random((B, Hq, L, S)) < 0.5,
+            "prefix": (np.arange(S) < max(1, S // 3))[None, None, None, :],
+            "hidden_row": np.ones((1, 1, L, S), bool)}[mask_kind]
+    if mask_kind == "hidden_row":
+        mask[..., -1, :] = False
+    got = native.attention(q, k, v, mask, causal, 0.125)
+    want = _attention_reference(q, k, v, mask, causal, 0.125)
+    assert got is not None and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    if mask_kind == "hidden_row":
+        assert np.isnan(got[..., -1, :]).all()
+
+
+@needs_native
+def test_compiled_attention_declines_what_it_cannot_take():
+    q = np.zeros((1, 2, 1, 16), np.float32)
+    k = v = np.zeros((1, 1, 4, 16), np.float32)
+    assert native.attention(q, k, v, np.zeros((1, 1, 1, 4), np.float32), False, 1.0) is None  # additive mask
+    assert native.attention(q.astype(np.float64), k, v, None, False, 1.0) is None
+    assert native.attention(np.zeros((1, 2, 9, 16), np.float32), k, v, None, False, 1.0) is None  # a prefill
+    assert native.attention(q, k[..., ::2], v, None, False, 1.0) is None  # keys not contiguous in a row
+    assert native.attention(q[0], k[0], v[0], None, False, 1.0) is None  # rank 3
 
 
 @needs_native

@@ -38,6 +38,14 @@ class OpProfiler:
         """Time every kernel `session` runs from now on; returns self."""
         original = session.backend.kernels
         session.backend.kernels = {name: self._wrap(name, fn) for name, fn in original.items()}
+        prepare = session.backend.prepare
+
+        def timed_prepare(method: Any, node: Any, kernel: Any, env: dict[str, int]) -> Any:
+            """Kernels the backend specializes at plan time (Backend.prepare) are timed under their node's op."""
+            prepared = prepare(method, node, kernel, env)
+            return None if prepared is None else (self._wrap(node.op, prepared[0]), prepared[1])
+
+        session.backend.prepare = timed_prepare
         session._plans.clear()  # plans built before hold the unwrapped kernels
         session.graphs = False  # a replayed graph calls no kernel from Python: time them one by one
         return self

@@ -16,9 +16,10 @@ import kiln.runtime.backends.cpu.elementwise
 import kiln.runtime.backends.cpu.linalg
 import kiln.runtime.backends.cpu.norm
 import kiln.runtime.backends.cpu.quant  # noqa: F401 - importing the kernel families registers them
-from kiln.ir.graph import StateBuffer
+from kiln.ir.graph import Method, Node, StateBuffer
 from kiln.runtime.backends.array_api import PORTABLE
-from kiln.runtime.backends.base import Backend
+from kiln.runtime.backends.base import Backend, Kernel
+from kiln.runtime.backends.cpu import prepare
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 from kiln.runtime.program import Program
 
@@ -45,6 +46,10 @@ class CPUBackend(Backend):
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
+
+    def prepare(self, method: Method, node: Node, kernel: Kernel,
+                env: dict[str, int]) -> tuple[Kernel, tuple[int, ...]] | None:
+        return prepare.prepare(self.program, method, node, env)
 
     def execution_context(self) -> np.errstate:
         """IEEE results (inf, nan) as PyTorch gives them, without NumPy's divide/overflow warnings."""

@@ -1,12 +1,15 @@
-"""Scaled dot-product attention: one batched matmul pair with a stable softmax, GQA by head grouping."""
+"""Scaled dot-product attention: compiled for a few queries (native.attention); otherwise one batched matmul pair
+with a stable softmax, GQA by head grouping."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from kiln.runtime.backends import array_api
+from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 
@@ -32,6 +35,9 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, c
          scale: float | None) -> np.ndarray:
     dtype = q.dtype
     q, k, v, mask = upcast(q, k, v, mask)
+    compiled = native.attention(q, k, v, mask, causal, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if compiled is not None:
+        return compiled.astype(dtype, copy=False)
     if mask is not None and mask.dtype == np.bool_ and not causal:
         k, v, mask = _visible_keys(k, v, mask)
     return array_api.sdpa(np, q, k, v, mask, causal, scale).astype(dtype, copy=False)

@@ -9,6 +9,8 @@ without ever holding the whole float32 weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kiln.runtime.backends.array_api.quant import dequantize
@@ -20,6 +22,37 @@ FEW_ROWS = 8
 
 _BAND_BYTES = 1 << 20
 """Float32 bytes of dequantized weight per band (fits in L2 next to the input rows)."""
+
+
+_F32 = np.dtype(np.float32)
+
+
+def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias: np.ndarray | None, bits: int,
+                 group_size: int) -> Callable[..., np.ndarray] | None:
+    """quantized_linear for one node whose weights are program constants (prepare.py): their addresses are taken
+    once and the few-row path's scratch is kept, so a decode step's call costs the compiled work and about 3 us,
+    not the ~15 us of checks, conversions and allocations the general kernel repeats; other inputs (many rows,
+    another dtype) go to it. None when the helpers cannot take these weights."""
+    lib = native.library()
+    if lib is None or not (native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous):
+        return None
+    n, k = q.shape[0], q.shape[1] * 8 // bits
+    weights = (q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias))
+    work = np.empty(FEW_ROWS * (k + k // group_size), dtype=np.float32)
+    scratch = work.ctypes.data
+
+    def run(x: np.ndarray, *constants: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+        rows = x.size // k if x.shape[-1:] == (k,) else FEW_ROWS + 1
+        if x.dtype is not _F32 or rows > FEW_ROWS or not x.flags.c_contiguous:
+            return quantized_linear(x, *constants, bits=bits, group_size=group_size)
+        out = np.empty(x.shape[:-1] + (n,), dtype=np.float32)
+        args = (x.ctypes.data, *weights, out.ctypes.data, scratch, rows, n, k, bits, group_size, native.threads())
+        if not (native.integer_dot() and lib.kiln_qlinear_dot_f32(*args)):
+            lib.kiln_qlinear_f32(*args)
+        return out
+
+    run.work = work  # (kept alive with the closure)
+    return run
 
 
 @kernel("quantized_linear")
@@ -35,9 +68,10 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     out = np.empty((rows, n), dtype=np.float32)
     if compiled and rows <= FEW_ROWS:
         work = np.empty(rows * (k + k // group_size), dtype=np.float32)
-        lib.kiln_qlinear_f32(x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
-                             native.address(bias), out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size,
-                             native.threads())
+        args = (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
+                out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size, native.threads())
+        if not (native.integer_dot() and lib.kiln_qlinear_dot_f32(*args)):
+            lib.kiln_qlinear_f32(*args)
     else:
         band = max(1, _BAND_BYTES // (4 * k))
         weight = np.empty((min(band, n), k), dtype=np.float32)

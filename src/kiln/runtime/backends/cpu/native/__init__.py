@@ -30,7 +30,9 @@ import numpy as np
 
 log = logging.getLogger("kiln.native")
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c"))
+"""Compiled together into one library; HEADERS are what they include (the build key reads them all)."""
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h"))
 FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-pthread")
 """gnu99 for the vector extensions; FMA contraction allowed; no -ffast-math, so NaN and inf keep their meaning;
@@ -59,8 +61,13 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_winograd23_input_f32": (_ptr, _ptr) + (_i64,) * 8,
     "kiln_winograd23_output_f32": (_ptr, _ptr, _ptr) + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float),
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
+    "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float,),
+    "kiln_qdot_level": (),
+    "kiln_qlinear_dot_f32": (_ptr,) * 7 + (_i64,) * 6,
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
+RESULTS: dict[str, type] = {"kiln_qdot_level": _i64, "kiln_qlinear_dot_f32": _i64}
+"""The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()
 _loaded: list = []  # [library or None] once decided
@@ -92,8 +99,8 @@ def _build_key(cc: str) -> str:
             cpu = next((line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features"))), "")
         except OSError:
             cpu = ""
-    parts = (SOURCE.read_bytes(), " ".join(FLAGS + TUNING).encode(), version.encode(), platform.machine().encode(),
-             cpu.encode())
+    parts = (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(FLAGS + TUNING).encode(), version.encode(),
+             platform.machine().encode(), cpu.encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
@@ -104,7 +111,7 @@ def _build(cc: str, target: Path) -> None:
     os.close(fd)
     try:
         for tuning in (TUNING, ()):
-            result = subprocess.run([cc, *FLAGS, *tuning, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+            result = subprocess.run([cc, *FLAGS, *tuning, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
                                     text=True, timeout=300)
             if result.returncode == 0:
                 break
@@ -132,7 +139,7 @@ def _load() -> ctypes.CDLL | None:
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = RESULTS.get(name)
         return lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("kiln's CPU helpers are unavailable (%s): using the NumPy kernels only", exc)
@@ -164,6 +171,19 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def integer_dot() -> bool:
+    """Whether few-row quantized linears quantize their input rows to int8 and use the CPU's byte dot products
+    (qdot.c: ~0.3% from the float result, as llama.cpp's CPU path): when the helpers have them (AVX2 or VNNI)
+    and KILN_QUANT_DOT is not `float` (which keeps the float kernel, exact to float32 rounding)."""
+    return os.environ.get("KILN_QUANT_DOT", "int8").strip().lower() != "float" and _dot_level() > 0
+
+
+@functools.cache
+def _dot_level() -> int:
+    lib = library()
+    return 0 if lib is None else int(lib.kiln_qdot_level())
 
 
 def float32_contiguous(*arrays: np.ndarray | None) -> bool:
@@ -230,3 +250,39 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray 
         lib.kiln_add_rms_norm_f32(x.ctypes.data, address(residual), address(weight), address(total), out.ctypes.data,
                                   x.size // n, n, float(eps))
     return total, out
+
+
+ATTENTION_MAX_QUERIES = 8
+"""Query rows per head up to which attention runs compiled (a decode step, a short verify); longer ones (prefill)
+are matrix products, which BLAS does better."""
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
+              scale: float) -> np.ndarray | None:
+    """sdpa of float32 q [B, Hq, L, D], k and v [B, Hkv, S, D] (any strides, the last dimension contiguous) and a
+    bool mask broadcastable to [B, Hq, L, S], in one compiled call (attention.c); None when the helpers cannot
+    take it (other dtypes or ranks, an additive mask, long queries)."""
+    lib = library()
+    if lib is None or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[2] > ATTENTION_MAX_QUERIES:
+        return None
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if not float32_contiguous(q) or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[::3] != (B, D) \
+            or v.shape[:3] != (B, Hkv, S) or Hkv == 0 or Hq % Hkv or k.strides[3] != 4 or v.strides[3] != 4:
+        return None
+    if mask is not None:
+        if mask.dtype != np.bool_ or mask.ndim > 4:
+            return None
+        shape, strides = (1,) * (4 - mask.ndim) + mask.shape, (0,) * (4 - mask.ndim) + mask.strides
+        if any(n not in (1, want) for n, want in zip(shape, (B, Hq, L, S), strict=True)):
+            return None
+        mask_strides = tuple(0 if n == 1 else s for n, s in zip(shape, strides, strict=True))
+    else:
+        mask_strides = (0, 0, 0, 0)
+    out = np.empty((B, Hq, L, v.shape[3]), dtype=np.float32)
+    if out.size:
+        work = np.empty(S, dtype=np.float32)
+        lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), out.ctypes.data,
+                               work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3], *(s // 4 for s in k.strides[:3]),
+                               *(s // 4 for s in v.strides[:3]), *mask_strides, int(causal), float(scale))
+    return out

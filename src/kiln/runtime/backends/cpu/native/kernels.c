@@ -1,9 +1,10 @@
 /* kiln's compiled CPU helpers: float32 kernels where NumPy's per-call overhead or its extra passes over memory
  * dominate (depthwise convolution on small maps, composite activations, im2col without a padded copy).
  *
- * Plain C99, no intrinsics: the loops are written so the compiler vectorizes them (contiguous inner loops,
- * no aliasing through `restrict`). Every function is a leaf over caller-owned, C-contiguous buffers; the
- * caller checks dtypes, shapes and contiguity. Built on first use by native/__init__.py and cached.
+ * Plain C99, no intrinsics (qdot.c, the integer dot products, is the exception): the loops are written so the compiler
+ * vectorizes them (contiguous inner loops, no aliasing through `restrict`). Every function is a leaf over caller-
+ * owned, C-contiguous buffers; the caller checks dtypes, shapes and contiguity. Built on first use by
+ * native/__init__.py and cached.
  */
 #include <math.h>
 #include <pthread.h>
@@ -13,32 +14,9 @@
 #include <string.h>
 #include <time.h>
 
-typedef int64_t i64;
+#include "pool.h"
 
-/* ---------------------------------------------------------------------------------------------------------
- * exp for float32, vectorizable: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error
- * about 2e-7, within float32 rounding of libm's expf), 2^k by building the exponent bits. Inputs are clamped
- * to the finite range; NaN is restored by the callers that can see one.
- */
-static inline float exp_f32(float x) {
-    const float xc = x > 88.3762626647949f ? 88.3762626647949f : (x < -87.3365447505531f ? -87.3365447505531f : x);
-    const float kf = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = xc - kf * 0.693359375f;
-    r = r - kf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)kf + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    const float e = p * scale;
-    /* past the finite range: inf and 0 exactly, as libm gives (so sigmoid(-inf) is 0 and silu(-inf) NaN) */
-    return x > 88.7228390520683f ? __builtin_inff() : (x < -103.972077083992f ? 0.0f : e);
-}
+#include "vmath.h"
 
 /* erfc(|x|) by the Chebyshev fit of Numerical Recipes (fractional error below 1.2e-7). */
 static inline float erfc_abs_f32(float x) {
@@ -281,15 +259,12 @@ void kiln_transpose_bias_f32(const float *restrict src, const float *restrict bi
 }
 
 /* ---------------------------------------------------------------------------------------------------------
- * A pool of worker threads for the helpers that split their outputs (`parallel_for`). A call hands out
- * contiguous ranges, runs the first itself and waits for the rest. Workers spin briefly between calls (a decode
- * step calls the linear kernels back to back, tens of microseconds apart) and then sleep on a condition variable.
- * One call at a time uses the pool; a second thread calling meanwhile runs its work alone rather than wait.
- * Every helper that uses it computes each output the same way whatever the split, so results do not depend on
- * the thread count.
+ * A pool of worker threads for the helpers that split their outputs (`parallel_for`, pool.h). A call hands out
+ * contiguous ranges, runs the first itself and waits for the rest. Workers spin briefly between calls (a decode step
+ * calls the linear kernels back to back, tens of microseconds apart) and then sleep on a condition variable. One call
+ * at a time uses the pool; a second thread calling meanwhile runs its work alone rather than wait. Every helper that
+ * uses it computes each output the same way whatever the split, so results do not depend on the thread count.
  */
-typedef void (*task_fn)(const void *ctx, i64 begin, i64 end);
-
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -374,7 +349,7 @@ static void pool_grow(int threads) {
 }
 
 /* fn(ctx, begin, end) over [0, count) in up to `threads` contiguous parts */
-static void parallel_for(task_fn fn, const void *ctx, i64 count, i64 threads) {
+void parallel_for(task_fn fn, const void *ctx, i64 count, i64 threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > count) threads = count;
     if (threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
@@ -501,8 +476,6 @@ static void linear_part(const void *ctx, i64 begin, i64 end) {
         }
     }
 }
-
-enum { LINEAR_MIN_PART = 1 << 16 }; /* weight elements a thread's part reads at least: smaller calls run alone */
 
 void kiln_linear_rows_f32(const float *restrict x, const float *restrict w, const float *restrict bias,
                           float *restrict out, i64 m, i64 n, i64 k, i64 threads) {

@@ -1,0 +1,111 @@
+/* Attention for a few queries (a decode step): softmax(q k^T * scale, masked) v, one query row at a time over
+ * the keys it sees. NumPy's composition (two batched matmuls, a mask select, max, exp, sum, divide, and the
+ * narrowing of a static cache to the keys some query sees) cost ~65 us a layer of SmolLM2 for ~0.3 MFLOP; this is
+ * a few microseconds. Keys a query does not see are skipped, not multiplied: a static KV cache of 1024 slots at
+ * position 128 costs 129 keys.
+ *
+ * q [B, Hq, L, D] and out [B, Hq, L, Dv] contiguous; k and v addressed by strides (in elements) over batch, kv
+ * head and key, their last dimension contiguous; Hq a multiple of Hkv (the q heads of a kv head are consecutive,
+ * as GQA lays them out). mask: bytes (bool) addressed by strides over batch, q head, query and key (0 where it
+ * broadcasts), or none; causal: query i sees keys j <= i (the reference's tril(ones(L, S))). A query that sees
+ * no key gets NaN, as the reference (softmax of all -inf) gives. Scores are kept for one query at a time in
+ * `work` (S floats).
+ */
+#include <math.h>
+
+#include "pool.h"
+#include "vmath.h"
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+static inline float sum_lanes(v16 v) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    const v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, i64 n) {
+    v16 acc = {0};
+    i64 j = 0;
+    for (; j + 16 <= n; j += 16) acc += *(const v16u *)(a + j) * *(const v16u *)(b + j);
+    float total = sum_lanes(acc);
+    for (; j < n; j++) total += a[j] * b[j];
+    return total;
+}
+
+/* o[0:n] = sum_j p[j] x[j * stride + 0:n] over the j with p[j] != 0, 64 outputs at a time held in registers
+ * (accumulating in memory chained every key through a store and a reload) */
+static inline void weighted_sum(float *restrict o, const float *restrict p, i64 count, const float *restrict x,
+                                i64 stride, i64 n) {
+    i64 e = 0;
+    for (; e + 64 <= n; e += 64) {
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (i64 j = 0; j < count; j++) {
+            if (p[j] == 0.0f) continue;
+            const v16 pv = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j],
+                            p[j]};
+            const float *xj = x + j * stride + e;
+            a0 += pv * *(const v16u *)xj, a1 += pv * *(const v16u *)(xj + 16);
+            a2 += pv * *(const v16u *)(xj + 32), a3 += pv * *(const v16u *)(xj + 48);
+        }
+        *(v16u *)(o + e) = a0, *(v16u *)(o + e + 16) = a1, *(v16u *)(o + e + 32) = a2, *(v16u *)(o + e + 48) = a3;
+    }
+    for (; e < n; e++) {
+        float a = 0.0f;
+        for (i64 j = 0; j < count; j++) a += p[j] * x[j * stride + e];
+        o[e] = a;
+    }
+}
+
+void kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
+                        const unsigned char *restrict mask, float *restrict out, float *restrict work, i64 B, i64 Hq,
+                        i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb,
+                        i64 mh, i64 ml, i64 ms, i64 causal, float scale) {
+    const i64 group = Hq / Hkv;
+    for (i64 b = 0; b < B; b++)
+        for (i64 h = 0; h < Hq; h++)
+            for (i64 i = 0; i < L; i++) {
+                const float *qi = q + ((b * Hq + h) * L + i) * D;
+                const float *kh0 = k + b * kb + (h / group) * kh, *vh0 = v + b * vb + (h / group) * vh;
+                const unsigned char *mi = mask ? mask + b * mb + h * mh + i * ml : 0;
+                float *oi = out + ((b * Hq + h) * L + i) * Dv;
+                const i64 last = causal ? i : S - 1; /* the last key this query may see (causal: as tril(ones(L, S))) */
+                /* keys first..seen-1 may be seen: the mask's first and last true entry bound them */
+                i64 seen = last < S ? last + 1 : S, first = 0;
+                if (mi) {
+                    while (first < seen && !mi[first * ms]) first++;
+                    while (seen > first && !mi[(seen - 1) * ms]) seen--;
+                }
+                const float *kq = kh0 + first * ks, *vq = vh0 + first * vs;
+                const unsigned char *mq = mi ? mi + first * ms : 0;
+                seen -= first;
+                float top = -INFINITY;
+                for (i64 j = 0; j < seen; j++) {
+                    /* a decode step finds its cache rows in DRAM (the weights streamed through since the last
+                     * step): ask for keys 8 ahead, and for the values the weighted sum reads next */
+                    if (0) {
+                        for (i64 line = 0; line < D; line += 16) __builtin_prefetch(kq + (j + 8) * ks + line);
+                        for (i64 line = 0; line < Dv; line += 16) __builtin_prefetch(vq + (j + 8) * vs + line);
+                    }
+                    work[j] = mq && !mq[j * ms] ? -INFINITY : dot(qi, kq + j * ks, D) * scale;
+                    top = work[j] > top ? work[j] : top;
+                }
+                if (!(top > -INFINITY)) { /* no key seen (or NaN scores): what the reference's softmax gives */
+                    for (i64 e = 0; e < Dv; e++) oi[e] = NAN;
+                    continue;
+                }
+                for (i64 j = 0; j < seen; j++) work[j] = exp_f32(work[j] - top); /* (vectorized; hidden keys: 0) */
+                v16 sums = {0};
+                i64 j = 0;
+                for (; j + 16 <= seen; j += 16) sums += *(const v16u *)(work + j);
+                float total = sum_lanes(sums);
+                for (; j < seen; j++) total += work[j];
+                weighted_sum(oi, work, seen, vq, vs, Dv);
+                const float inverse = 1.0f / total;
+                for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
+            }
+}

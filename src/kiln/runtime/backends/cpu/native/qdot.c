@@ -1,0 +1,258 @@
+/* Quantized linear for few rows (a decode step) by integer dot products, as llama.cpp runs its quantized types
+ * on the CPU: each input row is quantized to int8 in blocks of 32 (one float scale per block, max |x| -> 127),
+ * and each block's products with int4 or int8 weights are summed exactly in int32 by the CPU's byte dot product
+ * (AVX-512 VNNI's vpdpbusd, 32 products a 256-bit instruction; AVX2's vpmaddubsw + vpmaddwd where VNNI is
+ * missing, the same integers). The float kernel in kernels.c converts every weight to float and spends about
+ * four vector instructions per 8 weights; this spends about one per 6 and reads the same bytes, so a decode
+ * step on one core stops being bound by arithmetic.
+ *
+ *   out[r][o] = sum_g s[o][g] * (sum_{b in g} d[r][b] * sum_{j in b} q[o][j] xq[r][j]  -  z[o][g] * xz[r][g])
+ *
+ * with xz[r][g] = sum_{b in g} d[r][b] * sum_{j in b} xq[r][j] (the zero point's term from the same quantized
+ * input, so the error is that of (q - z) x, centred, not of q x). The result differs from the float kernel by
+ * the input's rounding to 8 bits (about 0.3% of a typical output; the int4 weights' own rounding is ~10x that):
+ * quantized programs accept it by default, KILN_QUANT_DOT=float turns it off (native/__init__.py).
+ *
+ * Shapes taken: k a multiple of 64 (int4) or 32 (int8), groups of 32 or a multiple of 64 (int4) or of 32
+ * (int8); anything else returns 0 and the caller runs the float kernel. Each output is computed the same way
+ * whatever the batch, the row's place in it or the thread count, so results do not depend on any of them.
+ */
+#include "pool.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QDOT_LEVEL 2
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define QDOT_LEVEL 2
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define QDOT_LEVEL 1
+/* u8 x s8 pairs to int16 (never saturating here: |u| <= 128 and |s| <= 127 by construction), then to int32 */
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+#define QDOT_ROWS 4 /* weight rows a pass: each input vector loaded once feeds four dot products */
+#define AHEAD 4     /* passes ahead that the weights are prefetched */
+
+static inline float hsum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+static inline int hsum8i(__m256i v) {
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+}
+
+/* One input row to int8 blocks of 32: xq (k bytes), d (k / 32 scales) and xz (k / group zero-point sums). For
+ * int4 (split) each 64 bytes are reordered to the even elements, then the odd ones: a weight byte's low nibble
+ * is element 2j and its high nibble 2j + 1, so the nibbles unpacked side by side meet the inputs in that order. */
+static int quantize_row(const float *restrict x, i64 k, i64 group, int split, signed char *restrict xq,
+                        float *restrict d, float *restrict xz) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (i64 g = 0; g < k / group; g++) xz[g] = 0.0f;
+    for (i64 b = 0; b < k / 32; b++) {
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q)); /* (max_ps drops NaN) */
+        }
+        if (_mm256_movemask_ps(nan)) return 0;
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        if (!(top <= 3.0e38f)) return 0; /* inf: the float kernel gives it (and NaN) their meaning */
+        const float scale = top / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        __m256i i[4];
+        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+        const int total = hsum8i(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+        /* packs interleave 128-bit lanes: the permute puts the 32 bytes back in element order */
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + 32 * b), packed);
+        d[b] = scale;
+        xz[32 * b / group] += scale * (float)total;
+    }
+    if (!split) return 1;
+    const __m256i gather = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (i64 c = 0; c < k / 64; c++) {
+        /* per half: [evens | odds] of its 32 bytes; then the evens of both halves, then the odds */
+        const __m256i a = _mm256_permute4x64_epi64(
+            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xq + 64 * c)), gather), 0xd8);
+        const __m256i b = _mm256_permute4x64_epi64(
+            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)), gather), 0xd8);
+        _mm256_storeu_si256((__m256i *)(xq + 64 * c), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)(xq + 64 * c + 32), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    return 1;
+}
+
+/* out = the lanes of total, less the zero points' term, plus the bias */
+static inline float finish(__m256 total, const float *restrict s, const float *restrict z, float zdefault,
+                           const float *restrict xz, i64 ngroups, const float *restrict bias) {
+    float zero_term = 0.0f;
+    for (i64 g = 0; g < ngroups; g++) zero_term += s[g] * (z ? z[g] : zdefault) * xz[g];
+    return hsum8(total) - zero_term + (bias ? *bias : 0.0f);
+}
+
+/* int4 weight rows o..o+R-1 for one input row. Each 64 weights (32 bytes) are unpacked to their low nibbles
+ * (the even elements of both 32-blocks) and high nibbles (the odd ones): two dot products into one int32 vector
+ * whose lanes 0-3 hold block 2c and lanes 4-7 block 2c + 1, scaled by [d 2c x4, d 2c+1 x4] times the weight
+ * scale (with groups of 32, [s 2c x4, s 2c+1 x4]). */
+static inline __attribute__((always_inline)) void q4_rows(const signed char *restrict xq, const float *restrict d,
+                                                          const float *restrict xz, const unsigned char *restrict q,
+                                                          const float *restrict scale, const float *restrict zero,
+                                                          const float *restrict bias, float *restrict out, i64 k,
+                                                          i64 group, const int R, const int pairs) {
+    const i64 ngroups = k / group, per_group = group / 64;
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 total[QDOT_ROWS];
+    for (int i = 0; i < R; i++) total[i] = _mm256_setzero_ps();
+    /* the weights of the blocks AHEAD passes on (rows o+R*AHEAD..) stream in while this one computes: the
+     * hardware prefetcher alone left a decode step's layers at 6-11 GB/s of the core's ~27 */
+    const char *next = (const char *)q + AHEAD * R * (k / 2);
+    const char *next_scales = (const char *)(scale + AHEAD * R * ngroups);
+    _mm_prefetch(next_scales, _MM_HINT_T0);
+    _mm_prefetch(next_scales + 64, _MM_HINT_T0);
+    if (zero) _mm_prefetch((const char *)(zero + AHEAD * R * ngroups), _MM_HINT_T0);
+    for (i64 c = 0; c < k / 64; c++) {
+        for (int line = 0; line < R / 2 + 1; line++) _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
+        const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
+        for (int i = 0; i < R; i++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(q + i * (k / 2) + 32 * c));
+            __m256i acc = dot_u8s8(_mm256_setzero_si256(), _mm256_and_si256(b, low), xa);
+            acc = dot_u8s8(acc, _mm256_and_si256(_mm256_srli_epi16(b, 4), low), xb);
+            const float *s = scale + i * ngroups;
+            const __m256 sv = pairs ? _mm256_set_m128(_mm_set1_ps(s[2 * c + 1]), _mm_set1_ps(s[2 * c]))
+                                    : _mm256_set1_ps(s[c / per_group]);
+            total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sv), total[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, 8.0f, xz, ngroups,
+                        bias ? bias + i : 0);
+}
+
+/* int8 weight rows o..o+R-1 for one input row, a 32-block at a time: |w| (unsigned) times x with w's sign, so
+ * the unsigned-by-signed product is w x; per group the blocks' sums, scaled by d, are then scaled by s. */
+static inline __attribute__((always_inline)) void q8_rows(const signed char *restrict xq, const float *restrict d,
+                                                          const float *restrict xz, const signed char *restrict q,
+                                                          const float *restrict scale, const float *restrict zero,
+                                                          const float *restrict bias, float *restrict out, i64 k,
+                                                          i64 group, const int R) {
+    const i64 ngroups = k / group;
+    __m256 total[QDOT_ROWS];
+    for (int i = 0; i < R; i++) total[i] = _mm256_setzero_ps();
+    for (i64 g = 0; g < ngroups; g++) {
+        __m256 sum[QDOT_ROWS];
+        for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();
+        for (i64 b = g * group / 32; b < (g + 1) * group / 32; b++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+            const __m256 dv = _mm256_set1_ps(d[b]);
+            for (int i = 0; i < R; i++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + i * k + 32 * b));
+                const __m256i acc = dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+                sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), dv, sum[i]);
+            }
+        }
+        for (int i = 0; i < R; i++)
+            total[i] = _mm256_fmadd_ps(sum[i], _mm256_set1_ps(scale[i * ngroups + g]), total[i]);
+    }
+    for (int i = 0; i < R; i++)
+        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, 0.0f, xz, ngroups,
+                        bias ? bias + i : 0);
+}
+
+typedef struct {
+    const void *q;
+    const float *scale, *zero, *bias;
+    float *out;
+    const char *work;
+    i64 m, n, k, bits, group, stride;
+} qdot_args;
+
+/* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) for every input row; the last n % QDOT_ROWS rows one by one */
+static void qdot_part(const void *ctx, i64 begin, i64 end) {
+    const qdot_args *a = ctx;
+    const i64 k = a->k, group = a->group, ngroups = k / group, n = a->n;
+    const i64 stop = end * QDOT_ROWS < n ? end * QDOT_ROWS : n;
+    const int pairs = group == 32;
+    for (i64 o = begin * QDOT_ROWS; o < stop;) {
+        const int R = o + QDOT_ROWS <= stop ? QDOT_ROWS : 1;
+        const float *s = a->scale + o * ngroups, *z = a->zero ? a->zero + o * ngroups : 0;
+        const float *bias = a->bias ? a->bias + o : 0;
+        for (i64 r = 0; r < a->m; r++) {
+            const signed char *xq = (const signed char *)(a->work + r * a->stride);
+            const float *d = (const float *)(xq + k), *xz = d + k / 32;
+            float *out = a->out + r * n + o;
+            if (a->bits == 4) {
+                const unsigned char *q = (const unsigned char *)a->q + o * (k / 2);
+                if (R == QDOT_ROWS && pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, QDOT_ROWS, 1);
+                else if (R == QDOT_ROWS) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, QDOT_ROWS, 0);
+                else if (pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, 1, 1);
+                else q4_rows(xq, d, xz, q, s, z, bias, out, k, group, 1, 0);
+            } else {
+                const signed char *q = (const signed char *)a->q + o * k;
+                if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out, k, group, QDOT_ROWS);
+                else q8_rows(xq, d, xz, q, s, z, bias, out, k, group, 1);
+            }
+        }
+        o += R;
+    }
+}
+#endif
+
+/* 2: VNNI byte dot products; 1: AVX2's (the same integers, three instructions for one); 0: none (the caller runs
+ * the float kernel) */
+i64 kiln_qdot_level(void) {
+#if defined(QDOT_LEVEL)
+    return QDOT_LEVEL;
+#else
+    return 0;
+#endif
+}
+
+/* kiln_qlinear_f32's contract (x [m, k] float32, q [n, k * bits / 8], scale and zero [n, k / group], bias [n],
+ * out [m, n]; work: at least m * 4 * (k + k / group) bytes) by integer dot products; returns 1, or 0 without
+ * touching out when it cannot take the shapes, the CPU lacks the instructions or x holds inf or NaN. */
+i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const float *restrict scale,
+                         const float *restrict zero, const float *restrict bias, float *restrict out, void *work,
+                         i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads) {
+#if defined(QDOT_LEVEL)
+    const int shapes = bits == 4 ? k % 64 == 0 && (group == 32 || group % 64 == 0)
+                                 : bits == 8 && k % 32 == 0 && group % 32 == 0;
+    if (!shapes || group <= 0 || k % group != 0) return 0;
+    const i64 stride = 4 * (k + k / group);
+    /* the first passes' weights: they arrive while the input is quantized (the passes prefetch only ahead) */
+    const i64 first = AHEAD * QDOT_ROWS * (k * bits / 8) < n * (k * bits / 8) ? AHEAD * QDOT_ROWS * (k * bits / 8)
+                                                                              : n * (k * bits / 8);
+    for (i64 at = 0; at < first; at += 64) _mm_prefetch((const char *)q + at, _MM_HINT_T0);
+    for (i64 r = 0; r < m; r++) {
+        signed char *xq = (signed char *)work + r * stride;
+        float *d = (float *)(xq + k);
+        if (!quantize_row(x + r * k, k, group, bits == 4, xq, d, d + k / 32)) return 0;
+    }
+    const qdot_args args = {q, scale, zero, bias, out, (const char *)work, m, n, k, bits, group, stride};
+    const i64 blocks = (n + QDOT_ROWS - 1) / QDOT_ROWS, most = n * k / LINEAR_MIN_PART;
+    parallel_for(qdot_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
+    return 1;
+#else
+    (void)x, (void)q, (void)scale, (void)zero, (void)bias, (void)out, (void)work, (void)m, (void)n, (void)k;
+    (void)bits, (void)group, (void)threads;
+    return 0;
+#endif
+}
