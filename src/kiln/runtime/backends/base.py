@@ -8,9 +8,22 @@ from typing import Any
 
 import numpy as np
 
-from kiln.ir.graph import Method, Node, StateBuffer
+from kiln.ir.graph import Method, Node, StateBuffer, ValueKind
 
 Kernel = Callable[..., Any]
+Prepared = tuple[Kernel, tuple[int, ...]]
+"""A kernel specialized at plan time and the values it reads (Backend.prepare)."""
+
+
+def _register_once(table: dict[str, Any], label: str, names: tuple[str, ...]) -> Callable[[Any], Any]:
+    """A decorator entering fn under each of `names` in table; a name entered twice is a bug."""
+    def deco(fn: Any) -> Any:
+        for name in names:
+            if name in table:
+                raise ValueError(f"{label} for {name!r} registered twice")
+            table[name] = fn
+        return fn
+    return deco
 
 
 class KernelRegistry:
@@ -21,13 +34,7 @@ class KernelRegistry:
         self.kernels: dict[str, Kernel] = {}
 
     def register(self, *names: str) -> Callable[[Kernel], Kernel]:
-        def deco(fn: Kernel) -> Kernel:
-            for name in names:
-                if name in self.kernels:
-                    raise ValueError(f"{self.backend} kernel for {name!r} registered twice")
-                self.kernels[name] = fn
-            return fn
-        return deco
+        return _register_once(self.kernels, f"{self.backend} kernel", names)
 
     def add(self, name: str, fn: Kernel) -> None:
         self.register(name)(fn)
@@ -52,6 +59,36 @@ class KernelRegistry:
         for name, composite in COMPOSITES.items():
             if name not in self.kernels:
                 self.kernels[name] = bind_composite(composite, self.kernels)
+
+
+class PreparerRegistry:
+    """A backend's plan-time specializations by op name (Backend.prepare): fn(context, method, node, env) gives a
+    Prepared or None, `context` being what the backend reads constants through (the program, or the program's
+    arrays in the backend's own format)."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.preparers: dict[str, Callable[..., Prepared | None]] = {}
+
+    def register(self, *ops: str) -> Callable[[Callable[..., Prepared | None]], Callable[..., Prepared | None]]:
+        return _register_once(self.preparers, f"{self.backend} preparer", ops)
+
+    def prepare(self, context: Any, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+        fn = self.preparers.get(node.op)
+        return None if fn is None else fn(context, method, node, env)
+
+
+def constant_ref(method: Method, node: Node, position: int) -> int | None:
+    """The program constant that input `position` of node is, or None (not a constant, or absent)."""
+    if position >= len(node.inputs) or node.inputs[position] < 0:
+        return None
+    v = method.values[node.inputs[position]]
+    return v.ref if v.kind == ValueKind.CONSTANT else None
+
+
+def absent(node: Node, position: int) -> bool:
+    """Whether optional input `position` of node is left out."""
+    return position >= len(node.inputs) or node.inputs[position] < 0
 
 
 class Backend:

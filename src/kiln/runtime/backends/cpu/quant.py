@@ -27,6 +27,13 @@ _BAND_BYTES = 1 << 20
 _F32 = np.dtype(np.float32)
 
 
+def _few_rows(lib, args: tuple) -> None:
+    """kiln_qlinear_f32's call (x, q, scale, zero, bias, out, work, rows, n, k, bits, group, threads) by integer
+    dot products where the helpers take it (native.integer_dot, qdot.c), else by the float kernel."""
+    if not (native.integer_dot() and lib.kiln_qlinear_dot_f32(*args)):
+        lib.kiln_qlinear_f32(*args)
+
+
 def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias: np.ndarray | None, bits: int,
                  group_size: int) -> Callable[..., np.ndarray] | None:
     """quantized_linear for one node whose weights are program constants (prepare.py): their addresses are taken
@@ -46,9 +53,8 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
         if x.dtype is not _F32 or rows > FEW_ROWS or not x.flags.c_contiguous:
             return quantized_linear(x, *constants, bits=bits, group_size=group_size)
         out = np.empty(x.shape[:-1] + (n,), dtype=np.float32)
-        args = (x.ctypes.data, *weights, out.ctypes.data, scratch, rows, n, k, bits, group_size, native.threads())
-        if not (native.integer_dot() and lib.kiln_qlinear_dot_f32(*args)):
-            lib.kiln_qlinear_f32(*args)
+        _few_rows(lib, (x.ctypes.data, *weights, out.ctypes.data, scratch, rows, n, k, bits, group_size,
+                        native.threads()))
         return out
 
     run.work = work  # (kept alive with the closure)
@@ -68,10 +74,8 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     out = np.empty((rows, n), dtype=np.float32)
     if compiled and rows <= FEW_ROWS:
         work = np.empty(rows * (k + k // group_size), dtype=np.float32)
-        args = (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
-                out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size, native.threads())
-        if not (native.integer_dot() and lib.kiln_qlinear_dot_f32(*args)):
-            lib.kiln_qlinear_f32(*args)
+        _few_rows(lib, (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
+                        out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size, native.threads()))
     else:
         band = max(1, _BAND_BYTES // (4 * k))
         weight = np.empty((min(band, n), k), dtype=np.float32)

@@ -14,39 +14,15 @@ when a session plans its method. Conversions happen once per program (constants.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from kiln.ir.graph import Method, Node, ValueKind
-from kiln.runtime.backends.base import Kernel
+from kiln.ir.graph import Method, Node
+from kiln.runtime.backends.base import Prepared, PreparerRegistry, absent, constant_ref
 from kiln.runtime.backends.mlx.constants import ProgramArrays
 
-Prepared = tuple[Kernel, tuple[int, ...]]
-Preparer = Callable[[ProgramArrays, Method, Node, dict[str, int]], "Prepared | None"]
-PREPARERS: dict[str, Preparer] = {}
-
-
-def preparer(*ops: str) -> Callable[[Preparer], Preparer]:
-    def deco(fn: Preparer) -> Preparer:
-        for op in ops:
-            if op in PREPARERS:
-                raise ValueError(f"mlx preparer for {op!r} registered twice")
-            PREPARERS[op] = fn
-        return fn
-    return deco
-
-
-def prepare(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
-    fn = PREPARERS.get(node.op)
-    return None if fn is None else fn(arrays, method, node, env)
-
-
-def constant_ref(method: Method, node: Node, position: int) -> int | None:
-    """The program constant that input `position` of node is, or None (not a constant, or absent)."""
-    if position >= len(node.inputs) or node.inputs[position] < 0:
-        return None
-    v = method.values[node.inputs[position]]
-    return v.ref if v.kind == ValueKind.CONSTANT else None
+PREPARERS = PreparerRegistry("mlx")
+preparer = PREPARERS.register
+prepare = PREPARERS.prepare
 
 
 def producers(arrays: ProgramArrays, method: Method) -> dict[int, Node]:
@@ -76,8 +52,7 @@ def quantized(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, 
 
     first = 1 if node.op == "quantized_linear" else 0  # the position of q
     q, scale, zero = (constant_ref(method, node, first + i) for i in range(3))
-    has_zero = first + 2 < len(node.inputs) and node.inputs[first + 2] >= 0
-    if q is None or scale is None or (has_zero and zero is None):
+    if q is None or scale is None or (zero is None and not absent(node, first + 2)):
         return None
     bits, group_size = int(node.attrs["bits"]), int(node.attrs["group_size"])
     weight = arrays.derived(("quantized", q, scale, zero, bits, group_size),

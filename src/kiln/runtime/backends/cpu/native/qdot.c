@@ -237,10 +237,6 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
                                  : bits == 8 && k % 32 == 0 && group % 32 == 0;
     if (!shapes || group <= 0 || k % group != 0) return 0;
     const i64 stride = 4 * (k + k / group);
-    /* the first passes' weights: they arrive while the input is quantized (the passes prefetch only ahead) */
-    const i64 first = AHEAD * QDOT_ROWS * (k * bits / 8) < n * (k * bits / 8) ? AHEAD * QDOT_ROWS * (k * bits / 8)
-                                                                              : n * (k * bits / 8);
-    for (i64 at = 0; at < first; at += 64) _mm_prefetch((const char *)q + at, _MM_HINT_T0);
     for (i64 r = 0; r < m; r++) {
         signed char *xq = (signed char *)work + r * stride;
         float *d = (float *)(xq + k);
