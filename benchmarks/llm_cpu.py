@@ -75,6 +75,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--long", action="store_true",
                         help="also measure a 512-token prompt and decoding at context 512 (about 3 more minutes)")
     parser.add_argument("--skip-ort", action="store_true", help="leave ONNX Runtime out (saves its ~1 min export)")
+    parser.add_argument("--settle-ms", type=float, default=20.0,
+                        help="idle time before each timed call, so the threads another runtime leaves spinning after "
+                             "its call (llama.cpp's pool polls for work) have gone to sleep (default: 20)")
     parser.add_argument("--skip-llama-cpp", action="store_true",
                         help="leave llama.cpp out (it runs when llama-cpp-python is installed)")
     parser.add_argument("--reexport", action="store_true",
@@ -93,8 +96,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      f"{max(args.contexts)}")
     if not 1 <= args.prefill_chunk <= args.max_context:
         parser.error(f"--prefill-chunk must be in 1..--max-context, got {args.prefill_chunk}")
-    if args.threads < 1 or args.rounds < 1 or args.warmup < 0:
-        parser.error("--threads and --rounds must be >= 1 and --warmup >= 0")
+    if args.threads < 1 or args.rounds < 1 or args.warmup < 0 or args.settle_ms < 0:
+        parser.error("--threads and --rounds must be >= 1, --warmup and --settle-ms >= 0")
     return args
 
 
@@ -310,9 +313,12 @@ class Contestant:
         return statistics.median(self.times)
 
 
-def timed_rounds(contestants: list[Contestant], warmup: int, rounds: int, what: str, log: Log) -> None:
+def timed_rounds(contestants: list[Contestant], warmup: int, rounds: int, what: str, log: Log,
+                 settle: float = 0.0) -> None:
     """Warm every contestant up, then `rounds` rounds of one timed call each, each round starting at the next
-    contestant (the scheme of kiln.runtime.bench.run_interleaved, written out to report progress per round)."""
+    contestant (the scheme of kiln.runtime.bench.run_interleaved, written out to report progress per round), with
+    `settle` seconds idle before each timed call: at 2 threads, llama.cpp's pool kept polling for work into the next
+    contestant's call and halved kiln's decode speed (64 vs 114 tokens/s without llama.cpp in the run)."""
     for c in contestants:
         for _ in range(warmup):
             c.call()
@@ -321,6 +327,7 @@ def timed_rounds(contestants: list[Contestant], warmup: int, rounds: int, what: 
     for r in range(rounds):
         for k in range(n):
             c = contestants[(r + k) % n]
+            time.sleep(settle)
             c.times.append(c.call())
         medians = ", ".join(f"{c.name} {c.median * 1e3:.1f}" for c in contestants)
         log(f"  {what} round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f} s), medians ms: {medians}")
@@ -448,7 +455,7 @@ class Peers:
         if llama is not None:
             contestants.append(Contestant(llama.name, lambda: llama.prefill(as_list)))
         log(f"prefill of {n} tokens: {args.warmup} warm-up runs each, {args.rounds} rounds")
-        timed_rounds(contestants, args.warmup, args.rounds, f"prefill {n}", log)
+        timed_rounds(contestants, args.warmup, args.rounds, f"prefill {n}", log, args.settle_ms / 1e3)
         self.results[n] = {c.name: {"prefill": c.median} for c in contestants}
 
         # decode: fill each cache with the same n tokens, then time the step at position n again and again
@@ -478,7 +485,7 @@ class Peers:
                                  f"{rel_diff(llama.logits(), want):.1e}")
             contestants.append(Contestant(llama.name, lambda: llama.decode_at(42, n)))
         log(f"decode at context {n}: {args.warmup} warm-up steps each, {args.rounds} rounds")
-        timed_rounds(contestants, args.warmup, args.rounds, f"decode {n}", log)
+        timed_rounds(contestants, args.warmup, args.rounds, f"decode {n}", log, args.settle_ms / 1e3)
         for c in contestants:
             self.results[n][c.name]["decode"] = c.median
 
@@ -575,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.prefill_chunk}")
     print(f"- ONNX Runtime: {ort_note}")
     print(f"- llama.cpp: {llama_note}")
-    print(f"- runs: {args.warmup} warm-up + {args.rounds} timed interleaved rounds per measurement; medians\n")
+    print(f"- runs: {args.warmup} warm-up + {args.rounds} timed interleaved rounds per measurement, "
+          f"{args.settle_ms:g} ms idle before each timed call; medians\n")
     print(f"Greedy check ({ANSWER_TOKENS} tokens for {QUESTION!r}):")
     print("\n".join(checks))
     print("\nOutputs vs eager's (max |diff| / max |eager|): " + "; ".join(peers.accuracy) + "\n")
