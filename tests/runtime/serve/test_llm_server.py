@@ -239,11 +239,16 @@ def test_a_client_that_goes_away_frees_its_slot(llm_path):
         stream = chat(client(server), words(4, 5), max_tokens=50, stream=True)
         next(iter(stream))
         stream.response.close()  # the client hangs up mid-stream
+        cancelled = 'kiln_generations_total{finish_reason="cancelled",model="tiny"} 1'
         deadline = time.monotonic() + 10
-        while engine.running and time.monotonic() < deadline:
+        text = ""
+        # the first chunk can arrive before the engine admits the request: wait for the cancellation itself
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics").read().decode()
+            if cancelled in text and not engine.running:
+                break
             time.sleep(0.01)
+        assert cancelled in text
         assert engine.running == 0 and sorted(engine._free) == [0, 1, 2, 3]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics").read().decode()
-        assert 'kiln_generations_total{finish_reason="cancelled",model="tiny"} 1' in text
         gate.restore()
         assert chat(client(server), words(4, 5), max_tokens=4).choices[0].finish_reason == "length"

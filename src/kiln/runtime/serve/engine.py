@@ -385,13 +385,13 @@ class LLMEngine:
             text += generation.stops.finish()
             if text:
                 generation.emit(Event("text", text))
+        self.metrics.finished(generation)  # before the slot is free: whoever sees it free sees the count
         if generation.slot is not None:
             with self._cond:
                 if generation in self._running:
                     self._running.remove(generation)
                 self._free.append(generation.slot)
             generation.slot = None
-        self.metrics.finished(generation)
         if reason == "error":
             generation.emit(Event("error", message=message or "generation failed"))
         else:
