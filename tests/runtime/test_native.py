@@ -315,8 +315,8 @@ def _quantized_case(bits: int, group: int, n: int, k: int, seed: int) -> tuple[n
 
 @needs_native
 @pytest.mark.parametrize("dot", ["float", "int8"])
-@pytest.mark.parametrize("bits,group", [(8, 64), (8, 200), (4, 32), (4, 64)],
-                         ids=["int8-g64", "int8-channel", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 200), (8, 256), (4, 32), (4, 64), (4, 128)],
+                         ids=["int8-g64", "int8-channel", "int8-channel-dot", "int4-g32", "int4-g64", "int4-g128"])
 def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bits, group, dot, monkeypatch):
     """The few-row kernels (kiln_qlinear_f32; kiln_qlinear_dot_f32 with int8 inputs) over 1, 2 and 3 threads and
     for rows alone or batched: the same bits (an output's arithmetic never depends on the split or the batch),
@@ -327,7 +327,7 @@ def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bit
     if dot == "int8" and not native.integer_dot():
         pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
     monkeypatch.setenv("KILN_QUANT_DOT", dot)
-    n, k = 1030, 200 if group == 200 else 256
+    n, k = 1030, 200 if group == 200 else 256  # (groups of 128: two 64-weight steps a scale)
     q, scale, zero, bias = _quantized_case(bits, group, n, k, bits + group)
     x = np.random.default_rng(1).standard_normal((5, k), dtype=np.float32)
     kernel = CPU_KERNELS.kernels["quantized_linear"]

@@ -99,6 +99,11 @@ static int quantize_row(const float *restrict x, i64 k, i64 group, int split, si
     return 1;
 }
 
+/* the scales (or zero points) of the rows a pass AHEAD reads: a few lines, fetched once a pass */
+static inline void prefetch_rows(const float *p, i64 count) {
+    for (i64 byte = 0; byte < 4 * count; byte += 64) _mm_prefetch((const char *)p + byte, _MM_HINT_T0);
+}
+
 /* out = the lanes of total, less the zero points' term, plus the bias */
 static inline float finish(__m256 total, const float *restrict s, const float *restrict z, float zdefault,
                            const float *restrict xz, i64 ngroups, const float *restrict bias) {
@@ -116,30 +121,33 @@ static inline __attribute__((always_inline)) void q4_rows(const signed char *res
                                                           const float *restrict scale, const float *restrict zero,
                                                           const float *restrict bias, float *restrict out, i64 k,
                                                           i64 group, const int R, const int pairs) {
-    const i64 ngroups = k / group, per_group = group / 64;
+    const i64 ngroups = k / group, per_scale = pairs ? 1 : group / 64; /* 64-weight steps under one scale */
     const __m256i low = _mm256_set1_epi8(15);
     __m256 total[QDOT_ROWS];
     for (int i = 0; i < R; i++) total[i] = _mm256_setzero_ps();
     /* the weights of the blocks AHEAD passes on (rows o+R*AHEAD..) stream in while this one computes: the
      * hardware prefetcher alone left a decode step's layers at 6-11 GB/s of the core's ~27 */
     const char *next = (const char *)q + AHEAD * R * (k / 2);
-    const char *next_scales = (const char *)(scale + AHEAD * R * ngroups);
-    _mm_prefetch(next_scales, _MM_HINT_T0);
-    _mm_prefetch(next_scales + 64, _MM_HINT_T0);
-    if (zero) _mm_prefetch((const char *)(zero + AHEAD * R * ngroups), _MM_HINT_T0);
-    for (i64 c = 0; c < k / 64; c++) {
-        for (int line = 0; line < R / 2 + 1; line++) _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
-        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
-        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
-        const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
+    prefetch_rows(scale + AHEAD * R * ngroups, R * ngroups);
+    if (zero) prefetch_rows(zero + AHEAD * R * ngroups, R * ngroups);
+    for (i64 c = 0, g = 0; c < k / 64; g++) {
+        __m256 sv[QDOT_ROWS];
         for (int i = 0; i < R; i++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(q + i * (k / 2) + 32 * c));
-            __m256i acc = dot_u8s8(_mm256_setzero_si256(), _mm256_and_si256(b, low), xa);
-            acc = dot_u8s8(acc, _mm256_and_si256(_mm256_srli_epi16(b, 4), low), xb);
             const float *s = scale + i * ngroups;
-            const __m256 sv = pairs ? _mm256_set_m128(_mm_set1_ps(s[2 * c + 1]), _mm_set1_ps(s[2 * c]))
-                                    : _mm256_set1_ps(s[c / per_group]);
-            total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sv), total[i]);
+            sv[i] = pairs ? _mm256_set_m128(_mm_set1_ps(s[2 * c + 1]), _mm_set1_ps(s[2 * c])) : _mm256_set1_ps(s[g]);
+        }
+        for (const i64 end = c + per_scale; c < end; c++) {
+            for (int line = 0; line < R / 2 + 1; line++)
+                _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
+            const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
+            const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
+            for (int i = 0; i < R; i++) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(q + i * (k / 2) + 32 * c));
+                __m256i acc = dot_u8s8(_mm256_setzero_si256(), _mm256_and_si256(b, low), xa);
+                acc = dot_u8s8(acc, _mm256_and_si256(_mm256_srli_epi16(b, 4), low), xb);
+                total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sv[i]), total[i]);
+            }
         }
     }
     for (int i = 0; i < R; i++)
@@ -157,10 +165,15 @@ static inline __attribute__((always_inline)) void q8_rows(const signed char *res
     const i64 ngroups = k / group;
     __m256 total[QDOT_ROWS];
     for (int i = 0; i < R; i++) total[i] = _mm256_setzero_ps();
+    /* as q4_rows: the rows AHEAD passes on stream in, R * 32 bytes a block, as fast as these are read */
+    const char *next = (const char *)q + AHEAD * R * k;
+    prefetch_rows(scale + AHEAD * R * ngroups, R * ngroups);
+    if (zero) prefetch_rows(zero + AHEAD * R * ngroups, R * ngroups);
     for (i64 g = 0; g < ngroups; g++) {
         __m256 sum[QDOT_ROWS];
         for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();
         for (i64 b = g * group / 32; b < (g + 1) * group / 32; b++) {
+            for (int line = 0; line < (R + 1) / 2; line++) _mm_prefetch(next + R * 32 * b + 64 * line, _MM_HINT_T0);
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
             const __m256 dv = _mm256_set1_ps(d[b]);
             for (int i = 0; i < R; i++) {
