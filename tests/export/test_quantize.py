@@ -154,10 +154,11 @@ def test_cli_quantize(tmp_path) -> None:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("batch,seq", [(1, 1), (2, 3), (4, 5)], ids=["decode", "few_rows", "many_rows"])
-def test_cpu_session_binds_quantized_weights_at_plan_time(mode, batch, seq) -> None:
+def test_cpu_session_binds_quantized_weights_at_plan_time(mode, batch, seq, monkeypatch) -> None:
     """The CPU backend prepares each quantized_linear whose weights are constants (cpu/prepare.py): the bound
     kernel gives the general kernel's bits on few rows and hands other inputs (many rows) to it; the op profiler
-    still times the prepared nodes."""
+    still times the prepared nodes. (Node by node: the native executor would run the few-row forward whole.)"""
+    monkeypatch.setenv("KILN_EXECUTOR", "python")
     from kiln.runtime.backends.cpu.registry import CPU_KERNELS
     from kiln.runtime.profile import OpProfiler
 

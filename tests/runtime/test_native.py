@@ -450,3 +450,64 @@ def test_compiled_rms_norm_matches_float64(shape, axes, with_weight, monkeypatch
     np.testing.assert_allclose(CPU_KERNELS.kernels["rms_norm"](x, w, axes, 1e-5), reference(x), rtol=1e-5, atol=1e-6)
     assert len(calls) == 2
     assert native.add_rms_norm(x.astype(np.float64), None, None, axes, 1e-5) is None  # left to NumPy
+
+
+def _rope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    x, cos, sin = (a.astype(np.float64) for a in (x, cos, sin))
+    if interleaved:
+        rotated = np.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+    else:
+        half = x.shape[-1] // 2
+        rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+@needs_native
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D", [(1, 9, 3, 1, 40, 64), (2, 4, 2, 3, 9, 16), (1, 2, 2, 2, 5, 8)])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("cos_kind", ["shared", "per_batch", "rank2"])
+def test_compiled_rope_cache_update_matches_float64(B, Hq, Hkv, L, S, D, interleaved, cos_kind):
+    """kiln_rope_cache_update_f32: q, k and v read through strides (k and v as the permute of [B, L, H, D] views
+    a projection gives), cos and sin shared, per batch or of rank 2; the roped q returned, the roped k and v
+    written at the positions (a negative one counting from the end) and nothing else in the caches touched."""
+    rng = np.random.default_rng(B * 100 + L * 10 + D)
+    q = rng.standard_normal((B, L, Hq, D), dtype=np.float32).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((B, L, Hkv, D), dtype=np.float32).transpose(0, 2, 1, 3)
+    v = rng.standard_normal((B, L, Hkv, D), dtype=np.float32).transpose(0, 2, 1, 3)
+    cb = B if cos_kind == "per_batch" else 1
+    angles = rng.uniform(0, 6, (cb, 1, L, D)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if cos_kind == "rank2":
+        cos, sin = cos[0, 0], sin[0, 0]
+    k_cache, v_cache = (rng.standard_normal((B, Hkv, S, D), dtype=np.float32) for _ in range(2))
+    before_k, before_v = k_cache.copy(), v_cache.copy()
+    positions = np.array([S - 2 - i for i in range(L)], np.int64)
+    positions[-1] = -1  # the last slot
+    q_out = CPU_KERNELS.kernels["rope_cache_update"](q, k, v, cos, sin, k_cache, v_cache, positions, dims=[2],
+                                                     interleaved=interleaved, in_place=True)
+    compiled = native.rope_cache_update(q, k, v, cos, sin, before_k.copy(), before_v.copy(), positions, interleaved)
+    assert compiled is not None  # (the kernel above took the compiled path too)
+    np.testing.assert_allclose(q_out[0], _rope_reference(q, cos, sin, interleaved), rtol=1e-5, atol=1e-6)
+    assert q_out[1] is k_cache and q_out[2] is v_cache
+    want_k, want_v = before_k.astype(np.float64), before_v.astype(np.float64)
+    want_k[:, :, positions] = _rope_reference(k, cos, sin, interleaved)
+    want_v[:, :, positions] = v
+    np.testing.assert_allclose(k_cache, want_k, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(v_cache, want_v.astype(np.float32))
+
+
+@needs_native
+def test_compiled_rope_cache_update_leaves_bad_positions_to_numpy():
+    """A position past the cache writes nothing compiled; the NumPy path then raises IndexError."""
+    q = np.zeros((1, 2, 1, 8), np.float32)
+    k = v = np.ones((1, 1, 1, 8), np.float32)
+    cos = sin = np.ones((1, 1, 1, 8), np.float32)
+    k_cache, v_cache = np.zeros((1, 1, 4, 8), np.float32), np.zeros((1, 1, 4, 8), np.float32)
+    assert native.rope_cache_update(q, k, v, cos, sin, k_cache, v_cache, np.array([4]), False) is None
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(IndexError):
+        CPU_KERNELS.kernels["rope_cache_update"](q, k, v, cos, sin, k_cache, v_cache, np.array([9]), dims=[2],
+                                                 interleaved=False, in_place=True)
+    assert native.rope_cache_update(q, k, v, cos, sin, k_cache, v_cache, np.array([1], np.int32), False) is None
+    assert native.rope_cache_update(q.astype(np.float64), k, v, cos, sin, k_cache, v_cache, np.array([1]),
+                                    False) is None

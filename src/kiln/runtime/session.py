@@ -51,6 +51,8 @@ class _Plan:
     env: dict[str, int]
     runs: int = 0
     replay: Replay | Compiled | bool | None = None  # None: not captured yet; False: op by op (capture failed or off)
+    lowered: Any = None
+    """The whole method as one backend function (Backend.lower), or None: step by step."""
 
 
 class Session:
@@ -106,6 +108,10 @@ class Session:
             replayed = self._replay(m, key, plan, arrays)
             if replayed is not None:
                 return replayed
+        if plan.lowered is not None:
+            outputs = plan.lowered(arrays, self.state)
+            if outputs is not None:
+                return outputs
         slots = self._slots(m, arrays)
         with self.backend.execution_context():
             self._execute(m, plan, slots)
@@ -320,7 +326,8 @@ class Session:
                 kernel, inputs = prepared
             steps.append(_Step(kernel, inputs, tuple(node.outputs), attrs, tuple(node.free_after), node))
         _keep_extra_inputs(steps)
-        return _Plan(steps, env)
+        lowered = None if self.validate else self.backend.lower(m, [(s.node, s.attrs) for s in steps], env)
+        return _Plan(steps, env, lowered=lowered)
 
 
 def _keep_extra_inputs(steps: list[_Step]) -> None:

@@ -169,6 +169,14 @@ class Backend:
         (quantized weights) or maps a pattern of the graph onto one of its primitives."""
         return None
 
+    def lower(self, method: Method, steps: list[tuple[Node, dict[str, Any]]],
+              env: dict[str, int]) -> Callable[[list[Any], list[Any]], list[Any] | None] | None:
+        """`method` (its nodes with their resolved attributes, for the plan's symbols `env`) as one function
+        run(inputs, state) -> outputs that updates the state buffers in place and returns None where it cannot
+        take this run's values (the session then runs the nodes one by one, which raise the op's error); None
+        when the backend does not lower it (the CPU's native executor: cpu/executor.py)."""
+        return None
+
     def execution_context(self) -> contextlib.AbstractContextManager:
         """Entered around each run (e.g. the CPU backend's floating-point error mode)."""
         return contextlib.nullcontext()

@@ -19,7 +19,7 @@ import kiln.runtime.backends.cpu.quant  # noqa: F401 - importing the kernel fami
 from kiln.ir.graph import Method, Node, StateBuffer
 from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.base import Backend, Kernel
-from kiln.runtime.backends.cpu import prepare
+from kiln.runtime.backends.cpu import executor, prepare
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 from kiln.runtime.program import Program
 
@@ -50,6 +50,10 @@ class CPUBackend(Backend):
     def prepare(self, method: Method, node: Node, kernel: Kernel,
                 env: dict[str, int]) -> tuple[Kernel, tuple[int, ...]] | None:
         return prepare.prepare(self.program, method, node, env)
+
+    def lower(self, method: Method, steps: list[tuple[Node, dict[str, Any]]],
+              env: dict[str, int]) -> executor.NativePlan | None:
+        return executor.lower(self.program, method, steps, env)
 
     def execution_context(self) -> np.errstate:
         """IEEE results (inf, nan) as PyTorch gives them, without NumPy's divide/overflow warnings."""

@@ -55,7 +55,12 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = Fa
 def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                       k_cache: np.ndarray, v_cache: np.ndarray, *indices: np.ndarray, dims: list[int],
                       interleaved: bool, in_place: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The nodes it replaces, one after another: on the CPU there is no launch to save by fusing them."""
+    """In one compiled call for one index along the positions (a decode step; native.rope_cache_update), else the
+    nodes it replaces, one after another."""
+    if in_place and len(indices) == 1 and list(dims) == [2]:
+        q_out = native.rope_cache_update(q, k, v, cos, sin, k_cache, v_cache, indices[0], interleaved)
+        if q_out is not None:
+            return q_out, k_cache, v_cache
     write = functools.partial(array_api.index.index_put, np, dims=dims, accumulate=False, in_place=in_place)
     return (rope(q, cos, sin, interleaved), write(k_cache, rope(k, cos, sin, interleaved), *indices),
             write(v_cache, v, *indices))

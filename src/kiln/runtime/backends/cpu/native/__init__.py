@@ -30,7 +30,7 @@ import numpy as np
 
 log = logging.getLogger("kiln.native")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c"))
 """Compiled together into one library; HEADERS are what they include (the build key reads them all)."""
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h"))
 FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
@@ -62,11 +62,15 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_winograd23_output_f32": (_ptr, _ptr, _ptr) + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float),
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float,),
+    "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
+    "kiln_execute": (_ptr, _i64, _ptr, _i64),
+    "kiln_execute_words": (),
     "kiln_qdot_level": (),
     "kiln_qlinear_dot_f32": (_ptr,) * 7 + (_i64,) * 6,
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
-RESULTS: dict[str, type] = {"kiln_qdot_level": _i64, "kiln_qlinear_dot_f32": _i64}
+RESULTS: dict[str, type] = {name: _i64 for name in ("kiln_qdot_level", "kiln_qlinear_dot_f32",
+                                                   "kiln_rope_cache_update_f32", "kiln_execute", "kiln_execute_words")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()
@@ -237,10 +241,14 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray 
     helpers cannot take it (another type, a layout other than contiguous rows, a weight not of the normalized
     shape)."""
     lib = library()
-    if lib is None or axes < 1 or axes > x.ndim or not float32_contiguous(x, residual, weight):
+    if lib is None or axes < 1 or axes > x.ndim or any(a is not None and a.dtype != np.float32
+                                                        for a in (x, residual, weight)):
         return None
     if residual is not None and residual.shape != x.shape:
         return None
+    # views (a head's slice of a projection) are copied: the same rows always take the same arithmetic
+    x, residual, weight = (a if a is None or a.flags.c_contiguous else np.ascontiguousarray(a)
+                           for a in (x, residual, weight))
     n = math.prod(x.shape[x.ndim - axes:])  # (np.prod costs microseconds a call: this runs per decode op)
     if weight is not None and weight.size != n:
         return None
@@ -267,7 +275,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         return None
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if not float32_contiguous(q) or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[::3] != (B, D) \
+    if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[::3] != (B, D) \
             or v.shape[:3] != (B, Hkv, S) or Hkv == 0 or Hq % Hkv or k.strides[3] != 4 or v.strides[3] != 4:
         return None
     if mask is not None:
@@ -279,10 +287,54 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         mask_strides = tuple(0 if n == 1 else s for n, s in zip(shape, strides, strict=True))
     else:
         mask_strides = (0, 0, 0, 0)
+    q = q if q.flags.c_contiguous else np.ascontiguousarray(q)
     out = np.empty((B, Hq, L, v.shape[3]), dtype=np.float32)
     if out.size:
         work = np.empty(S, dtype=np.float32)
         lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), out.ctypes.data,
                                work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3], *(s // 4 for s in k.strides[:3]),
                                *(s // 4 for s in v.strides[:3]), *mask_strides, int(causal), float(scale))
+    return out
+
+
+def _row_strides(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Element strides of float32 `a` read as `shape` (rank 4, a's shape right-aligned, each dim 1 or shape's;
+    broadcast dims stride 0), or None when it cannot be read so (another rank or size, last dim not contiguous)."""
+    if a.dtype != np.float32 or a.ndim > 4:
+        return None
+    pad = 4 - a.ndim
+    sizes, strides = (1,) * pad + a.shape, (0,) * pad + a.strides
+    if any(n not in (1, want) for n, want in zip(sizes, shape, strict=True)) or sizes[3] != shape[3]:
+        return None
+    if sizes[3] > 1 and strides[3] != 4:
+        return None
+    return tuple(0 if n == 1 else st // 4 for n, st in zip(sizes, strides, strict=True))
+
+
+def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                      k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray,
+                      interleaved: bool) -> np.ndarray | None:
+    """RoPE of q (returned) and of k, written with v into the caches in place at `positions` along their third
+    dimension (attention.c): float32 q [B, Hq, L, D], k and v [B, Hkv, L, D], contiguous caches [B, Hkv, S, D],
+    cos and sin broadcastable to [B, 1, L, D], positions int64 [L]. None when the helpers cannot take it (other
+    layouts or types) or a position is outside the cache (writing nothing: the caller's indexing raises)."""
+    lib = library()
+    if lib is None or q.ndim != 4 or k.ndim != 4 or positions.dtype != np.int64 or positions.ndim != 1:
+        return None
+    B, Hq, L, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if k.shape != (B, Hkv, L, D) or v.shape != k.shape or k_cache.shape != (B, Hkv, S, D) or D % 2 \
+            or v_cache.shape != k_cache.shape or positions.shape != (L,) or not float32_contiguous(k_cache, v_cache):
+        return None
+    views = [_row_strides(a, shape) for a, shape in ((q, q.shape), (k, k.shape), (v, v.shape), (cos, (B, 1, L, D)),
+                                                     (sin, (B, 1, L, D)))]
+    if any(s is None for s in views) or views[3] != views[4] or not positions.flags.c_contiguous:
+        return None
+    (qs, ks, vs, cs, _) = views
+    out = np.empty(q.shape, dtype=np.float32)
+    if q.size and not lib.kiln_rope_cache_update_f32(
+            q.ctypes.data, k.ctypes.data, v.ctypes.data, cos.ctypes.data, sin.ctypes.data, k_cache.ctypes.data,
+            v_cache.ctypes.data, positions.ctypes.data, out.ctypes.data, B, Hq, Hkv, L, D, S, *qs[:3], *ks[:3],
+            *vs[:3], cs[0], cs[2], int(interleaved)):
+        return None
     return out

@@ -1,0 +1,589 @@
+"""The CPU backend's native executor: a method whose every node the compiled helpers can run is lowered, once per
+plan, to a list of instructions that native/executor.c runs in one call.
+
+Why: a decode step of SmolLM2-135M is ~670 nodes. From Python each pays the interpreter loop, the kernel's
+checks, `ndarray.ctypes` (~1 us an array), a ctypes call (~0.1 us an argument) and an allocation, 2-40 us a node
+around microseconds of work: ~40% of the step at one thread, and all of it serial when the linears use two cores.
+
+How: every value gets a place when the plan is built (the plan's arena, a constant, an input, a state buffer or
+an output allocated per run), so views (reshape, slice, permute, expand) cost nothing at run time: they are
+offsets and strides. Compute nodes become instructions that call the helpers the Python kernels call, with the
+same arguments, so the two paths give the same results; a value a helper needs contiguous is copied first.
+
+What it takes: all or nothing per method. One node it cannot lower (another op, dtype or shape; a prefill's many
+rows, which BLAS serves better) and the method runs from Python as before; `KILN_EXECUTOR=python` turns it off.
+At run time an instruction may decline (an index outside its table): the method then runs from Python, which
+raises the op's own error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
+from kiln.ir.ops import COMPARE
+from kiln.ir.symbolic import resolve_shape
+from kiln.runtime.backends.array_api.norm import rms_norm_eps
+from kiln.runtime.backends.cpu import native
+from kiln.runtime.program import Program
+
+log = logging.getLogger("kiln.runtime.cpu")
+
+OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
+      "gather": 8, "compare": 9, "copy": 10}
+"""executor.c's instruction codes."""
+COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+FEW_ROWS = 8
+"""Rows up to which linears lower (the helpers' few-row kernels; more rows are BLAS's work, from Python)."""
+MAX_ARENA_BYTES = 256 << 20
+ALIGN = 64
+
+F32, I64, BOOL = np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.bool_)
+
+
+def enabled() -> bool:
+    return os.environ.get("KILN_EXECUTOR", "native").strip().lower() != "python" and native.library() is not None
+
+
+class Decline(Exception):
+    """A node (or the method) the native executor does not take; the method runs from Python."""
+
+
+@dataclass(eq=False)
+class Root:
+    """Memory the plan writes: a region of the arena, or (output) an array allocated for each run."""
+    nbytes: int
+    output: int = -1
+    """The method output it is allocated as, or -1 (the arena)."""
+    base: int = 0
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a value lies: in a root of the plan's, or at a fixed base (constant, input, state); offset and
+    strides in bytes."""
+    home: Root | int
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def contiguous(self) -> bool:
+        expected = self.dtype.itemsize
+        for n, s in zip(reversed(self.shape), reversed(self.strides), strict=True):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return True
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def view(self, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Loc:
+        return Loc(self.home, self.offset + offset, tuple(shape), tuple(strides), self.dtype)
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def elements(loc: Loc) -> tuple[int, ...]:
+    return tuple(s // loc.dtype.itemsize for s in loc.strides)
+
+
+def broadcast_strides(loc: Loc, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """loc's element strides read as `shape` (right-aligned; broadcast dims stride 0), or Decline."""
+    pad = len(shape) - len(loc.shape)
+    if pad < 0:
+        raise Decline("broadcast to fewer dims")
+    out = []
+    for i, want in enumerate(shape):
+        j = i - pad
+        if j < 0 or loc.shape[j] == 1:
+            out.append(0)
+        elif loc.shape[j] == want:
+            out.append(loc.strides[j] // loc.dtype.itemsize)
+        else:
+            raise Decline("shapes do not broadcast")
+    return tuple(out)
+
+
+def as_float_word(x: float) -> int:
+    return int(np.array(x, np.float32).view(np.int32))
+
+
+@dataclass
+class Lowering:
+    """Builds one method's instructions (lower() below)."""
+    program: Program
+    method: Method
+    env: dict[str, int]
+    locs: dict[int, Loc] = field(default_factory=dict)
+    code: list[list[Any]] = field(default_factory=list)
+    roots: list[Root] = field(default_factory=list)
+    fixed: list[tuple[int, Any]] = field(default_factory=list)
+    """(base, array) of the bases known when the plan is built (constants)."""
+    inputs: list[tuple[int, int]] = field(default_factory=list)
+    """(base, input index)."""
+    states: list[tuple[int, int]] = field(default_factory=list)
+    """(base, state index)."""
+    scratch: Root = field(default_factory=lambda: Root(0))
+    bases: int = 1  # base 0: the arena
+
+    def shape_of(self, value: int) -> tuple[int, ...]:
+        return tuple(resolve_shape(self.method.values[value].shape, self.env))
+
+    def base(self) -> int:
+        self.bases += 1
+        return self.bases - 1
+
+    def loc(self, value: int) -> Loc | None:
+        if value == NO_VALUE:
+            return None
+        if value in self.locs:
+            return self.locs[value]
+        spec = self.method.values[value]
+        if spec.kind == ValueKind.CONSTANT:
+            array = self.program.constant(spec.ref)
+            base = self.base()
+            self.fixed.append((base, array))
+            loc = Loc(base, 0, array.shape, array.strides, array.dtype)
+        elif spec.kind == ValueKind.STATE:
+            base = self.base()
+            self.states.append((base, spec.ref))
+            shape = self.shape_of(value)
+            loc = Loc(base, 0, shape, c_strides(shape, spec.dtype.numpy.itemsize), np.dtype(spec.dtype.numpy))
+        elif spec.kind == ValueKind.INPUT:
+            base = self.base()
+            self.inputs.append((base, self.method.inputs.index(value)))
+            shape = self.shape_of(value)
+            loc = Loc(base, 0, shape, c_strides(shape, spec.dtype.numpy.itemsize), np.dtype(spec.dtype.numpy))
+        else:
+            raise Decline(f"value {spec.name} is read before it is computed")
+        self.locs[value] = loc
+        return loc
+
+    def new(self, shape: tuple[int, ...], dtype: np.dtype) -> Loc:
+        root = Root(max(1, math.prod(shape)) * dtype.itemsize)
+        self.roots.append(root)
+        return Loc(root, 0, tuple(shape), c_strides(shape, dtype.itemsize), dtype)
+
+    def work(self, nbytes: int) -> Loc:
+        """Scratch shared by every instruction (they run one after another)."""
+        self.scratch.nbytes = max(self.scratch.nbytes, nbytes)
+        return Loc(self.scratch, 0, (nbytes,), (1,), np.dtype(np.uint8))
+
+    def contiguous(self, loc: Loc) -> Loc:
+        """loc itself where its elements lie in order, else a copy that does."""
+        if loc.contiguous:
+            return loc
+        if len(loc.shape) > 4:
+            raise Decline("a strided copy of more than 4 dims")
+        copy = self.new(loc.shape, loc.dtype)
+        pad = 4 - len(loc.shape)
+        self.emit("copy", loc, copy, loc.dtype.itemsize, *((1,) * pad + loc.shape), *((0,) * pad + loc.strides))
+        return copy
+
+    def emit(self, op: str, *words: Any) -> None:
+        self.code.append([OP[op], *words])
+
+    def output(self, node: Node, *locs: Loc) -> None:
+        for value, loc in zip(node.outputs, locs, strict=True):
+            spec = self.method.values[value]
+            if loc.shape != self.shape_of(value) or loc.dtype != np.dtype(spec.dtype.numpy):
+                raise Decline(f"{node.op} would give {loc.dtype}{list(loc.shape)} for {spec.spec()}")
+            self.locs[value] = loc
+
+
+Lower = Callable[[Lowering, Node, dict[str, Any]], None]
+LOWERINGS: dict[str, Lower] = {}
+
+
+def lowering(*ops: str) -> Callable[[Lower], Lower]:
+    def deco(fn: Lower) -> Lower:
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+    return deco
+
+
+def _inputs(lw: Lowering, node: Node) -> list[Loc | None]:
+    return [lw.loc(i) for i in node.inputs]
+
+
+def _need(condition: bool, why: str) -> None:
+    if not condition:
+        raise Decline(why)
+
+
+# ---- views: offsets and strides, nothing at run time ----
+
+@lowering("reshape")
+def _reshape(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x = lw.contiguous(_inputs(lw, node)[0])
+    shape = lw.shape_of(node.outputs[0])
+    lw.output(node, x.view(0, shape, c_strides(shape, x.dtype.itemsize)))
+
+
+@lowering("permute")
+def _permute(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x = _inputs(lw, node)[0]
+    perm = [p % len(x.shape) for p in attrs["perm"]]
+    lw.output(node, x.view(0, tuple(x.shape[p] for p in perm), tuple(x.strides[p] for p in perm)))
+
+
+@lowering("slice")
+def _slice(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x = _inputs(lw, node)[0]
+    dim = attrs["dim"] % len(x.shape)
+    start, _, step = slice(attrs["start"], attrs["end"], attrs["step"]).indices(x.shape[dim])
+    count = len(range(*slice(attrs["start"], attrs["end"], attrs["step"]).indices(x.shape[dim])))
+    shape, strides = list(x.shape), list(x.strides)
+    shape[dim], strides[dim] = count, strides[dim] * step
+    lw.output(node, x.view(start * x.strides[dim] if count else 0, tuple(shape), tuple(strides)))
+
+
+@lowering("expand")
+def _expand(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x = _inputs(lw, node)[0]
+    shape = lw.shape_of(node.outputs[0])
+    strides = tuple(s * x.dtype.itemsize for s in broadcast_strides(x, shape))
+    lw.output(node, x.view(0, shape, strides))
+
+
+# ---- compute ----
+
+def _rows(x: Loc) -> int:
+    return math.prod(x.shape[:-1])
+
+
+@lowering("quantized_linear")
+def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x, q, scale, zero, bias = _inputs(lw, node)
+    bits, group = int(attrs["bits"]), int(attrs["group_size"])
+    _need(x.dtype == F32 and scale.dtype == F32 and _rows(x) <= FEW_ROWS, "not a few float32 rows")
+    k, n = x.shape[-1], q.shape[0]
+    _need(bits in (4, 8) and group > 0 and k % group == 0 and q.shape == (n, k * bits // 8), "weight layout")
+    _need(all(a is None or a.dtype == F32 for a in (zero, bias)), "float32 scales")
+    x, q, scale = lw.contiguous(x), lw.contiguous(q), lw.contiguous(scale)
+    zero, bias = (None if a is None else lw.contiguous(a) for a in (zero, bias))
+    out = lw.new(x.shape[:-1] + (n,), F32)
+    work = lw.work(FEW_ROWS * (k + k // group) * 4)
+    lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, bits, group, int(native.integer_dot()))
+    lw.output(node, out)
+
+
+def emit_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None) -> Loc:
+    _need(x.dtype == F32 and weight.dtype == F32 and _rows(x) <= FEW_ROWS, "not a few float32 rows")
+    _need(bias is None or bias.dtype == F32, "float32 bias")
+    n, k = weight.shape
+    x, weight = lw.contiguous(x), lw.contiguous(weight)
+    bias = None if bias is None else lw.contiguous(bias)
+    out = lw.new(x.shape[:-1] + (n,), F32)
+    lw.emit("linear", x, weight, bias, out, _rows(x), n, k)
+    return out
+
+
+def emit_gated(lw: Lowering, gate: Loc, up: Loc, activation: str) -> Loc:
+    _need(gate.dtype == F32 and up.dtype == F32 and gate.shape == up.shape, "float32 of one shape")
+    _need(activation in ACTIVATION_CODES, "activation")
+    gate, up = lw.contiguous(gate), lw.contiguous(up)
+    out = lw.new(gate.shape, F32)
+    lw.emit("gated", gate, up, out, gate.size, ACTIVATION_CODES[activation])
+    return out
+
+
+def emit_gated_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None, activation: str) -> Loc:
+    """As composite.gated_linear: the linear over the stacked weight, then the activation of its two halves."""
+    h = emit_linear(lw, x, weight, bias)
+    n = h.shape[-1] // 2
+    last = len(h.shape) - 1
+    gate = h.view(0, h.shape[:-1] + (n,), h.strides)
+    up = h.view(n * h.strides[last], h.shape[:-1] + (n,), h.strides)
+    return emit_gated(lw, gate, up, activation)
+
+
+def emit_rms_norm(lw: Lowering, x: Loc, residual: Loc | None, weight: Loc | None, axes: int,
+                  eps: float | None) -> tuple[Loc | None, Loc]:
+    _need(x.dtype == F32 and all(a is None or a.dtype == F32 for a in (residual, weight)), "float32")
+    _need(1 <= axes <= len(x.shape) and (residual is None or residual.shape == x.shape), "shapes")
+    n = math.prod(x.shape[len(x.shape) - axes:])
+    _need(weight is None or weight.size == n, "weight size")
+    x = lw.contiguous(x)
+    residual, weight = (None if a is None else lw.contiguous(a) for a in (residual, weight))
+    total = lw.new(x.shape, F32) if residual is not None else None
+    out = lw.new(x.shape, F32)
+    lw.emit("rms_norm", x, residual, weight, total, out, x.size // max(n, 1), n,
+            as_float_word(rms_norm_eps(eps, np.dtype(np.float32))))
+    return total, out
+
+
+@lowering("linear")
+def _linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, emit_linear(lw, *_inputs(lw, node)))
+
+
+@lowering("gated_linear")
+def _gated_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, emit_gated_linear(lw, *_inputs(lw, node), attrs["activation"]))
+
+
+@lowering("gated_activation")
+def _gated(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, emit_gated(lw, *_inputs(lw, node), attrs["activation"]))
+
+
+@lowering("rms_norm")
+def _rms_norm(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x, weight = _inputs(lw, node)
+    lw.output(node, emit_rms_norm(lw, x, None, weight, int(attrs["axes"]), attrs["eps"])[1])
+
+
+@lowering("add_rms_norm")
+def _add_rms_norm(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, *emit_rms_norm(lw, *_inputs(lw, node), int(attrs["axes"]), attrs["eps"]))
+
+
+@lowering("add_rms_norm_linear")
+def _add_rms_norm_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As composite.add_rms_norm_linear."""
+    x, residual, norm_weight, weight, bias = _inputs(lw, node)
+    total, normed = emit_rms_norm(lw, x, residual, norm_weight, int(attrs["axes"]), attrs["eps"])
+    activation = attrs["activation"]
+    out = emit_gated_linear(lw, normed, weight, bias, activation) if activation else emit_linear(lw, normed, weight,
+                                                                                                  bias)
+    lw.output(node, total, out)
+
+
+@lowering("rope_cache_update")
+def _rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    q, k, v, cos, sin, k_cache, v_cache, *indices = _inputs(lw, node)
+    _need(bool(attrs["in_place"]) and len(indices) == 1 and tuple(attrs["dims"]) == (2,), "one index on dim 2")
+    positions = lw.contiguous(indices[0])
+    _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v, k_cache, v_cache)), "rank-4 float32")
+    B, Hq, L, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    _need(k.shape == (B, Hkv, L, D) and v.shape == k.shape and k_cache.shape == (B, Hkv, S, D) and D % 2 == 0
+          and v_cache.shape == k_cache.shape and positions.dtype == I64 and positions.shape == (L,), "shapes")
+    _need(k_cache.contiguous and v_cache.contiguous and cos.dtype == F32 and sin.dtype == F32, "layouts")
+    strides = [broadcast_strides(a, shape) for a, shape in ((q, q.shape), (k, k.shape), (v, v.shape),
+                                                            (cos, (B, 1, L, D)), (sin, (B, 1, L, D)))]
+    _need(strides[3] == strides[4] and all(s[3] == 1 or D == 1 for s in strides), "cos and sin rows alike")
+    q_out = lw.new(q.shape, F32)
+    qs, ks, vs, cs, _ = strides
+    lw.emit("rope_cache", q, k, v, cos, sin, k_cache, v_cache, positions, q_out, B, Hq, Hkv, L, D, S, *qs[:3],
+            *ks[:3], *vs[:3], cs[0], cs[2], int(attrs["interleaved"]))
+    lw.output(node, q_out, k_cache, v_cache)
+
+
+@lowering("sdpa")
+def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    q, k, v, mask = _inputs(lw, node)
+    _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v)), "rank-4 float32")
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    _need(L <= native.ATTENTION_MAX_QUERIES and k.shape == (B, Hkv, S, D) and v.shape[:3] == (B, Hkv, S)
+          and Hkv > 0 and Hq % Hkv == 0, "a few queries, GQA shapes")
+    _need(k.strides[3] == 4 and v.strides[3] == 4, "rows of keys contiguous")
+    mask_strides = (0, 0, 0, 0)
+    if mask is not None:
+        _need(mask.dtype == BOOL and len(mask.shape) <= 4, "a bool mask")
+        mask_strides = broadcast_strides(mask, (B, Hq, L, S))
+    q = lw.contiguous(q)
+    scale = attrs["scale"] if attrs["scale"] is not None else 1 / math.sqrt(D)
+    out = lw.new((B, Hq, L, Dv), F32)
+    lw.emit("attention", q, k, v, mask, out, lw.work(4 * S), B, Hq, Hkv, L, S, D, Dv, *elements(k)[:3],
+            *elements(v)[:3], *mask_strides, int(bool(attrs["causal"])), as_float_word(scale))
+    lw.output(node, out)
+
+
+@lowering("quantized_embedding")
+def _quantized_embedding(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    q, scale, zero, ids = _inputs(lw, node)
+    bits, group = int(attrs["bits"]), int(attrs["group_size"])
+    vocab, k = scale.shape[0], scale.shape[1] * group
+    _need(bits in (4, 8) and q.shape == (vocab, k * bits // 8) and ids.dtype == I64, "layout")
+    _need(scale.dtype == F32 and (zero is None or zero.dtype == F32), "float32 scales")
+    q, scale, ids = lw.contiguous(q), lw.contiguous(scale), lw.contiguous(ids)
+    zero = None if zero is None else lw.contiguous(zero)
+    out = lw.new(ids.shape + (k,), F32)
+    lw.emit("qembed", q, scale, zero, ids, out, ids.size, vocab, k, bits, group)
+    lw.output(node, out)
+
+
+def _gather_rows(lw: Lowering, node: Node, table: Loc, ids: Loc) -> None:
+    _need(ids.dtype == I64 and len(table.shape) >= 1, "int64 indices")
+    table, ids = lw.contiguous(table), lw.contiguous(ids)
+    row = table.shape[1:]
+    out = lw.new(ids.shape + row, table.dtype)
+    lw.emit("gather", table, ids, out, ids.size, table.shape[0], math.prod(row) * table.dtype.itemsize)
+    lw.output(node, out)
+
+
+@lowering("embedding")
+def _embedding(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    weight, ids = _inputs(lw, node)
+    _gather_rows(lw, node, weight, ids)
+
+
+@lowering("index")
+def _index(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    x, *indices = _inputs(lw, node)
+    _need(len(indices) == 1 and tuple(attrs["dims"]) in ((0,), (-len(x.shape),)), "one index on the first dim")
+    _gather_rows(lw, node, x, indices[0])
+
+
+@lowering(*COMPARE)
+def _compare(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    a, b = _inputs(lw, node)
+    _need(a.dtype == b.dtype and a.dtype in (I64, F32), "int64 or float32 operands of one type")
+    shape = lw.shape_of(node.outputs[0])
+    _need(len(shape) <= 4, "rank <= 4")
+    pad = (1,) * (4 - len(shape))
+    out = lw.new(shape, BOOL)
+    lw.emit("compare", a, b, out, COMPARE_CODES[node.op], 0 if a.dtype == I64 else 1, *(pad + shape),
+            *broadcast_strides(a, pad + shape), *broadcast_strides(b, pad + shape))
+    lw.output(node, out)
+
+
+# ---- the plan ----
+
+class NativePlan:
+    """A lowered method: run(inputs, state) -> outputs, or None where an instruction declined its inputs."""
+
+    def __init__(self, lw: Lowering, outputs: list[tuple[Loc, tuple[int, ...], np.dtype]]):
+        self.lib = native.library()
+        words = int(self.lib.kiln_execute_words())
+        arena_bytes = 0
+        for root in [*lw.roots, lw.scratch]:
+            if root.output < 0:
+                root.base, root.offset = 0, arena_bytes
+                arena_bytes += -(-root.nbytes // ALIGN) * ALIGN
+        if arena_bytes > MAX_ARENA_BYTES:
+            raise Decline(f"an arena of {arena_bytes} bytes")
+        self.arena = np.empty(arena_bytes + ALIGN, np.uint8)
+        aligned = -self.arena.ctypes.data % ALIGN
+        self.bases = np.zeros(lw.bases, np.int64)
+        self.bases[0] = self.arena.ctypes.data + aligned
+        self.keep = [array for _, array in lw.fixed]
+        for base, array in lw.fixed:
+            self.bases[base] = array.ctypes.data
+        code = np.zeros((len(lw.code), words), np.int64)
+        for row, instruction in zip(code, lw.code, strict=True):
+            encoded: list[int] = []
+            for word in instruction:
+                if word is None:
+                    encoded += [-1, 0]
+                elif isinstance(word, Loc):
+                    home = word.home
+                    encoded += [home.base, home.offset + word.offset] if isinstance(home, Root) else [home, word.offset]
+                else:
+                    encoded.append(int(word))
+            if len(encoded) > words:
+                raise Decline("an instruction longer than executor.c's")
+            row[:len(encoded)] = encoded
+        self.code = code
+        self.inputs, self.states = lw.inputs, lw.states
+        self.outputs = outputs
+        self.output_bases = {root.output: root.base for root in lw.roots if root.output >= 0}
+        self._state_seen: dict[int, tuple[Any, int]] = {}
+        self._call = (self.code.ctypes.data, len(self.code), self.bases.ctypes.data)
+
+    @property
+    def instructions(self) -> int:
+        return len(self.code)
+
+    def __call__(self, inputs: list[np.ndarray], state: list[np.ndarray]) -> list[np.ndarray] | None:
+        bases, held = self.bases, []
+        for base, i in self.inputs:
+            array = inputs[i] if inputs[i].flags.c_contiguous else np.ascontiguousarray(inputs[i])
+            held.append(array)
+            bases[base] = array.ctypes.data
+        for base, i in self.states:
+            array = state[i]
+            seen = self._state_seen.get(base)
+            if seen is None or seen[0] is not array:
+                if not array.flags.c_contiguous:
+                    array = state[i] = np.ascontiguousarray(array)
+                seen = self._state_seen[base] = (array, array.ctypes.data)
+            bases[base] = seen[1]
+        results = []
+        for index, (_, shape, dtype) in enumerate(self.outputs):
+            out = np.empty(shape, dtype)
+            bases[self.output_bases[index]] = out.ctypes.data
+            results.append(out)
+        if self.lib.kiln_execute(*self._call, native.threads()):
+            return None
+        return results
+
+
+def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, Any]]],
+          env: dict[str, int]) -> NativePlan | None:
+    """`method`'s nodes (with their resolved attributes) as one native plan, or None where some node cannot be
+    lowered (logged at debug level: which and why)."""
+    if not enabled() or not steps:
+        return None
+    lw = Lowering(program, method, env)
+    try:
+        for node, attrs in steps:
+            rule = LOWERINGS.get(node.op)
+            if rule is None:
+                raise Decline(f"no lowering for {node.op}")
+            try:
+                rule(lw, node, attrs)
+            except Decline as e:
+                raise Decline(f"{node.op}: {e}") from None
+        for update in method.state_updates:
+            read = _state_value(method, update.state)
+            loc = lw.locs.get(update.value)
+            if read is None or loc is None or loc != lw.loc(read):
+                raise Decline(f"state {update.state} is not updated in place")
+        outputs = [_output(lw, index, value) for index, value in enumerate(method.outputs)]
+        return NativePlan(lw, outputs)
+    except Decline as e:
+        log.debug("method %r runs from Python: %s", method.name, e)
+        return None
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # an attribute or shape the rules did not expect
+        log.debug("method %r runs from Python: %s: %s", method.name, type(e).__name__, e)
+        return None
+
+
+def _state_value(method: Method, state: int) -> int | None:
+    """The value through which `method` reads state buffer `state` (None: it only writes it)."""
+    return next((i for i, v in enumerate(method.values) if v.kind == ValueKind.STATE and v.ref == state), None)
+
+
+def _output(lw: Lowering, index: int, value: int) -> tuple[Loc, tuple[int, ...], np.dtype]:
+    """Method output `index`: the root it lies in becomes an array allocated for each run (copied there first
+    when it is a view of part of one, or of something else)."""
+    loc = lw.locs.get(value)
+    if loc is None:
+        loc = lw.loc(value)
+    shape, dtype = lw.shape_of(value), np.dtype(lw.method.values[value].dtype.numpy)
+    home = loc.home
+    whole = isinstance(home, Root) and home.output < 0 and loc.contiguous and loc.offset == 0 \
+        and home.nbytes == max(1, loc.size) * dtype.itemsize and home is not lw.scratch
+    if not whole:
+        copy = lw.new(shape, dtype)
+        pad = 4 - len(shape)
+        _need(pad >= 0, "output of more than 4 dims")
+        lw.emit("copy", loc, copy, dtype.itemsize, *((1,) * pad + tuple(shape)), *((0,) * pad + loc.strides))
+        loc, home = copy, copy.home
+    _need(home.output < 0, "two outputs in one array")
+    home.output, home.base, home.offset = index, lw.base(), 0
+    return loc, shape, dtype

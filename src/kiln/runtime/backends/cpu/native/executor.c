@@ -1,0 +1,182 @@
+/* The native executor: a method's nodes run from one compiled plan in one call, without returning to Python per
+ * node (cpu/executor.py builds the plan). A decode step of a small LLM is ~670 nodes; run from Python each cost
+ * 2-40 us of dispatch, argument checks and array allocation around microseconds of work, ~40% of the step.
+ *
+ * A plan is `count` instructions of WORDS int64 each: the op, then its arguments. An array argument is two
+ * words, (base, byte offset): the address is bases[base] + offset, or none where base is -1. The bases are the
+ * plan's memory (its arena, constants) and what the caller fills in for each run (inputs, state, outputs), so
+ * the plan holds no address that changes between runs. Every view (slice, reshape, permute, expand) was resolved
+ * to offsets and strides when the plan was built: only instructions that compute remain.
+ *
+ * Each instruction calls the helper the Python kernel of its op calls, with the same arguments, so the results
+ * are the Python path's. kiln_execute returns 0, or 1 + the index of an instruction that declined its inputs at
+ * run time (an index outside its table, a position outside the cache): the caller then runs the method from
+ * Python, which raises the op's own error.
+ */
+#include <string.h>
+
+#include "pool.h"
+
+enum { WORDS = 48 };
+
+enum {
+    OP_QLINEAR = 1,   /* x q scale zero bias out work | m n k bits group dot */
+    OP_LINEAR = 2,    /* x w bias out | m n k */
+    OP_RMS_NORM = 3,  /* x residual weight total out | rows n eps(float bits) */
+    OP_ROPE_CACHE = 4,/* q k v cos sin k_cache v_cache positions q_out | 18 sizes and strides (attention.c) */
+    OP_ATTENTION = 5, /* q k v mask out work | 18 sizes and strides, scale(float bits) */
+    OP_GATED = 6,     /* gate up out | n activation (0 silu, 1 gelu_tanh, 2 gelu_erf) */
+    OP_QEMBED = 7,    /* q scale zero ids out | count vocab k bits group */
+    OP_GATHER = 8,    /* table ids out | count rows row_bytes */
+    OP_COMPARE = 9,   /* a b out | kind dtype(0 int64, 1 float32) shape[4] a_strides[4] b_strides[4] (elements) */
+    OP_COPY = 10,     /* src dst | item shape[4] src_strides[4] (bytes); dst contiguous */
+};
+
+i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, const float *zero, const float *bias,
+                         float *out, void *work, i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads);
+void kiln_qlinear_f32(const float *x, const void *qv, const float *scale, const float *zero, const float *bias,
+                      float *out, float *xs, i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads);
+void kiln_linear_rows_f32(const float *x, const float *w, const float *bias, float *out, i64 m, i64 n, i64 k,
+                          i64 threads);
+void kiln_add_rms_norm_f32(const float *x, const float *r, const float *w, float *total, float *out, i64 rows, i64 n,
+                           float eps);
+i64 kiln_rope_cache_update_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                               float *k_cache, float *v_cache, const i64 *positions, float *q_out, i64 B, i64 Hq,
+                               i64 Hkv, i64 L, i64 D, i64 S, i64 qsb, i64 qsh, i64 qsl, i64 ksb, i64 ksh, i64 ksl,
+                               i64 vsb, i64 vsh, i64 vsl, i64 csb, i64 csl, i64 interleaved);
+void kiln_attention_f32(const float *q, const float *k, const float *v, const unsigned char *mask, float *out,
+                        float *work, i64 B, i64 Hq, i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks,
+                        i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms, i64 causal, float scale);
+void kiln_dequantize_f32(const void *qv, const float *scale, const float *zero, float *w, i64 rows, i64 k, i64 bits,
+                         i64 group);
+void kiln_silu_f32(const float *x, float *y, i64 n);
+void kiln_gelu_tanh_f32(const float *x, float *y, i64 n);
+void kiln_gelu_erf_f32(const float *x, float *y, i64 n);
+
+static inline float as_float(i64 word) {
+    const int32_t bits = (int32_t)word;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* an index into a table of `rows` rows, negative ones counting from the end (as NumPy's); -1 when outside */
+static inline i64 row_index(i64 i, i64 rows) {
+    const i64 r = i < 0 ? i + rows : i;
+    return r < 0 || r >= rows ? -1 : r;
+}
+
+/* kind: 0 <, 1 <=, 2 >, 3 >=, 4 ==, 5 != (NaN compares as IEEE says: only != holds) */
+#define COMPARE(kind, a, b)                                                                                    \
+    ((kind) == 0 ? (a) < (b) : (kind) == 1 ? (a) <= (b) : (kind) == 2 ? (a) > (b) : (kind) == 3 ? (a) >= (b) \
+     : (kind) == 4 ? (a) == (b) : (a) != (b))
+
+static int run(const i64 *a, char *const *bases, i64 threads) {
+#define PTR(i) (a[i] < 0 ? (void *)0 : (void *)(bases[a[i]] + a[(i) + 1]))
+    switch (a[0]) {
+        case OP_QLINEAR: {
+            const i64 *s = a + 15;
+            if (!(s[5] && kiln_qlinear_dot_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), s[0], s[1],
+                                               s[2], s[3], s[4], threads)))
+                kiln_qlinear_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), s[0], s[1], s[2], s[3],
+                                 s[4], threads);
+            return 1;
+        }
+        case OP_LINEAR:
+            kiln_linear_rows_f32(PTR(1), PTR(3), PTR(5), PTR(7), a[9], a[10], a[11], threads);
+            return 1;
+        case OP_RMS_NORM:
+            kiln_add_rms_norm_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), a[11], a[12], as_float(a[13]));
+            return 1;
+        case OP_ROPE_CACHE: {
+            const i64 *s = a + 19;
+            return (int)kiln_rope_cache_update_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), PTR(15),
+                                                   PTR(17), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                                                   s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], s[17]);
+        }
+        case OP_ATTENTION: {
+            const i64 *s = a + 13;
+            kiln_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), s[0], s[1], s[2], s[3], s[4], s[5],
+                               s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], s[17],
+                               as_float(s[18]));
+            return 1;
+        }
+        case OP_GATED: {
+            const float *up = PTR(3);
+            float *out = PTR(5);
+            const i64 n = a[7];
+            if (a[8] == 0) kiln_silu_f32(PTR(1), out, n);
+            else if (a[8] == 1) kiln_gelu_tanh_f32(PTR(1), out, n);
+            else kiln_gelu_erf_f32(PTR(1), out, n);
+            for (i64 i = 0; i < n; i++) out[i] *= up[i];
+            return 1;
+        }
+        case OP_QEMBED: {
+            const i64 *ids = PTR(7);
+            const i64 count = a[11], vocab = a[12], k = a[13], bits = a[14], group = a[15];
+            const char *q = PTR(1);
+            const float *scale = PTR(3), *zero = PTR(5);
+            float *out = PTR(9);
+            for (i64 i = 0; i < count; i++)
+                if (row_index(ids[i], vocab) < 0) return 0;
+            for (i64 i = 0; i < count; i++) {
+                const i64 r = row_index(ids[i], vocab), ngroups = k / group;
+                kiln_dequantize_f32(q + r * (k * bits / 8), scale + r * ngroups, zero ? zero + r * ngroups : 0,
+                                    out + i * k, 1, k, bits, group);
+            }
+            return 1;
+        }
+        case OP_GATHER: {
+            const i64 *ids = PTR(3);
+            const i64 count = a[7], rows = a[8], bytes = a[9];
+            const char *table = PTR(1);
+            char *out = PTR(5);
+            for (i64 i = 0; i < count; i++)
+                if (row_index(ids[i], rows) < 0) return 0;
+            for (i64 i = 0; i < count; i++) memcpy(out + i * bytes, table + row_index(ids[i], rows) * bytes, bytes);
+            return 1;
+        }
+        case OP_COMPARE: {
+            const char *x = PTR(1), *y = PTR(3);
+            unsigned char *out = PTR(5);
+            const i64 kind = a[7], dtype = a[8], *n = a + 9, *xs = a + 13, *ys = a + 17;
+            i64 o = 0;
+            for (i64 i0 = 0; i0 < n[0]; i0++)
+                for (i64 i1 = 0; i1 < n[1]; i1++)
+                    for (i64 i2 = 0; i2 < n[2]; i2++)
+                        for (i64 i3 = 0; i3 < n[3]; i3++) {
+                            const i64 xi = i0 * xs[0] + i1 * xs[1] + i2 * xs[2] + i3 * xs[3];
+                            const i64 yi = i0 * ys[0] + i1 * ys[1] + i2 * ys[2] + i3 * ys[3];
+                            out[o++] = dtype == 0 ? COMPARE(kind, ((const i64 *)x)[xi], ((const i64 *)y)[yi])
+                                                  : COMPARE(kind, ((const float *)x)[xi], ((const float *)y)[yi]);
+                        }
+            return 1;
+        }
+        case OP_COPY: {
+            const char *src = PTR(1);
+            char *dst = PTR(3);
+            const i64 item = a[5], *n = a + 6, *st = a + 10;
+            for (i64 i0 = 0; i0 < n[0]; i0++)
+                for (i64 i1 = 0; i1 < n[1]; i1++)
+                    for (i64 i2 = 0; i2 < n[2]; i2++) {
+                        const char *row = src + i0 * st[0] + i1 * st[1] + i2 * st[2];
+                        if (st[3] == item) {
+                            memcpy(dst, row, n[3] * item);
+                            dst += n[3] * item;
+                        } else
+                            for (i64 i3 = 0; i3 < n[3]; i3++, dst += item) memcpy(dst, row + i3 * st[3], item);
+                    }
+            return 1;
+        }
+        default: return 0;
+    }
+#undef PTR
+}
+
+i64 kiln_execute_words(void) { return WORDS; }
+
+i64 kiln_execute(const i64 *code, i64 count, char *const *bases, i64 threads) {
+    for (i64 i = 0; i < count; i++)
+        if (!run(code + i * WORDS, bases, threads)) return i + 1;
+    return 0;
+}

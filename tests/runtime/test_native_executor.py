@@ -1,0 +1,134 @@
+"""The CPU backend's native executor (cpu/executor.py, native/executor.c): a method whose every node it lowers runs
+in one compiled call and gives the bits the Python path gives; what it does not lower, or declines at run time,
+runs from Python with the same results and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln.errors import KilnError
+from kiln.models.llm import export_llama
+from kiln.models.zoo import tiny_decoder
+from kiln.runtime.backends.cpu import native
+from kiln.runtime.llm.decoding import prefill_chunk
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the compiled helpers are not built")
+
+CONTEXT, CHUNK = 32, 4
+
+
+def _sessions(program) -> tuple[kiln.Session, kiln.Session]:
+    """(native, python) sessions: the executor is chosen when a plan is built (a method's first run with new
+    shapes), so each is run under its own KILN_EXECUTOR (_run)."""
+    return program.session("cpu"), program.session("cpu")
+
+
+def _run(session, method, *inputs, executor, monkeypatch):
+    monkeypatch.setenv("KILN_EXECUTOR", executor)
+    return session.run(method, *inputs)
+
+
+def _lowered(session, method: str) -> bool:
+    return all(plan.lowered is not None for plan in session._plans[method].values())
+
+
+LOWERED = {"llama": True, "qwen3": True, "phi3": False, "gpt2": False}
+"""Whether each family's decode lowers whole (phi3's partial rotary and GPT-2's LayerNorm and adds do not: they
+run from Python)."""
+
+
+@pytest.mark.parametrize("family", sorted(LOWERED))
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"], ids=["float32", "int8", "int4"])
+def test_decode_gives_the_python_paths_bits(family, quantize, monkeypatch):
+    """Prefill chunks and decode steps of the zoo's decoders, float32 and quantized: the same logits to the bit and
+    the same KV cache whichever way each method ran."""
+    options = {} if quantize is None else {"quantize": quantize}
+    program = export_llama(tiny_decoder(family), CONTEXT, CHUNK, **options).load()
+    monkeypatch.setenv("KILN_THREADS", "2")
+    native_session, python_session = _sessions(program)
+    prompt = np.arange(3, 12, dtype=np.int64)
+    for session, executor in ((native_session, "native"), (python_session, "python")):
+        monkeypatch.setenv("KILN_EXECUTOR", executor)  # (prefill_chunk runs the session itself)
+        for start in range(0, len(prompt), CHUNK):
+            prefill_chunk(session, prompt[start:start + CHUNK], start, ())
+    token = 5
+    for position in range(len(prompt), len(prompt) + 6):
+        args = (np.array([[token]], np.int64), np.array([position], np.int64))
+        (got,) = _run(native_session, "decode", *args, executor="native", monkeypatch=monkeypatch)
+        (want,) = _run(python_session, "decode", *args, executor="python", monkeypatch=monkeypatch)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        token = int(want.reshape(-1).argmax())
+    for got, want in zip(native_session.state, python_session.state, strict=True):
+        assert np.array_equal(got, want)
+    assert _lowered(native_session, "decode") == LOWERED[family]
+    assert not any(plan.lowered for plan in python_session._plans["decode"].values())
+
+
+def test_outputs_are_new_arrays_and_bad_inputs_raise_the_python_paths_errors(monkeypatch):
+    """A run's outputs are never rewritten by the next run; a token outside the vocabulary or a position outside
+    the cache, which an instruction declines at run time, raise what the Python path raises, the cache unharmed."""
+    program = export_llama(tiny_decoder("llama"), CONTEXT, CHUNK, quantize="int4").load()
+    native_session, python_session = _sessions(program)
+    def step(session, token, position):
+        executor = "native" if session is native_session else "python"
+        args = (np.array([[token]], np.int64), np.array([position], np.int64))
+        return _run(session, "decode", *args, executor=executor, monkeypatch=monkeypatch)[0]
+
+    first = step(native_session, 7, 0)
+    kept = first.copy()
+    second = step(native_session, 9, 1)
+    assert second is not first and np.array_equal(first, kept) and _lowered(native_session, "decode")
+    step(python_session, 7, 0)
+    step(python_session, 9, 1)
+    for token, position in ((1000, 2), (7, CONTEXT), (-1000, 2)):
+        with pytest.raises(KilnError) as lowered_error:
+            step(native_session, token, position)
+        with pytest.raises(KilnError) as python_error:
+            step(python_session, token, position)
+        assert str(lowered_error.value) == str(python_error.value)
+    assert _lowered(native_session, "decode")
+    # the declined runs wrote nothing the Python path did not write too
+    for got, want in zip(native_session.state, python_session.state, strict=True):
+        assert np.array_equal(got, want)
+
+
+class Views(torch.nn.Module):
+    """Views the executor resolves to strides (a transpose read by a reshape, which needs a copy; a strided slice
+    as an output, copied into its own array), a comparison with a broadcast, and few-row linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(12, 16)
+        self.up = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.proj(x.transpose(1, 2).reshape(2, 12))
+        mask = torch.arange(16).reshape(1, 16) <= limit.reshape(-1, 1)
+        return self.up(h)[:, 1:7:2], mask, h.permute(1, 0)
+
+
+def test_views_copies_and_outputs_of_a_small_graph(monkeypatch):
+    model = Views().eval()
+    x, limit = torch.randn(2, 3, 4), torch.tensor([3, 11])
+    program = kiln.export(model, (x, limit)).load()
+    native_session, python_session = _sessions(program)
+    got = _run(native_session, "forward", x.numpy(), limit.numpy(), executor="native", monkeypatch=monkeypatch)
+    want = _run(python_session, "forward", x.numpy(), limit.numpy(), executor="python", monkeypatch=monkeypatch)
+    assert _lowered(native_session, "forward")
+    with torch.no_grad():
+        eager = model(x, limit)
+    for g, w, e in zip(got, want, eager, strict=True):
+        assert g.shape == w.shape == tuple(e.shape) and g.dtype == w.dtype and g.flags.c_contiguous
+        assert np.array_equal(g, w)
+        np.testing.assert_allclose(g, e.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_executor_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KILN_EXECUTOR", "python")
+    program = kiln.export(Views().eval(), (torch.randn(2, 3, 4), torch.tensor([3, 11]))).load()
+    session = program.session("cpu")
+    session.run("forward", np.zeros((2, 3, 4), np.float32), np.array([1, 2]))
+    assert not _lowered(session, "forward")
