@@ -10,8 +10,9 @@ an output allocated per run), so views (reshape, slice, permute, expand) cost no
 offsets and strides. Compute nodes become instructions that call the helpers the Python kernels call, with the
 same arguments, so the two paths give the same results; a value a helper needs contiguous is copied first.
 
-What it takes: all or nothing per method. One node it cannot lower (another op, dtype or shape; a prefill's many
-rows, which BLAS serves better) and the method runs from Python as before; `KILN_EXECUTOR=python` turns it off.
+What it takes: all or nothing per method. One node it cannot lower (another op, dtype or shape; the many rows of
+a prefill, which BLAS serves better: above the few-row kernels' FEW_ROWS) and the method runs from Python as
+before; `KILN_EXECUTOR=python` turns it off.
 At run time an instruction may decline (an index outside its table): the method then runs from Python, which
 raises the op's own error.
 """
@@ -31,7 +32,7 @@ from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
 from kiln.ir.ops import COMPARE
 from kiln.ir.symbolic import resolve_shape
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
-from kiln.runtime.backends.cpu import native
+from kiln.runtime.backends.cpu import linalg, native, quant
 from kiln.runtime.program import Program
 
 log = logging.getLogger("kiln.runtime.cpu")
@@ -41,8 +42,6 @@ OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5,
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
-FEW_ROWS = 8
-"""Rows up to which linears lower (the helpers' few-row kernels; more rows are BLAS's work, from Python)."""
 MAX_ARENA_BYTES = 256 << 20
 ALIGN = 64
 
@@ -276,20 +275,20 @@ def _rows(x: Loc) -> int:
 def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     x, q, scale, zero, bias = _inputs(lw, node)
     bits, group = int(attrs["bits"]), int(attrs["group_size"])
-    _need(x.dtype == F32 and scale.dtype == F32 and _rows(x) <= FEW_ROWS, "not a few float32 rows")
+    _need(x.dtype == F32 and scale.dtype == F32 and _rows(x) <= quant.FEW_ROWS, "not a few float32 rows")
     k, n = x.shape[-1], q.shape[0]
     _need(bits in (4, 8) and group > 0 and k % group == 0 and q.shape == (n, k * bits // 8), "weight layout")
     _need(all(a is None or a.dtype == F32 for a in (zero, bias)), "float32 scales")
     x, q, scale = lw.contiguous(x), lw.contiguous(q), lw.contiguous(scale)
     zero, bias = (None if a is None else lw.contiguous(a) for a in (zero, bias))
     out = lw.new(x.shape[:-1] + (n,), F32)
-    work = lw.work(FEW_ROWS * (k + k // group) * 4)
+    work = lw.work(quant.FEW_ROWS * (k + k // group) * 4)
     lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, bits, group, int(native.integer_dot()))
     lw.output(node, out)
 
 
 def emit_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None) -> Loc:
-    _need(x.dtype == F32 and weight.dtype == F32 and _rows(x) <= FEW_ROWS, "not a few float32 rows")
+    _need(x.dtype == F32 and weight.dtype == F32 and _rows(x) <= linalg.FEW_ROWS, "not a few float32 rows")
     _need(bias is None or bias.dtype == F32, "float32 bias")
     n, k = weight.shape
     x, weight = lw.contiguous(x), lw.contiguous(weight)

@@ -458,21 +458,30 @@ typedef struct {
 
 enum { LINEAR_ALIGN = 8 }; /* outputs per part a multiple of this, so parts keep the widest blocks */
 
+enum { LINEAR_CHUNK_BYTES = 96 << 10 }; /* weight rows a chunk: stays in L2 while every block of rows reads it */
+
 static void linear_part(const void *ctx, i64 begin, i64 end) {
     const linear_args *a = ctx;
-    const i64 o0 = begin * LINEAR_ALIGN, o1 = end * LINEAR_ALIGN < a->n ? end * LINEAR_ALIGN : a->n;
-    for (i64 r0 = 0; r0 < a->m; r0 += LROWS) {
-        const float *x = a->x + r0 * a->k;
-        float *out = a->out + r0 * a->n;
-        switch (a->m - r0 < LROWS ? a->m - r0 : LROWS) {
-            case 1: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 1); break;
-            case 2: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 2); break;
-            case 3: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 3); break;
-            case 4: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 4); break;
-            case 5: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 5); break;
-            case 6: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 6); break;
-            case 7: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 7); break;
-            default: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 8); break;
+    const i64 first = begin * LINEAR_ALIGN, last = end * LINEAR_ALIGN < a->n ? end * LINEAR_ALIGN : a->n;
+    /* more rows than a block takes: the weight is read from memory once, a chunk of its rows at a time, not once
+     * a block of rows (chunks are multiples of LINEAR_ALIGN, so every output keeps its arithmetic) */
+    i64 chunk = a->m <= LROWS ? last - first : LINEAR_CHUNK_BYTES / (4 * a->k) / LINEAR_ALIGN * LINEAR_ALIGN;
+    if (chunk < LINEAR_ALIGN) chunk = LINEAR_ALIGN;
+    for (i64 o0 = first; o0 < last; o0 += chunk) {
+        const i64 o1 = o0 + chunk < last ? o0 + chunk : last;
+        for (i64 r0 = 0; r0 < a->m; r0 += LROWS) {
+            const float *x = a->x + r0 * a->k;
+            float *out = a->out + r0 * a->n;
+            switch (a->m - r0 < LROWS ? a->m - r0 : LROWS) {
+                case 1: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 1); break;
+                case 2: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 2); break;
+                case 3: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 3); break;
+                case 4: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 4); break;
+                case 5: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 5); break;
+                case 6: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 6); break;
+                case 7: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 7); break;
+                default: linear_rows(x, a->w, a->bias, out, a->n, a->k, o0, o1, 8); break;
+            }
         }
     }
 }
