@@ -250,3 +250,26 @@ def test_run_on_mlx_matches_eager(exported, factories, tmp_path):
     assert "on mlx" in out
     for k, want in enumerate(eager(factories, x)):
         np.testing.assert_allclose(np.load(tmp_path / "res" / f"out_{k}.npy"), want, rtol=1e-5, atol=1e-5)
+
+
+def test_threads_option_reaches_the_kernels_and_is_checked(exported, factories, tmp_path, monkeypatch):
+    """--threads sets the compiled kernels' thread count for the command only (KILN_THREADS while it runs, put
+    back after); the results do not change; a count below 1 is a usage error."""
+    from kiln.runtime.backends.cpu import native
+
+    seen = []
+    counted = native.threads
+    monkeypatch.setattr(native, "threads", lambda: seen.append(counted()) or seen[-1])
+    monkeypatch.setenv("KILN_THREADS", "3")
+    x = np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    code, _, err = cli("run", exported[0], "-i", tmp_path / "x.npy", "-o", tmp_path / "res", "--threads", "2")
+    assert code == 0, err
+    assert seen and set(seen) == {2}
+    import os
+
+    assert os.environ["KILN_THREADS"] == "3"
+    for k, want in enumerate(eager(factories, x)):
+        np.testing.assert_allclose(np.load(tmp_path / "res" / f"out_{k}.npy"), want, rtol=1e-5, atol=1e-5)
+    code, _, err = cli("run", exported[0], "--random", "--threads", "0")
+    assert code == 2 and "positive integer" in err

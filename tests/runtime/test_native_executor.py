@@ -132,3 +132,24 @@ def test_executor_can_be_turned_off(monkeypatch):
     session = program.session("cpu")
     session.run("forward", np.zeros((2, 3, 4), np.float32), np.array([1, 2]))
     assert not _lowered(session, "forward")
+
+
+def test_session_threads_reach_every_kernel_and_change_no_bit(monkeypatch):
+    """Session(threads=N): the kernels run from Python see N (native.threads() inside the run), the lowered plan
+    passes N; threads=1 and threads=2 give the same bits; a count that is not a positive integer is refused."""
+    program = export_llama(tiny_decoder("llama"), CONTEXT, CHUNK, quantize="int8").load()
+    monkeypatch.setenv("KILN_THREADS", "3")
+    outputs = []
+    for threads in (1, 2):
+        session = program.session("cpu", threads=threads)
+        with session.backend.execution_context():
+            assert native.threads() == threads
+        assert native.threads() == 3
+        prefill_chunk(session, np.arange(3, 7, dtype=np.int64), 0, ())
+        outputs.append(session.run("decode", np.array([[5]], np.int64), np.array([4], np.int64))[0])
+        plan = next(iter(session._plans["decode"].values()))
+        assert plan.lowered is not None and plan.lowered.threads == threads
+    assert np.array_equal(outputs[0], outputs[1])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(KilnError, match="threads"):
+            program.session("cpu", threads=bad)

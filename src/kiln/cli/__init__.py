@@ -11,6 +11,7 @@ package (and running `inspect` or `run`) never imports torch: only `export` does
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -74,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    threads = getattr(args, "threads", None)
+    before = os.environ.get("KILN_THREADS")
+    if threads is not None:  # every session the command opens (and an engine process it starts) takes it
+        os.environ["KILN_THREADS"] = str(threads)
     try:
         return args.handler(args)
     except USER_ERRORS as e:
@@ -85,6 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if threads is not None:  # (main may run in-process: leave the environment as it was)
+            if before is None:
+                os.environ.pop("KILN_THREADS", None)
+            else:
+                os.environ["KILN_THREADS"] = before
 
 
 __all__ = ["build_parser", "main"]

@@ -29,6 +29,20 @@ def add_backend_argument(p: argparse.ArgumentParser) -> None:
     from kiln.runtime.backends import BACKENDS
 
     p.add_argument("--backend", default="cpu", choices=sorted(BACKENDS), help=BACKEND_HELP)
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="CPU threads the compiled kernels may use (default: KILN_THREADS, else every core); results "
+                        "do not depend on it")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def add_program_arguments(p: argparse.ArgumentParser, verb: str) -> None:

@@ -58,13 +58,19 @@ class _Plan:
 class Session:
     """Independent execution context: several threads may each run their own session of one program."""
 
-    def __init__(self, program: Program, backend: str = "cpu", validate: bool = False, graphs: bool | None = None):
-        """validate: check every kernel's output dtype and shape against the program (slow; for debugging).
+    def __init__(self, program: Program, backend: str = "cpu", validate: bool = False, graphs: bool | None = None,
+                 threads: int | None = None):
+        """threads: CPU threads this session's kernels may split their work over (default: KILN_THREADS, else
+        every core the process may run on); results do not depend on it.
+        validate: check every kernel's output dtype and shape against the program (slow; for debugging).
         graphs: capture and replay each method as a graph where the backend can (cuda: on unless
         KILN_CUDA_GRAPHS=0), or compile it (mlx: on unless KILN_MLX_COMPILE=0); False runs every kernel from
         Python, for debugging and per-op profiling."""
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InputError(f"threads must be a positive integer, got {threads!r}")
         self.program = program
         self.backend = backends.create(backend, program)
+        self.backend.threads = threads
         self.validate = validate
         self.graphs = self.backend.graphs_by_default if graphs is None else graphs
         if self.graphs and not (self.backend.can_capture or self.backend.can_compile):

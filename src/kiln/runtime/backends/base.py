@@ -103,6 +103,9 @@ class Backend:
     (kiln.runtime.graphs); state stays functional (each run returns new state arrays)."""
     graphs_by_default: bool = False
     """Whether sessions capture (or compile) unless told otherwise."""
+    threads: int | None = None
+    """Threads this backend's kernels may use (the session's `threads=`; CPU only, None: KILN_THREADS or every
+    core)."""
     attends_rows_in_place: bool = False
     """Whether slot_attention reads each row's slot where it lies, so many rows of one slot cost what their keys
     cost: a serving engine then feeds prompt chunks as rows of its decode steps (kiln.runtime.serve.engine). A

@@ -6,6 +6,8 @@ other op runs its portable kernel (kiln.runtime.backends.array_api) bound to Num
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,7 @@ import kiln.runtime.backends.cpu.quant  # noqa: F401 - importing the kernel fami
 from kiln.ir.graph import Method, Node, StateBuffer
 from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.base import Backend, Kernel
-from kiln.runtime.backends.cpu import executor, prepare
+from kiln.runtime.backends.cpu import executor, native, prepare
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 from kiln.runtime.program import Program
 
@@ -53,8 +55,11 @@ class CPUBackend(Backend):
 
     def lower(self, method: Method, steps: list[tuple[Node, dict[str, Any]]],
               env: dict[str, int]) -> executor.NativePlan | None:
-        return executor.lower(self.program, method, steps, env)
+        return executor.lower(self.program, method, steps, env, self.threads)
 
-    def execution_context(self) -> np.errstate:
-        """IEEE results (inf, nan) as PyTorch gives them, without NumPy's divide/overflow warnings."""
-        return np.errstate(all="ignore")
+    @contextlib.contextmanager
+    def execution_context(self) -> Iterator[None]:
+        """IEEE results (inf, nan) as PyTorch gives them, without NumPy's divide/overflow warnings; the compiled
+        helpers split their work over the session's threads."""
+        with np.errstate(all="ignore"), native.thread_limit(self.threads):
+            yield

@@ -465,8 +465,9 @@ def _compare(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 class NativePlan:
     """A lowered method: run(inputs, state) -> outputs, or None where an instruction declined its inputs."""
 
-    def __init__(self, lw: Lowering, outputs: list[tuple[Loc, tuple[int, ...], np.dtype]]):
+    def __init__(self, lw: Lowering, outputs: list[tuple[Loc, tuple[int, ...], np.dtype]], threads: int | None):
         self.lib = native.library()
+        self.threads = threads
         words = int(self.lib.kiln_execute_words())
         arena_bytes = 0
         for root in [*lw.roots, lw.scratch]:
@@ -526,15 +527,15 @@ class NativePlan:
             out = np.empty(shape, dtype)
             bases[self.output_bases[index]] = out.ctypes.data
             results.append(out)
-        if self.lib.kiln_execute(*self._call, native.threads()):
+        if self.lib.kiln_execute(*self._call, self.threads or native.threads()):
             return None
         return results
 
 
-def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, Any]]],
-          env: dict[str, int]) -> NativePlan | None:
+def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, Any]]], env: dict[str, int],
+          threads: int | None = None) -> NativePlan | None:
     """`method`'s nodes (with their resolved attributes) as one native plan, or None where some node cannot be
-    lowered (logged at debug level: which and why)."""
+    lowered (logged at debug level: which and why). threads: the session's (None: native.threads() per run)."""
     if not enabled() or not steps:
         return None
     lw = Lowering(program, method, env)
@@ -553,7 +554,7 @@ def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, An
             if read is None or loc is None or loc != lw.loc(read):
                 raise Decline(f"state {update.state} is not updated in place")
         outputs = [_output(lw, index, value) for index, value in enumerate(method.outputs)]
-        return NativePlan(lw, outputs)
+        return NativePlan(lw, outputs, threads)
     except Decline as e:
         log.debug("method %r runs from Python: %s", method.name, e)
         return None

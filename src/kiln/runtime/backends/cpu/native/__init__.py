@@ -12,6 +12,7 @@ over threads (the few-row linear) use `threads()`: KILN_THREADS, else every core
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -159,8 +161,26 @@ def library() -> ctypes.CDLL | None:
     return _loaded[0]
 
 
+_session_threads = threading.local()
+
+
+@contextlib.contextmanager
+def thread_limit(count: int | None) -> Iterator[None]:
+    """Within the block, on this thread, threads() is `count` (a session's `threads=`); None changes nothing."""
+    before = getattr(_session_threads, "count", None)
+    _session_threads.count = count if count is not None else before
+    try:
+        yield
+    finally:
+        _session_threads.count = before
+
+
 def threads() -> int:
-    """Threads a helper that splits its work may use: KILN_THREADS, else every core this process may run on."""
+    """Threads a helper that splits its work may use: the running session's `threads=` (thread_limit), else
+    KILN_THREADS, else every core this process may run on."""
+    limit = getattr(_session_threads, "count", None)
+    if limit is not None:
+        return limit
     value = os.environ.get("KILN_THREADS", "")
     if value.strip().isdigit() and int(value) > 0:
         return int(value)
