@@ -35,8 +35,8 @@ def _lowered(session, method: str) -> bool:
     return all(plan.lowered is not None for plan in session._plans[method].values())
 
 
-LOWERED = {"llama": True, "qwen3": True, "phi3": False, "gpt2": False}
-"""Whether each family's decode lowers whole (phi3's partial rotary and GPT-2's LayerNorm and adds do not: they
+LOWERED = {"llama": True, "qwen3": True, "gemma": True, "mistral": True, "phi3": False, "gpt2": False}
+"""Whether each family's decode lowers whole (phi3's partial rotary and GPT-2's LayerNorm and tanh do not: they
 run from Python)."""
 
 
@@ -153,3 +153,29 @@ def test_session_threads_reach_every_kernel_and_change_no_bit(monkeypatch):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(KilnError, match="threads"):
             program.session("cpu", threads=bad)
+
+
+class Arithmetic(torch.nn.Module):
+    """Elementwise arithmetic with broadcasting: int64 (a remainder of negative numbers and by a negative divisor,
+    as a sliding window's positions take it; wrapping products), float32, and bool masks combined."""
+
+    def forward(self, i: torch.Tensor, j: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        window = (i - j.reshape(-1, 1)) % 5
+        back = (i - 3) % -4
+        keep = (window >= 2) & (i.reshape(1, -1) < 6) | (back == 0)
+        return window, back, i * j.reshape(-1, 1) - i, keep, (x + y) * x / (y - 0.5), x - y.reshape(-1, 1)
+
+
+def test_elementwise_arithmetic_gives_numpys_bits(monkeypatch):
+    args = (torch.arange(-6, 6), torch.tensor([3, -2, 2**62]), torch.randn(12), torch.randn(3, 12))
+    program = kiln.export(Arithmetic(), args).load()
+    native_session, python_session = _sessions(program)
+    inputs = [a.numpy() for a in args]
+    got = _run(native_session, "forward", *inputs, executor="native", monkeypatch=monkeypatch)
+    want = _run(python_session, "forward", *inputs, executor="python", monkeypatch=monkeypatch)
+    assert _lowered(native_session, "forward")
+    with torch.no_grad():
+        eager = Arithmetic()(*args)
+    for g, w, e in zip(got, want, eager, strict=True):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+        assert np.array_equal(g, e.numpy()) if g.dtype != np.float32 else np.allclose(g, e.numpy(), atol=1e-6)

@@ -38,10 +38,14 @@ from kiln.runtime.program import Program
 log = logging.getLogger("kiln.runtime.cpu")
 
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
-      "gather": 8, "compare": 9, "copy": 10}
+      "gather": 8, "compare": 9, "copy": 10, "binary": 11}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+BINARY = {"add": (0, "if"), "sub": (1, "if"), "mul": (2, "if"), "div": (3, "f"), "remainder": (4, "i"),
+          "bitwise_and": (5, "ib"), "bitwise_or": (6, "ib"), "bitwise_xor": (7, "ib")}
+"""op -> (executor.c's kind, the dtypes it takes: i int64, f float32, b bool)."""
+BINARY_DTYPES = {"i": (np.dtype(np.int64), 0), "f": (np.dtype(np.float32), 1), "b": (np.dtype(np.bool_), 2)}
 MAX_ARENA_BYTES = 256 << 20
 ALIGN = 64
 
@@ -457,6 +461,22 @@ def _compare(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     out = lw.new(shape, BOOL)
     lw.emit("compare", a, b, out, COMPARE_CODES[node.op], 0 if a.dtype == I64 else 1, *(pad + shape),
             *broadcast_strides(a, pad + shape), *broadcast_strides(b, pad + shape))
+    lw.output(node, out)
+
+
+@lowering(*BINARY)
+def _binary(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """Elementwise arithmetic with broadcasting, all three of one dtype (NumPy's promotion otherwise: declined)."""
+    a, b = _inputs(lw, node)
+    kind, dtypes = BINARY[node.op]
+    shape = lw.shape_of(node.outputs[0])
+    out_dtype = np.dtype(lw.method.values[node.outputs[0]].dtype.numpy)
+    codes = {BINARY_DTYPES[c][0]: BINARY_DTYPES[c][1] for c in dtypes}
+    _need(a.dtype == b.dtype == out_dtype and a.dtype in codes and len(shape) <= 4, "operands of one type")
+    pad = (1,) * (4 - len(shape))
+    out = lw.new(shape, out_dtype)
+    lw.emit("binary", a, b, out, kind, codes[a.dtype], *(pad + shape), *broadcast_strides(a, pad + shape),
+            *broadcast_strides(b, pad + shape))
     lw.output(node, out)
 
 

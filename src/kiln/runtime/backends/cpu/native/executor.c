@@ -30,7 +30,36 @@ enum {
     OP_GATHER = 8,    /* table ids out | count rows row_bytes */
     OP_COMPARE = 9,   /* a b out | kind dtype(0 int64, 1 float32) shape[4] a_strides[4] b_strides[4] (elements) */
     OP_COPY = 10,     /* src dst | item shape[4] src_strides[4] (bytes); dst contiguous */
+    OP_BINARY = 11,   /* a b out | kind dtype(0 int64, 1 float32, 2 bool) shape[4] a_strides[4] b_strides[4] */
 };
+
+/* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
+ * (int64 and bool). One operation a result, rounded once: NumPy's float32 arithmetic, to the bit. */
+static inline i64 binary_i64(i64 kind, i64 a, i64 b) {
+    switch (kind) {
+        case 0: return (i64)((uint64_t)a + (uint64_t)b); /* wrapping, as NumPy's int64 */
+        case 1: return (i64)((uint64_t)a - (uint64_t)b);
+        case 2: return (i64)((uint64_t)a * (uint64_t)b);
+        case 4: {
+            if (b == 0) return 0;
+            if (b == -1) return 0; /* (INT64_MIN % -1 traps) */
+            const i64 r = a % b;
+            return r != 0 && ((r < 0) != (b < 0)) ? r + b : r;
+        }
+        case 5: return a & b;
+        case 6: return a | b;
+        default: return a ^ b;
+    }
+}
+
+static inline float binary_f32(i64 kind, float a, float b) {
+    switch (kind) {
+        case 0: return a + b;
+        case 1: return a - b;
+        case 2: return a * b;
+        default: return a / b;
+    }
+}
 
 i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, const float *zero, const float *bias,
                          float *out, void *work, i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads);
@@ -166,6 +195,26 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
                         } else
                             for (i64 i3 = 0; i3 < n[3]; i3++, dst += item) memcpy(dst, row + i3 * st[3], item);
                     }
+            return 1;
+        }
+        case OP_BINARY: {
+            const char *x = PTR(1), *y = PTR(3);
+            char *out = PTR(5);
+            const i64 kind = a[7], dtype = a[8], *n = a + 9, *xs = a + 13, *ys = a + 17;
+            i64 o = 0;
+            for (i64 i0 = 0; i0 < n[0]; i0++)
+                for (i64 i1 = 0; i1 < n[1]; i1++)
+                    for (i64 i2 = 0; i2 < n[2]; i2++)
+                        for (i64 i3 = 0; i3 < n[3]; i3++, o++) {
+                            const i64 xi = i0 * xs[0] + i1 * xs[1] + i2 * xs[2] + i3 * xs[3];
+                            const i64 yi = i0 * ys[0] + i1 * ys[1] + i2 * ys[2] + i3 * ys[3];
+                            if (dtype == 0) ((i64 *)out)[o] = binary_i64(kind, ((const i64 *)x)[xi], ((const i64 *)y)[yi]);
+                            else if (dtype == 1)
+                                ((float *)out)[o] = binary_f32(kind, ((const float *)x)[xi], ((const float *)y)[yi]);
+                            else
+                                ((unsigned char *)out)[o] = (unsigned char)binary_i64(
+                                    kind, ((const unsigned char *)x)[xi], ((const unsigned char *)y)[yi]);
+                        }
             return 1;
         }
         default: return 0;
