@@ -511,3 +511,51 @@ def test_compiled_rope_cache_update_leaves_bad_positions_to_numpy():
     assert native.rope_cache_update(q, k, v, cos, sin, k_cache, v_cache, np.array([1], np.int32), False) is None
     assert native.rope_cache_update(q.astype(np.float64), k, v, cos, sin, k_cache, v_cache, np.array([1]),
                                     False) is None
+
+
+@needs_native
+@pytest.mark.parametrize("B,Hq,Hkv,T,S,D,window", [(3, 4, 2, 1, 20, 16, 0), (2, 6, 3, 3, 17, 8, 5),
+                                                   (4, 2, 2, 2, 9, 32, 3)])
+def test_compiled_slot_attention_matches_float64(B, Hq, Hkv, T, S, D, window):
+    """kiln_slot_attention_f32: each query of each sequence over its own slot's keys up to its position (within the
+    window), GQA; the NumPy composition in float64 is the reference; an index outside the cache writes nothing."""
+    from kiln.runtime.backends.array_api.attention import slot_attention as reference
+
+    rng = np.random.default_rng(B * 10 + S)
+    count = B + 2
+    q = rng.standard_normal((B, Hq, T, D), dtype=np.float32)
+    k_cache, v_cache = (rng.standard_normal((count, S, Hkv, D), dtype=np.float32) for _ in range(2))
+    slots = rng.permutation(count)[:B].astype(np.int64)
+    positions = np.sort(rng.integers(0, S, (B, T)), axis=1).astype(np.int64)
+    got = native.slot_attention(q, k_cache, v_cache, slots, positions, 0.3, window)
+    want = reference(np, q.astype(np.float64), k_cache[slots].astype(np.float64), v_cache[slots].astype(np.float64),
+                     positions, 0, 0.3, window)
+    assert got is not None
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert native.slot_attention(q, k_cache, v_cache, slots + count, positions, 0.3, window) is None
+    assert native.slot_attention(q, k_cache, v_cache, slots, positions + S, 0.3, window) is None
+
+
+@needs_native
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_compiled_rope_slot_update_matches_float64(interleaved):
+    """kiln_rope_slot_update_f32: one token of each sequence roped and written at (slot, position) of the caches
+    (negative indices from the end), q roped; a slot outside the cache writes nothing."""
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, D, S, count = 3, 4, 2, 8, 10, 5
+    q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32).transpose(0, 2, 1, 3)
+    k, v = (rng.standard_normal((B, 1, Hkv, D), dtype=np.float32) for _ in range(2))
+    angles = rng.uniform(0, 6, (B, 1, 1, D)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    k_cache, v_cache = (rng.standard_normal((count, S, Hkv, D), dtype=np.float32) for _ in range(2))
+    want_k, want_v = k_cache.astype(np.float64), v_cache.astype(np.float64)
+    slots, positions = np.array([[4], [0], [-1]]), np.array([[2], [9], [-3]])
+    q_out = native.rope_slot_update(q, k, v, cos, sin, k_cache, v_cache, slots, positions, interleaved)
+    np.testing.assert_allclose(q_out, _rope_reference(q, cos, sin, interleaved), rtol=1e-5, atol=1e-6)
+    want_k[slots[:, 0], positions[:, 0]] = _rope_reference(k, cos, sin, interleaved)[:, 0]
+    want_v[slots[:, 0], positions[:, 0]] = v[:, 0]
+    np.testing.assert_allclose(k_cache, want_k, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(v_cache, want_v.astype(np.float32))
+    before = k_cache.copy()
+    assert native.rope_slot_update(q, k, v, cos, sin, k_cache, v_cache, slots + 9, positions, interleaved) is None
+    np.testing.assert_array_equal(k_cache, before)

@@ -179,3 +179,28 @@ def test_elementwise_arithmetic_gives_numpys_bits(monkeypatch):
     for g, w, e in zip(got, want, eager, strict=True):
         assert g.dtype == w.dtype and np.array_equal(g, w)
         assert np.array_equal(g, e.numpy()) if g.dtype != np.float32 else np.allclose(g, e.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"], ids=["float32", "int4"])
+def test_serving_decode_steps_lower_whole(quantize, monkeypatch):
+    """A serving program's decode step (several sequences, each at its own slot and position: the slotted RoPE +
+    cache write and slot_attention) runs lowered, to the Python path's bits, state included; a slot outside the
+    cache raises what the Python path raises."""
+    options = {} if quantize is None else {"quantize": quantize}
+    program = export_llama(tiny_decoder("llama"), CONTEXT, CHUNK, slots=4, **options).load()
+    native_session, python_session = _sessions(program)
+    steps = [([[5], [7]], [0, 3], [2, 0]), ([[9], [1]], [1, 4], [2, 0]), ([[3], [4], [8]], [2, 5, 0], [2, 0, 3])]
+    for tokens, positions, slots in steps:
+        args = (np.array(tokens, np.int64), np.array(positions, np.int64), np.array(slots, np.int64))
+        (got,) = _run(native_session, "decode", *args, executor="native", monkeypatch=monkeypatch)
+        (want,) = _run(python_session, "decode", *args, executor="python", monkeypatch=monkeypatch)
+        assert np.array_equal(got, want)
+    assert _lowered(native_session, "decode")
+    for got, want in zip(native_session.state, python_session.state, strict=True):
+        assert np.array_equal(got, want)
+    bad = (np.array([[5]], np.int64), np.array([1], np.int64), np.array([4], np.int64))
+    with pytest.raises(KilnError) as lowered_error:
+        _run(native_session, "decode", *bad, executor="native", monkeypatch=monkeypatch)
+    with pytest.raises(KilnError) as python_error:
+        _run(python_session, "decode", *bad, executor="python", monkeypatch=monkeypatch)
+    assert str(lowered_error.value) == str(python_error.value)

@@ -61,6 +61,10 @@ def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarr
         q_out = native.rope_cache_update(q, k, v, cos, sin, k_cache, v_cache, indices[0], interleaved)
         if q_out is not None:
             return q_out, k_cache, v_cache
+    if in_place and len(indices) == 2 and list(dims) == [0, 1]:  # a serving program's step: (slot, position)
+        q_out = native.rope_slot_update(q, k, v, cos, sin, k_cache, v_cache, *indices, interleaved)
+        if q_out is not None:
+            return q_out, k_cache, v_cache
     write = functools.partial(array_api.index.index_put, np, dims=dims, accumulate=False, in_place=in_place)
     return (rope(q, cos, sin, interleaved), write(k_cache, rope(k, cos, sin, interleaved), *indices),
             write(v_cache, v, *indices))
@@ -78,11 +82,15 @@ def check_slots(slots: np.ndarray, positions: np.ndarray, slot_count: int, lengt
 @kernel("slot_attention")
 def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, positions: np.ndarray,
                    scale: float, window: int = 0) -> np.ndarray:
-    """Gathers only the keys some query of the batch sees (from the earliest any window starts to the latest
-    position), so a step costs what its positions reach, not the cache's length."""
+    """A few queries a sequence: compiled, each query reading only the keys it sees (native.slot_attention).
+    Otherwise gathers only the keys some query of the batch sees (from the earliest any window starts to the
+    latest position), so a step costs what its positions reach, not the cache's length."""
     check_slots(slots, positions, k_cache.shape[0], k_cache.shape[1])
     if q.size == 0:
         return np.zeros(q.shape[:-1] + v_cache.shape[-1:], q.dtype)
+    compiled = native.slot_attention(q, k_cache, v_cache, slots, positions, scale, window)  # a few queries each
+    if compiled is not None:
+        return compiled.astype(q.dtype, copy=False)
     last = int(positions.max()) + 1
     first = max(0, int(positions.min()) - window + 1) if window > 0 else 0
     dtype = q.dtype

@@ -38,7 +38,7 @@ from kiln.runtime.program import Program
 log = logging.getLogger("kiln.runtime.cpu")
 
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
-      "gather": 8, "compare": 9, "copy": 10, "binary": 11}
+      "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -376,6 +376,9 @@ def _add_rms_norm_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> Non
 @lowering("rope_cache_update")
 def _rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     q, k, v, cos, sin, k_cache, v_cache, *indices = _inputs(lw, node)
+    if bool(attrs["in_place"]) and len(indices) == 2 and tuple(attrs["dims"]) == (0, 1):
+        _rope_slot_update(lw, node, attrs)
+        return
     _need(bool(attrs["in_place"]) and len(indices) == 1 and tuple(attrs["dims"]) == (2,), "one index on dim 2")
     positions = lw.contiguous(indices[0])
     _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v, k_cache, v_cache)), "rank-4 float32")
@@ -392,6 +395,43 @@ def _rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.emit("rope_cache", q, k, v, cos, sin, k_cache, v_cache, positions, q_out, B, Hq, Hkv, L, D, S, *qs[:3],
             *ks[:3], *vs[:3], cs[0], cs[2], int(attrs["interleaved"]))
     lw.output(node, q_out, k_cache, v_cache)
+
+
+def _rope_slot_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """A serving program's step (native.rope_slot_update's contract): one token a sequence at (slot, position)."""
+    q, k, v, cos, sin, k_cache, v_cache, slots, positions = _inputs(lw, node)
+    _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v, k_cache, v_cache)), "rank-4 float32")
+    B, Hq, _, D = q.shape
+    count, S, Hkv = k_cache.shape[:3]
+    _need(q.shape[2] == 1 and k.shape == (B, 1, Hkv, D) and v.shape == k.shape and k_cache.shape[3] == D
+          and v_cache.shape == k_cache.shape and D % 2 == 0 and k_cache.contiguous and v_cache.contiguous, "shapes")
+    _need(all(i.dtype == I64 and i.size == B for i in (slots, positions)), "one int64 slot and position a sequence")
+    strides = [broadcast_strides(a, shape) for a, shape in ((q, q.shape), (k, k.shape), (v, v.shape),
+                                                            (cos, (B, 1, 1, D)), (sin, (B, 1, 1, D)))]
+    _need(strides[3] == strides[4] and all(s[3] == 1 for s in strides) and cos.dtype == F32 == sin.dtype, "layouts")
+    slots, positions = lw.contiguous(slots), lw.contiguous(positions)
+    q_out = lw.new(q.shape, F32)
+    qs, ks, vs, cs, _ = strides
+    lw.emit("rope_slot", q, k, v, cos, sin, k_cache, v_cache, slots, positions, q_out, B, Hq, Hkv, D, S, count,
+            qs[0], qs[1], ks[0], ks[2], vs[0], vs[2], cs[0], int(attrs["interleaved"]))
+    lw.output(node, q_out, k_cache, v_cache)
+
+
+@lowering("slot_attention")
+def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    q, k_cache, v_cache, slots, positions = _inputs(lw, node)
+    _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k_cache, v_cache)), "rank-4 float32")
+    B, Hq, T, D = q.shape
+    count, S, Hkv = k_cache.shape[:3]
+    _need(T <= native.ATTENTION_MAX_QUERIES and k_cache.shape[3] == D and Hkv > 0 and Hq % Hkv == 0
+          and v_cache.shape[:3] == (count, S, Hkv) and k_cache.contiguous and v_cache.contiguous, "shapes")
+    _need(slots.dtype == I64 and slots.shape == (B,) and positions.dtype == I64 and positions.shape == (B, T),
+          "int64 slots and positions")
+    q, slots, positions = lw.contiguous(q), lw.contiguous(slots), lw.contiguous(positions)
+    out = lw.new((B, Hq, T, v_cache.shape[3]), F32)
+    lw.emit("slot_attention", q, k_cache, v_cache, slots, positions, out, lw.work(4 * max(S, 1)), B, Hq, Hkv, T, S,
+            D, v_cache.shape[3], count, int(attrs["window"]), as_float_word(attrs["scale"]))
+    lw.output(node, out)
 
 
 @lowering("sdpa")

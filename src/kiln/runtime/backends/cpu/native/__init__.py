@@ -65,6 +65,8 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float,),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
+    "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
+    "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
     "kiln_execute": (_ptr, _i64, _ptr, _i64),
     "kiln_execute_words": (),
     "kiln_qdot_level": (),
@@ -72,7 +74,8 @@ SIGNATURES: dict[str, tuple] = {
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 RESULTS: dict[str, type] = {name: _i64 for name in ("kiln_qdot_level", "kiln_qlinear_dot_f32",
-                                                   "kiln_rope_cache_update_f32", "kiln_execute", "kiln_execute_words")}
+                                                   "kiln_rope_cache_update_f32", "kiln_execute", "kiln_execute_words",
+                                                   "kiln_slot_attention_f32", "kiln_rope_slot_update_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()
@@ -356,5 +359,62 @@ def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarr
             q.ctypes.data, k.ctypes.data, v.ctypes.data, cos.ctypes.data, sin.ctypes.data, k_cache.ctypes.data,
             v_cache.ctypes.data, positions.ctypes.data, out.ctypes.data, B, Hq, Hkv, L, D, S, *qs[:3], *ks[:3],
             *vs[:3], cs[0], cs[2], int(interleaved)):
+        return None
+    return out
+
+
+def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                   scale: float, window: int) -> np.ndarray | None:
+    """slot_attention of float32 q [B, Hq, T, D] (T <= ATTENTION_MAX_QUERIES) over contiguous caches
+    [slot_count, S, Hkv, D|Dv], slots int64 [B], positions int64 [B, T], in one compiled call (attention.c): each
+    query reads only the keys it sees. None when the helpers cannot take it or an index is outside the cache
+    (the caller's checks raise)."""
+    lib = library()
+    if lib is None or q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4 or q.shape[2] > ATTENTION_MAX_QUERIES:
+        return None
+    B, Hq, T, D = q.shape
+    count, S, Hkv = k_cache.shape[:3]
+    if q.dtype != np.float32 or not float32_contiguous(k_cache, v_cache) or k_cache.shape[3] != D or Hkv == 0 \
+            or Hq % Hkv or v_cache.shape[:3] != (count, S, Hkv) or slots.shape != (B,) or positions.shape != (B, T) \
+            or slots.dtype != np.int64 or positions.dtype != np.int64:
+        return None
+    q, slots, positions = (a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (q, slots, positions))
+    out = np.empty((B, Hq, T, v_cache.shape[3]), dtype=np.float32)
+    work = np.empty(max(S, 1), dtype=np.float32)
+    if out.size and not lib.kiln_slot_attention_f32(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
+                                                    slots.ctypes.data, positions.ctypes.data, out.ctypes.data,
+                                                    work.ctypes.data, B, Hq, Hkv, T, S, D, v_cache.shape[3], count,
+                                                    int(window), float(scale)):
+        return None
+    return out
+
+
+def rope_slot_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                     k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                     interleaved: bool) -> np.ndarray | None:
+    """rope_cache_update of a serving program's decode step (attention.c): float32 q [B, Hq, 1, D], k and v
+    [B, 1, Hkv, D], contiguous caches [slot_count, S, Hkv, D] written in place at (slots[b], positions[b]) (int64,
+    one per sequence), cos and sin one row per sequence (broadcastable to [B, 1, 1, D]); the roped q returned.
+    None when the helpers cannot take it or an index is outside the cache (writing nothing)."""
+    lib = library()
+    if lib is None or q.ndim != 4 or k.ndim != 4 or k_cache.ndim != 4:
+        return None
+    B, Hq, _, D = q.shape
+    count, S, Hkv = k_cache.shape[:3]
+    if q.shape[2] != 1 or k.shape != (B, 1, Hkv, D) or v.shape != k.shape or k_cache.shape[3] != D or D % 2 \
+            or v_cache.shape != k_cache.shape or not float32_contiguous(k_cache, v_cache) \
+            or any(i.dtype != np.int64 or i.size != B for i in (slots, positions)):
+        return None
+    views = [_row_strides(a, shape) for a, shape in ((q, q.shape), (k, k.shape), (v, v.shape), (cos, (B, 1, 1, D)),
+                                                     (sin, (B, 1, 1, D)))]
+    if any(s is None for s in views) or views[3] != views[4]:
+        return None
+    qs, ks, vs, cs, _ = views
+    slots, positions = (np.ascontiguousarray(i.reshape(B)) for i in (slots, positions))
+    out = np.empty(q.shape, dtype=np.float32)
+    if q.size and not lib.kiln_rope_slot_update_f32(
+            q.ctypes.data, k.ctypes.data, v.ctypes.data, cos.ctypes.data, sin.ctypes.data, k_cache.ctypes.data,
+            v_cache.ctypes.data, slots.ctypes.data, positions.ctypes.data, out.ctypes.data, B, Hq, Hkv, D, S, count,
+            qs[0], qs[1], ks[0], ks[2], vs[0], vs[2], cs[0], int(interleaved)):
         return None
     return out

@@ -61,6 +61,31 @@ static inline void weighted_sum(float *restrict o, const float *restrict p, i64 
     }
 }
 
+/* softmax(q . k_j * scale) over keys j < count (k_j at kq + j * ks; mq, when given, hides key j where mq[j * ms]
+ * is 0) times the values at vq + j * vs, into oi; NaN where no key is seen, as the reference's softmax gives */
+static void attend(const float *restrict qi, const float *restrict kq, i64 ks, const float *restrict vq, i64 vs,
+                   const unsigned char *restrict mq, i64 ms, i64 count, i64 D, i64 Dv, float scale,
+                   float *restrict work, float *restrict oi) {
+    float top = -INFINITY;
+    for (i64 j = 0; j < count; j++) {
+        work[j] = mq && !mq[j * ms] ? -INFINITY : dot(qi, kq + j * ks, D) * scale;
+        top = work[j] > top ? work[j] : top;
+    }
+    if (!(top > -INFINITY)) { /* no key seen (or NaN scores) */
+        for (i64 e = 0; e < Dv; e++) oi[e] = NAN;
+        return;
+    }
+    for (i64 j = 0; j < count; j++) work[j] = exp_f32(work[j] - top); /* (vectorized; hidden keys: 0) */
+    v16 sums = {0};
+    i64 j = 0;
+    for (; j + 16 <= count; j += 16) sums += *(const v16u *)(work + j);
+    float total = sum_lanes(sums);
+    for (; j < count; j++) total += work[j];
+    weighted_sum(oi, work, count, vq, vs, Dv);
+    const float inverse = 1.0f / total;
+    for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
+}
+
 void kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
                         const unsigned char *restrict mask, float *restrict out, float *restrict work, i64 B, i64 Hq,
                         i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb,
@@ -72,7 +97,6 @@ void kiln_attention_f32(const float *restrict q, const float *restrict k, const 
                 const float *qi = q + ((b * Hq + h) * L + i) * D;
                 const float *kh0 = k + b * kb + (h / group) * kh, *vh0 = v + b * vb + (h / group) * vh;
                 const unsigned char *mi = mask ? mask + b * mb + h * mh + i * ml : 0;
-                float *oi = out + ((b * Hq + h) * L + i) * Dv;
                 const i64 last = causal ? i : S - 1; /* the last key this query may see (causal: as tril(ones(L, S))) */
                 /* keys first..seen-1 may be seen: the mask's first and last true entry bound them */
                 i64 seen = last < S ? last + 1 : S, first = 0;
@@ -80,34 +104,34 @@ void kiln_attention_f32(const float *restrict q, const float *restrict k, const 
                     while (first < seen && !mi[first * ms]) first++;
                     while (seen > first && !mi[(seen - 1) * ms]) seen--;
                 }
-                const float *kq = kh0 + first * ks, *vq = vh0 + first * vs;
-                const unsigned char *mq = mi ? mi + first * ms : 0;
-                seen -= first;
-                float top = -INFINITY;
-                for (i64 j = 0; j < seen; j++) {
-                    /* a decode step finds its cache rows in DRAM (the weights streamed through since the last
-                     * step): ask for keys 8 ahead, and for the values the weighted sum reads next */
-                    if (0) {
-                        for (i64 line = 0; line < D; line += 16) __builtin_prefetch(kq + (j + 8) * ks + line);
-                        for (i64 line = 0; line < Dv; line += 16) __builtin_prefetch(vq + (j + 8) * vs + line);
-                    }
-                    work[j] = mq && !mq[j * ms] ? -INFINITY : dot(qi, kq + j * ks, D) * scale;
-                    top = work[j] > top ? work[j] : top;
-                }
-                if (!(top > -INFINITY)) { /* no key seen (or NaN scores): what the reference's softmax gives */
-                    for (i64 e = 0; e < Dv; e++) oi[e] = NAN;
-                    continue;
-                }
-                for (i64 j = 0; j < seen; j++) work[j] = exp_f32(work[j] - top); /* (vectorized; hidden keys: 0) */
-                v16 sums = {0};
-                i64 j = 0;
-                for (; j + 16 <= seen; j += 16) sums += *(const v16u *)(work + j);
-                float total = sum_lanes(sums);
-                for (; j < seen; j++) total += work[j];
-                weighted_sum(oi, work, seen, vq, vs, Dv);
-                const float inverse = 1.0f / total;
-                for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
+                attend(qi, kh0 + first * ks, ks, vh0 + first * vs, vs, mi ? mi + first * ms : 0, ms, seen - first, D,
+                       Dv, scale, work, out + ((b * Hq + h) * L + i) * Dv);
             }
+}
+
+/* slot_attention for a few queries a sequence: query t of sequence b sees the cache positions lo..p of its slot,
+ * p = positions[b][t] and lo = p - window + 1 (window > 0) or 0, and no others. q [B, Hq, T, D], caches
+ * [slots, S, Hkv, D] and [slots, S, Hkv, Dv], out [B, Hq, T, Dv], all contiguous; slots [B], positions [B, T]
+ * int64. Returns 0, writing nothing, when a slot or a position is outside the cache (the caller raises). */
+i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
+                            const i64 *restrict slots, const i64 *restrict positions, float *restrict out,
+                            float *restrict work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv, i64 slot_count,
+                            i64 window, float scale) {
+    for (i64 b = 0; b < B; b++) {
+        if (slots[b] < 0 || slots[b] >= slot_count) return 0;
+        for (i64 t = 0; t < T; t++)
+            if (positions[b * T + t] < 0 || positions[b * T + t] >= S) return 0;
+    }
+    const i64 group = Hq / Hkv;
+    for (i64 b = 0; b < B; b++)
+        for (i64 h = 0; h < Hq; h++)
+            for (i64 t = 0; t < T; t++) {
+                const i64 p = positions[b * T + t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+                const i64 row = (slots[b] * S + lo) * Hkv + h / group;
+                attend(q + ((b * Hq + h) * T + t) * D, k + row * D, Hkv * D, v + row * Dv, Hkv * Dv, 0, 0, p - lo + 1,
+                       D, Dv, scale, work, out + ((b * Hq + h) * T + t) * Dv);
+            }
+    return 1;
 }
 
 /* RoPE of x's D values (a row) by cos and sin rows into y: y = x cos + rotate(x) sin, where rotate pairs element j
@@ -157,5 +181,34 @@ i64 kiln_rope_cache_update_f32(const float *restrict q, const float *restrict k,
                 for (i64 i = 0; i < D; i++) v_cache[row + i] = vr[i];
             }
         }
+    return 1;
+}
+
+/* rope_cache_update of a serving program's decode step: one token of each of B sequences, k and v [B, 1, Hkv, D]
+ * (by strides over sequence and head) written roped / as they are at (slots[b], positions[b]) of contiguous caches
+ * [slot_count, S, Hkv, D]; q [B, Hq, 1, D] by strides, roped into contiguous q_out; cos and sin one row a sequence
+ * (stride csb). Negative indices count from the end, as NumPy's; returns 0, writing nothing, when one is outside. */
+i64 kiln_rope_slot_update_f32(const float *restrict q, const float *restrict k, const float *restrict v,
+                              const float *restrict cos, const float *restrict sin, float *restrict k_cache,
+                              float *restrict v_cache, const i64 *restrict slots, const i64 *restrict positions,
+                              float *restrict q_out, i64 B, i64 Hq, i64 Hkv, i64 D, i64 S, i64 slot_count, i64 qsb,
+                              i64 qsh, i64 ksb, i64 ksh, i64 vsb, i64 vsh, i64 csb, i64 interleaved) {
+    for (i64 b = 0; b < B; b++) {
+        const i64 s = slots[b] < 0 ? slots[b] + slot_count : slots[b], p = positions[b] < 0 ? positions[b] + S
+                                                                                            : positions[b];
+        if (s < 0 || s >= slot_count || p < 0 || p >= S) return 0;
+    }
+    for (i64 b = 0; b < B; b++) {
+        const i64 s = slots[b] < 0 ? slots[b] + slot_count : slots[b], p = positions[b] < 0 ? positions[b] + S
+                                                                                            : positions[b];
+        const float *c = cos + b * csb, *sn = sin + b * csb;
+        for (i64 h = 0; h < Hq; h++) rope_row(q + b * qsb + h * qsh, c, sn, q_out + (b * Hq + h) * D, D, (int)interleaved);
+        for (i64 h = 0; h < Hkv; h++) {
+            const i64 row = ((s * S + p) * Hkv + h) * D;
+            rope_row(k + b * ksb + h * ksh, c, sn, k_cache + row, D, (int)interleaved);
+            const float *vr = v + b * vsb + h * vsh;
+            for (i64 i = 0; i < D; i++) v_cache[row + i] = vr[i];
+        }
+    }
     return 1;
 }

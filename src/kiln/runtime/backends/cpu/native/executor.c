@@ -31,6 +31,8 @@ enum {
     OP_COMPARE = 9,   /* a b out | kind dtype(0 int64, 1 float32) shape[4] a_strides[4] b_strides[4] (elements) */
     OP_COPY = 10,     /* src dst | item shape[4] src_strides[4] (bytes); dst contiguous */
     OP_BINARY = 11,   /* a b out | kind dtype(0 int64, 1 float32, 2 bool) shape[4] a_strides[4] b_strides[4] */
+    OP_SLOT_ATTENTION = 12, /* q k_cache v_cache slots positions out work | 9 sizes, scale(float bits) */
+    OP_ROPE_SLOT = 13,      /* q k v cos sin k_cache v_cache slots positions q_out | 14 sizes and strides */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -76,6 +78,13 @@ i64 kiln_rope_cache_update_f32(const float *q, const float *k, const float *v, c
 void kiln_attention_f32(const float *q, const float *k, const float *v, const unsigned char *mask, float *out,
                         float *work, i64 B, i64 Hq, i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks,
                         i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms, i64 causal, float scale);
+i64 kiln_slot_attention_f32(const float *q, const float *k, const float *v, const i64 *slots, const i64 *positions,
+                            float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
+                            i64 slot_count, i64 window, float scale);
+i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                              float *k_cache, float *v_cache, const i64 *slots, const i64 *positions, float *q_out,
+                              i64 B, i64 Hq, i64 Hkv, i64 D, i64 S, i64 slot_count, i64 qsb, i64 qsh, i64 ksb,
+                              i64 ksh, i64 vsb, i64 vsh, i64 csb, i64 interleaved);
 void kiln_dequantize_f32(const void *qv, const float *scale, const float *zero, float *w, i64 rows, i64 k, i64 bits,
                          i64 group);
 void kiln_silu_f32(const float *x, float *y, i64 n);
@@ -216,6 +225,17 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
                                     kind, ((const unsigned char *)x)[xi], ((const unsigned char *)y)[yi]);
                         }
             return 1;
+        }
+        case OP_SLOT_ATTENTION: {
+            const i64 *s = a + 15;
+            return (int)kiln_slot_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), s[0], s[1],
+                                                s[2], s[3], s[4], s[5], s[6], s[7], s[8], as_float(s[9]));
+        }
+        case OP_ROPE_SLOT: {
+            const i64 *s = a + 21;
+            return (int)kiln_rope_slot_update_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), PTR(15),
+                                                  PTR(17), PTR(19), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+                                                  s[8], s[9], s[10], s[11], s[12], s[13]);
         }
         default: return 0;
     }
