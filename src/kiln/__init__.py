@@ -9,9 +9,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from kiln.errors import (
+# The CPU backend's compiled helpers split few-row work over their own thread pool, between NumPy's BLAS calls.
+# OpenBLAS's threads busy-wait 2^28 cycles (~0.1 s) after each call and took those cores: a decode step right after
+# a prefill ran 7x slower for its first ~0.1 s (docs/benchmarks.md). 2^20 cycles (~0.4 ms) still covers the gap
+# between a prefill's BLAS calls. OpenBLAS reads this when NumPy loads it, so it applies where kiln is imported
+# first (the command line, `python -m kiln.demo`); a value already set wins.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
+
+from kiln.errors import (  # noqa: E402 - after the environment above, before NumPy loads
     BackendUnavailableError,
     InputError,
     KernelError,
@@ -19,7 +27,7 @@ from kiln.errors import (
     ProgramFormatError,
     UnsupportedOpsError,
 )
-from kiln.runtime import Program, Session, load
+from kiln.runtime import Program, Session, load  # noqa: E402
 
 __version__ = "0.1.0"
 
