@@ -16,6 +16,7 @@ from kiln.export.symbols import SymbolTable, Unsupported
 from kiln.ir import ops
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import NO_VALUE, Node, Value, ValueKind
+from kiln.registry import register_once
 
 Handler = Callable[["LowerContext", torch.fx.Node], Any]
 HANDLERS: dict[Any, Handler] = {}
@@ -36,13 +37,7 @@ def kiln_dtype(dtype: torch.dtype) -> DType:
 
 
 def lowering(*targets: Any) -> Callable[[Handler], Handler]:
-    def deco(fn: Handler) -> Handler:
-        for t in targets:
-            if t in HANDLERS:
-                raise ValueError(f"lowering for {t} registered twice")
-            HANDLERS[t] = fn
-        return fn
-    return deco
+    return register_once(HANDLERS, "lowering", targets)
 
 
 def target_name(target: Any) -> str:

@@ -9,21 +9,11 @@ from typing import Any
 import numpy as np
 
 from kiln.ir.graph import Method, Node, StateBuffer, ValueKind
+from kiln.registry import register_once
 
 Kernel = Callable[..., Any]
 Prepared = tuple[Kernel, tuple[int, ...]]
 """A kernel specialized at plan time and the values it reads (Backend.prepare)."""
-
-
-def _register_once(table: dict[str, Any], label: str, names: tuple[str, ...]) -> Callable[[Any], Any]:
-    """A decorator entering fn under each of `names` in table; a name entered twice is a bug."""
-    def deco(fn: Any) -> Any:
-        for name in names:
-            if name in table:
-                raise ValueError(f"{label} for {name!r} registered twice")
-            table[name] = fn
-        return fn
-    return deco
 
 
 class KernelRegistry:
@@ -34,7 +24,7 @@ class KernelRegistry:
         self.kernels: dict[str, Kernel] = {}
 
     def register(self, *names: str) -> Callable[[Kernel], Kernel]:
-        return _register_once(self.kernels, f"{self.backend} kernel", names)
+        return register_once(self.kernels, f"{self.backend} kernel", names)
 
     def add(self, name: str, fn: Kernel) -> None:
         self.register(name)(fn)
@@ -71,7 +61,7 @@ class PreparerRegistry:
         self.preparers: dict[str, Callable[..., Prepared | None]] = {}
 
     def register(self, *ops: str) -> Callable[[Callable[..., Prepared | None]], Callable[..., Prepared | None]]:
-        return _register_once(self.preparers, f"{self.backend} preparer", ops)
+        return register_once(self.preparers, f"{self.backend} preparer", ops)
 
     def prepare(self, context: Any, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
         fn = self.preparers.get(node.op)

@@ -31,6 +31,7 @@ import numpy as np
 from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
 from kiln.ir.ops import COMPARE
 from kiln.ir.symbolic import resolve_shape
+from kiln.registry import register_once
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cpu import linalg, native, quant
 from kiln.runtime.program import Program
@@ -110,20 +111,11 @@ def elements(loc: Loc) -> tuple[int, ...]:
 
 
 def broadcast_strides(loc: Loc, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """loc's element strides read as `shape` (right-aligned; broadcast dims stride 0), or Decline."""
-    pad = len(shape) - len(loc.shape)
-    if pad < 0:
-        raise Decline("broadcast to fewer dims")
-    out = []
-    for i, want in enumerate(shape):
-        j = i - pad
-        if j < 0 or loc.shape[j] == 1:
-            out.append(0)
-        elif loc.shape[j] == want:
-            out.append(loc.strides[j] // loc.dtype.itemsize)
-        else:
-            raise Decline("shapes do not broadcast")
-    return tuple(out)
+    """loc's element strides read as `shape` (native.broadcast_strides), or Decline."""
+    strides = native.broadcast_strides(loc.shape, loc.strides, loc.dtype.itemsize, shape)
+    if strides is None:
+        raise Decline(f"{list(loc.shape)} does not broadcast to {list(shape)}")
+    return strides
 
 
 def as_float_word(x: float) -> int:
@@ -218,11 +210,7 @@ LOWERINGS: dict[str, Lower] = {}
 
 
 def lowering(*ops: str) -> Callable[[Lower], Lower]:
-    def deco(fn: Lower) -> Lower:
-        for op in ops:
-            LOWERINGS[op] = fn
-        return fn
-    return deco
+    return register_once(LOWERINGS, "cpu executor lowering", ops)
 
 
 def _inputs(lw: Lowering, node: Node) -> list[Loc | None]:
@@ -563,10 +551,6 @@ class NativePlan:
         self.output_bases = {root.output: root.base for root in lw.roots if root.output >= 0}
         self._state_seen: dict[int, tuple[Any, int]] = {}
         self._call = (self.code.ctypes.data, len(self.code), self.bases.ctypes.data)
-
-    @property
-    def instructions(self) -> int:
-        return len(self.code)
 
     def __call__(self, inputs: list[np.ndarray], state: list[np.ndarray]) -> list[np.ndarray] | None:
         bases, held = self.bases, []

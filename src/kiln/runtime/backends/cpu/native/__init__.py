@@ -304,10 +304,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     if mask is not None:
         if mask.dtype != np.bool_ or mask.ndim > 4:
             return None
-        shape, strides = (1,) * (4 - mask.ndim) + mask.shape, (0,) * (4 - mask.ndim) + mask.strides
-        if any(n not in (1, want) for n, want in zip(shape, (B, Hq, L, S), strict=True)):
+        mask_strides = broadcast_strides(mask.shape, mask.strides, 1, (B, Hq, L, S))
+        if mask_strides is None:
             return None
-        mask_strides = tuple(0 if n == 1 else s for n, s in zip(shape, strides, strict=True))
     else:
         mask_strides = (0, 0, 0, 0)
     q = q if q.flags.c_contiguous else np.ascontiguousarray(q)
@@ -320,18 +319,29 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     return out
 
 
+def broadcast_strides(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+                      target: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Element strides of an array (`shape`, byte `strides`) read as `target`: its shape right-aligned, each dim
+    1 (stride 0: broadcast) or target's; None when it does not broadcast so. How the helpers take a broadcast
+    operand (a mask, RoPE's cos and sin) without copying it."""
+    pad = len(target) - len(shape)
+    if pad < 0:
+        return None
+    out = []
+    for want, n, stride in zip(target, (1,) * pad + tuple(shape), (0,) * pad + tuple(strides), strict=True):
+        if n != 1 and n != want:
+            return None
+        out.append(0 if n == 1 else stride // itemsize)
+    return tuple(out)
+
+
 def _row_strides(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Element strides of float32 `a` read as `shape` (rank 4, a's shape right-aligned, each dim 1 or shape's;
-    broadcast dims stride 0), or None when it cannot be read so (another rank or size, last dim not contiguous)."""
-    if a.dtype != np.float32 or a.ndim > 4:
+    """Element strides of float32 `a` read as `shape` (broadcast_strides) with rows of shape[-1] contiguous
+    elements, or None."""
+    if a.dtype != np.float32 or a.shape[-1:] != shape[-1:]:
         return None
-    pad = 4 - a.ndim
-    sizes, strides = (1,) * pad + a.shape, (0,) * pad + a.strides
-    if any(n not in (1, want) for n, want in zip(sizes, shape, strict=True)) or sizes[3] != shape[3]:
-        return None
-    if sizes[3] > 1 and strides[3] != 4:
-        return None
-    return tuple(0 if n == 1 else st // 4 for n, st in zip(sizes, strides, strict=True))
+    strides = broadcast_strides(a.shape, a.strides, 4, shape)
+    return None if strides is None or (shape[-1] > 1 and strides[-1] != 1) else strides
 
 
 def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
