@@ -40,6 +40,11 @@ def _conv_cases():
     yield "dense_1x1_padded", 4, 5, 1, (6, 6), (1, 1), (1, 1), (1, 1), (1, 1), 1
     yield "dw_same_asymmetric", 6, 6, 6, (14, 14), (5, 5), (2, 2), ((1, 2), (2, 1)), (1, 1), 1  # (before, after)
     yield "dense_asymmetric", 3, 4, 1, (9, 8), (3, 3), (2, 2), ((0, 1), (1, 0)), (1, 1), 1
+    yield "dw_big_map", 18, 18, 18, (33, 31), (3, 3), (1, 1), (1, 1), (1, 1), 1  # plane by plane
+    yield "dw_big_map_s2_5x5", 5, 5, 5, (40, 36), (5, 5), (2, 2), (2, 2), (1, 1), 2
+    yield "pointwise_packed_7x7", 64, 96, 1, (7, 7), (1, 1), (1, 1), (0, 0), (1, 1), 2  # 49 = 32 + 16 + 1 columns
+    yield "pointwise_packed_tails", 70, 101, 1, (14, 15), (1, 1), (1, 1), (0, 0), (1, 1), 1  # 210 = 6 x 32 + 18
+    yield "pointwise_packed_1x1_map", 64, 96, 1, (1, 1), (1, 1), (1, 1), (0, 0), (1, 1), 3
     for i in range(6):  # random geometries: every combination path gets exercised
         k = tuple(int(v) for v in rng.integers(1, 6, 2))
         s = tuple(int(v) for v in rng.integers(1, 4, 2))
@@ -66,7 +71,8 @@ def test_compiled_conv2d_matches_torch(case, with_bias, activation):
     xt = F.pad(torch.from_numpy(x), (before[1], after[1], before[0], after[0]))
     want = F.conv2d(xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), s, 0, d, groups)
     want = ACTIVATIONS[activation][1](want).numpy()
-    if k == (1, 1) and not any(before + after) and groups == 1:
+    if k == (1, 1) and not any(before + after) and groups == 1 and (
+            c < conv_kernels.PACKED_MIN_INPUTS or o < conv_kernels.PACKED_MIN_OUTPUTS or size == (1, 1)):
         assert got is None  # left to the plain GEMM path
         return
     assert got is not None and got.shape == want.shape and got.flags.c_contiguous
@@ -74,18 +80,63 @@ def test_compiled_conv2d_matches_torch(case, with_bias, activation):
 
 
 @needs_native
-def test_winograd_weights_are_transformed_once_per_array():
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (12, 5, 32), (13, 7, 33), (5, 3, 17), (30, 40, 49), (100, 64, 196),
+                                   (25, 9, 20), (7, 0, 10), (37, 300, 70)])
+@pytest.mark.parametrize("activation", ["none", "relu6", "hardswish"])
+def test_packed_gemm_matches_float64_on_any_thread_count(m, k, n, activation, monkeypatch):
+    """Every tile shape (full, 16 wide, padded, single columns), rows past the last panel, strided operands; the same
+    bits on 1 and 2 threads."""
+    rng = np.random.default_rng(m * 1000 + n)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b_wide = rng.standard_normal((k, n + 3), dtype=np.float32) * 3
+    b = b_wide[:, 2:n + 2]  # rows of B strided
+    bias = rng.standard_normal(m, dtype=np.float32)
+    (name, lo, hi), fn = ACTIVATIONS[activation]
+    packed = native.pack_gemm_weight(a)
+    outs = []
+    for threads in (1, 2):
+        monkeypatch.setenv("KILN_THREADS", str(threads))
+        out = np.full((m, n + 5), np.nan, np.float32)
+        native.gemm_packed(packed, m, b, out[:, :n], bias, name, lo, hi)
+        assert np.isnan(out[:, n:]).all()  # nothing written past the output's columns
+        outs.append(out[:, :n])
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = fn(torch.from_numpy(a.astype(np.float64) @ b.astype(np.float64) + bias[:, None])).numpy()
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * np.sqrt(max(k, 1)) * 3)
+
+
+@needs_native
+@pytest.mark.parametrize("shape,kernel,stride", [((2, 37, 7, 7), 5, 1), ((1, 16, 14, 13), 3, 2), ((1, 5, 3, 3), 3, 1)])
+def test_depthwise_by_channel_blocks_is_the_same_on_any_thread_count(shape, kernel, stride, monkeypatch):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    w = rng.standard_normal((shape[1], 1, kernel, kernel), dtype=np.float32)
+    b = rng.standard_normal(shape[1], dtype=np.float32)
+    outs = []
+    for threads in (1, 2):
+        monkeypatch.setenv("KILN_THREADS", str(threads))
+        outs.append(conv_kernels._conv2d_compiled(x, w, b, (stride, stride), (kernel // 2,) * 2, (kernel // 2,) * 2,
+                                                  (1, 1), shape[1], ("hardswish", None, None)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = F.hardswish(F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), stride, kernel // 2,
+                                1, shape[1])).numpy()
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * kernel)
+
+
+@needs_native
+@pytest.mark.parametrize("kind,c,o,k", [("winograd", 8, 8, 3), ("gemm", 64, 96, 1)])
+def test_weights_are_transformed_once_per_array(kind, c, o, k):
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((1, 8, 16, 16), dtype=np.float32)
-    w = rng.standard_normal((8, 8, 3, 3), dtype=np.float32)
-    args = (None, (1, 1), (1, 1), (1, 1), (1, 1), 1, ("none", None, None))
+    x = rng.standard_normal((1, c, 16, 16), dtype=np.float32)
+    w = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    args = (None, (1, 1), (k // 2, k // 2), (k // 2, k // 2), (1, 1), 1, ("none", None, None))
     first = conv_kernels._conv2d_compiled(x, w, *args)
-    cached = conv_kernels._winograd_weights[id(w)][1]
+    key = (kind, id(w))
+    cached = conv_kernels._derived[key][1]
     np.testing.assert_array_equal(conv_kernels._conv2d_compiled(x, w, *args), first)
-    assert conv_kernels._winograd_weights[id(w)][1] is cached
-    key = id(w)
+    assert conv_kernels._derived[key][1] is cached
     del w
-    assert key not in conv_kernels._winograd_weights  # dropped with its weight
+    assert key not in conv_kernels._derived  # dropped with its weight
 
 
 @needs_native

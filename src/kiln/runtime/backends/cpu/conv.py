@@ -5,6 +5,7 @@ cache-sized bands), the portable ones (kiln.runtime.backends.array_api.conv) for
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,9 +50,11 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     """2-d float32 convolution through the compiled helpers (bias and activation included), or None where they do
     not apply.
 
-    Depthwise runs entirely compiled (5-10x NumPy's tap loop on 7x7 to 28x28 maps, on par with PyTorch's); 3x3
-    stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3); other kernels bigger than 1x1 build im2col
-    compiled, without a padded copy of the input, and multiply with BLAS.
+    Depthwise runs entirely compiled: plane by plane on big maps, 16 channels a vector on small ones
+    (depthwise.c). 1x1 convolutions with enough inputs and outputs multiply by the weight packed once (gemm.c, bias
+    and activation applied as the tiles are stored), the rest by BLAS and a pass for the epilogue. 3x3 stride-1
+    convolutions on maps big enough use Winograd F(2x2, 3x3); other kernels bigger than 1x1 build im2col compiled,
+    without a padded copy of the input, and multiply with BLAS.
     """
     lib = native.library()
     if lib is None or x.ndim != 4 or not native.float32_contiguous(weight, bias) or x.dtype != np.float32:
@@ -63,14 +66,25 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
         return None
     x = np.ascontiguousarray(x)
     activation, lo, hi = act
+    code, bounds = native.ACTIVATION_CODES[activation], native.bounds(lo, hi)
     if cg == 1 and groups == c == o:
         out = np.empty((n, c, oh, ow), dtype=np.float32)
-        lib.kiln_dwconv2d_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n * c, c, h,
-                              w, kh, kw, *stride, *padding, *dilation, oh, ow, native.ACTIVATION_CODES[activation],
-                              *native.bounds(lo, hi))
+        if oh * ow <= DEPTHWISE_BLOCKED_MAX_PIXELS:
+            lib.kiln_dwconv2d_blocked_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data,
+                                          n, c, h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds,
+                                          native.threads())
+        else:
+            lib.kiln_dwconv2d_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n * c, c,
+                                  h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds)
         return out
     if kh == kw == 1 and not any(padding) and not any(padding_end):
-        return None  # already one GEMM on the (strided) input
+        if tuple(stride) != (1, 1) or groups != 1 or c < PACKED_MIN_INPUTS or o < PACKED_MIN_OUTPUTS or h * w == 1:
+            return None  # one BLAS GEMM on the (strided) input, then the epilogue (convolve)
+        packed = _packed_weight(weight)
+        out = np.empty((n, o, h * w), dtype=np.float32)
+        for b in range(n):
+            native.gemm_packed(packed, o, x[b].reshape(c, h * w), out[b], bias, *act)
+        return out.reshape(n, o, oh, ow)
     if (kh, kw, *stride, *dilation, groups) == (3, 3, 1, 1, 1, 1, 1) and min(c, o) >= _WINOGRAD_MIN_CHANNELS \
             and n * ((oh + 1) // 2) * ((ow + 1) // 2) >= _WINOGRAD_MIN_TILES:
         return _winograd_3x3(lib, x, weight, bias, padding, oh, ow, act)
@@ -94,6 +108,18 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     return out
 
 
+DEPTHWISE_BLOCKED_MAX_PIXELS = 256
+"""Output maps up to this many pixels (16x16) go to the 16-channel kernel: 1.3-2x the plane kernel's speed on
+EfficientNet-lite0's and MobileNetV3's 7x7 and 14x14 layers; from 28x28 up the plane kernel is as fast or faster
+(3x3 on 28x28: 0.78x; 56x56: 0.6x), its per-plane costs spread over more pixels."""
+
+PACKED_MIN_INPUTS = 64
+PACKED_MIN_OUTPUTS = 96
+"""1x1 convolutions go to the packed GEMM from this many input and output channels. Measured in EfficientNet-lite0
+and MobileNetV3-small (1 thread): 10-20% faster than BLAS + epilogue on 80..1152 inputs x 96..1280 outputs;
+slower below (few outputs waste the 12-row tiles; with 16-40 inputs each tile's sums are too short to pay for
+storing it, and BLAS's blocking keeps big outputs' writes in order)."""
+
 _IM2COL_BAND_BYTES = 1 << 20
 """Patch-matrix size per band of output rows: about half this machine's 2 MiB L2, so the GEMM reads it from cache."""
 
@@ -104,20 +130,33 @@ transformed weights' traffic costs more than the multiplies it saves, and im2col
 _WINOGRAD_MIN_CHANNELS = 8
 
 _WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
-_winograd_weights: dict[int, tuple[weakref.ref, np.ndarray]] = {}
-"""U = G g G^T per weight array (by identity, dropped with the array): program constants are transformed once."""
+_derived: dict[tuple[str, int], tuple[weakref.ref, np.ndarray]] = {}
+"""Forms of a weight array made once (by identity, dropped with the array): program constants are transformed or
+packed when a run first meets them, not on every call."""
+
+
+def _derived_form(kind: str, weight: np.ndarray, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    key = (kind, id(weight))
+    cached = _derived.get(key)
+    if cached is not None and cached[0]() is weight:
+        return cached[1]
+    form = make(weight)
+    _derived[key] = (weakref.ref(weight, lambda _, key=key: _derived.pop(key, None)), form)
+    return form
 
 
 def _winograd_weight(weight: np.ndarray) -> np.ndarray:
-    key = id(weight)
-    cached = _winograd_weights.get(key)
-    if cached is not None and cached[0]() is weight:
-        return cached[1]
-    o, c = weight.shape[:2]
-    u = np.einsum("ai,ocij,bj->aboc", _WINOGRAD_G, weight.astype(np.float64), _WINOGRAD_G)
-    u = np.ascontiguousarray(u.reshape(16, o, c), dtype=np.float32)
-    _winograd_weights[key] = (weakref.ref(weight, lambda _, key=key: _winograd_weights.pop(key, None)), u)
-    return u
+    """U = G g G^T, [16, out, in]."""
+    def make(weight: np.ndarray) -> np.ndarray:
+        o, c = weight.shape[:2]
+        u = np.einsum("ai,ocij,bj->aboc", _WINOGRAD_G, weight.astype(np.float64), _WINOGRAD_G)
+        return np.ascontiguousarray(u.reshape(16, o, c), dtype=np.float32)
+    return _derived_form("winograd", weight, make)
+
+
+def _packed_weight(weight: np.ndarray) -> np.ndarray:
+    """The weight as [out, in * kh * kw] in gemm.c's panels."""
+    return _derived_form("gemm", weight, lambda w: native.pack_gemm_weight(w.reshape(w.shape[0], -1)))
 
 
 def _winograd_3x3(lib, x, weight, bias, padding, oh, ow, act) -> np.ndarray:

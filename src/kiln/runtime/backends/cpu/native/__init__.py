@@ -32,9 +32,10 @@ import numpy as np
 
 log = logging.getLogger("kiln.native")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c",
+                                                              "gemm.c", "depthwise.c"))
 """Compiled together into one library; HEADERS are what they include (the build key reads them all)."""
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h", "vec16.h"))
 FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-pthread")
 """gnu99 for the vector extensions; FMA contraction allowed; no -ffast-math, so NaN and inf keep their meaning;
@@ -68,12 +69,16 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
     "kiln_execute": (_ptr, _i64, _ptr, _i64),
+    "kiln_gemm_packed_size": (_i64, _i64),
+    "kiln_dwconv2d_blocked_f32": (_ptr,) * 4 + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float, _i64),
+    "kiln_gemm_pack_f32": (_ptr, _ptr, _i64, _i64, _i64),
+    "kiln_gemm_packed_f32": (_ptr,) * 4 + (_i64,) * 6 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_execute_words": (),
     "kiln_qdot_level": (),
     "kiln_qlinear_dot_f32": (_ptr,) * 7 + (_i64,) * 6,
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
-RESULTS: dict[str, type] = {name: _i64 for name in ("kiln_qdot_level", "kiln_qlinear_dot_f32",
+RESULTS: dict[str, type] = {name: _i64 for name in ("kiln_qdot_level", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32",
                                                    "kiln_rope_cache_update_f32", "kiln_execute", "kiln_execute_words",
                                                    "kiln_slot_attention_f32", "kiln_rope_slot_update_f32")}
 """The functions that return a value (the rest return nothing)."""
@@ -243,6 +248,31 @@ def clamp(x: np.ndarray, lo: float | None, hi: float | None, out: np.ndarray | N
 
 ACTIVATION_CODES = {"none": 0, "clamp": 1, "hardswish": 2}
 """A convolution's fused activation as the compiled kernels number it."""
+
+
+def pack_gemm_weight(weight: np.ndarray) -> np.ndarray | None:
+    """A float32 [m, k] matrix (a convolution's weight, [out, in * kh * kw]) in the panels gemm.c multiplies by;
+    None when the helpers cannot take it."""
+    lib = library()
+    if lib is None or weight.ndim != 2 or weight.dtype != np.float32:
+        return None
+    weight = np.ascontiguousarray(weight)
+    m, k = weight.shape
+    packed = np.empty(max(1, int(lib.kiln_gemm_packed_size(m, k))), np.float32)
+    lib.kiln_gemm_pack_f32(weight.ctypes.data, packed.ctypes.data, m, k, k)
+    return packed
+
+
+def gemm_packed(packed: np.ndarray, m: int, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None,
+                activation: str = "none", lo: float | None = None, hi: float | None = None) -> None:
+    """out[m, n] = A b (+ bias per row, then the activation), A packed by pack_gemm_weight; b a float32 [k, n]
+    matrix whose rows may be strided (its last axis contiguous), out float32 [m, n] likewise."""
+    k, n = b.shape
+    assert out.shape == (m, n) and float32_contiguous(bias) and b.dtype == out.dtype == np.float32
+    assert (b.size == 0 or b.strides[1] == 4) and (out.size == 0 or out.strides[1] == 4)
+    library().kiln_gemm_packed_f32(packed.ctypes.data, b.ctypes.data, address(bias), out.ctypes.data, m, n, k,
+                                   b.strides[0] // 4 if b.size else n, out.strides[0] // 4 if out.size else n,
+                                   ACTIVATION_CODES[activation], *bounds(lo, hi), threads())
 
 def unary(name: str, x: np.ndarray) -> np.ndarray | None:
     """f(x) by the compiled `kiln_<name>_f32` for float32 x; None when the helpers cannot take it."""

@@ -16,6 +16,7 @@
 
 #include "pool.h"
 
+#include "vec16.h"
 #include "vmath.h"
 
 /* erfc(|x|) by the Chebyshev fit of Numerical Recipes (fractional error below 1.2e-7). */
@@ -87,7 +88,7 @@ void kiln_clamp_f32(const float *x, float *y, i64 n, float lo, float hi) {
 }
 
 /* A convolution's fused activation over one run of outputs: 0 none, 1 clamp to [lo, hi], 2 hardswish. */
-static void activate(float *y, i64 n, int act, float lo, float hi) {
+void conv_activate(float *y, i64 n, int act, float lo, float hi) {
     if (act == 1)
         kiln_clamp_f32(y, y, n, lo, hi);
     else if (act == 2)
@@ -104,7 +105,7 @@ void kiln_bias_activate_f32(float *y, const float *bias, i64 planes, i64 channel
             const float b = bias[p % channels];
             for (i64 i = 0; i < size; i++) yp[i] += b;
         }
-        activate(yp, size, (int)act, lo, hi);
+        conv_activate(yp, size, (int)act, lo, hi);
     }
 }
 
@@ -119,15 +120,10 @@ void kiln_bias_activate_f32(float *y, const float *bias, i64 planes, i64 channel
  */
 #define DW_BLOCK 32 /* two vectors of 16 floats */
 
-/* GCC/Clang vector extensions, not intrinsics: the compiler maps them to the widest units -march=native has. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, for unaligned loads and stores */
 typedef unsigned char v16u8u __attribute__((vector_size(16), aligned(1))); /* 16 uint8, unaligned */
-typedef int v16i32 __attribute__((vector_size(64)));
 /* unsigned bytes to floats through 32-bit integers (GCC 12 scalarizes a direct char-to-float conversion, and
  * any signed one: int8 weights are read as q + 128, unsigned, and 128 is subtracted in float) */
 static inline v16 to_float16u(v16u8u b) { return __builtin_convertvector(__builtin_convertvector(b, v16i32), v16); }
-static inline v16 splat16(float v) { return (v16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
 void kiln_dwconv2d_f32(const float *restrict x, const float *restrict w, const float *restrict bias,
                        float *restrict y, i64 planes, i64 channels, i64 h, i64 wd, i64 kh, i64 kw, i64 sh, i64 sw,
@@ -193,7 +189,7 @@ void kiln_dwconv2d_f32(const float *restrict x, const float *restrict w, const f
         }
         float *yp = y + p * oh * ow;
         for (i64 r = 0; r < oh; r++) memcpy(yp + r * ow, wide + r * qw, (size_t)ow * sizeof(float));
-        activate(yp, oh * ow, (int)act, lo, hi); /* while the plane is in cache */
+        conv_activate(yp, oh * ow, (int)act, lo, hi); /* while the plane is in cache */
     }
     free(tap_off);
     free(scratch);
@@ -578,7 +574,7 @@ void kiln_winograd23_output_f32(const float *restrict m, const float *restrict b
                     }
                 }
             }
-            activate(plane, oh * ow, (int)act, lo, hi);
+            conv_activate(plane, oh * ow, (int)act, lo, hi);
         }
     free(row);
 }

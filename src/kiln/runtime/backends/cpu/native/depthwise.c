@@ -1,0 +1,115 @@
+/* Depthwise 2-d convolution over blocks of 16 channels, NCHW float32 in and out.
+ *
+ * Why: the plane-by-plane kernel (kernels.c) pays a fixed cost per channel plane (its padded copy, one vector
+ * block per tap, the copy out), which dominates on the small maps where networks put their many channels
+ * (EfficientNet-lite0: 1152 channels of 7x7, 11 GFLOP/s). Here the vector runs across 16 channels, as ONNX
+ * Runtime's NCHWc kernels do: every tap of every output pixel is one multiply-add of 16 lanes, with no lanes lost
+ * to a map's edge, whatever its size.
+ *
+ * How: for each block of 16 channels, a band of input rows is transposed into a zero-padded scratch of
+ * [row][column][16] (the padding written once, so the taps need no bounds checks), each output row is computed
+ * four pixels at a time with the 16 weights of a tap held in a vector, bias first and the fused activation in
+ * registers, and transposed back into the 16 output planes. Channels past the last full block compute on zero
+ * weights and are not written. Blocks go to the helpers' threads; every output is the same sum in the same order
+ * whatever the thread count.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+#include "vec16.h"
+
+enum { LANES = 16, PIXELS = 4, BAND_BYTES = 96 << 10 };
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *y;
+    i64 n, c, h, wd, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow, act;
+    float lo, hi;
+    i64 blocks; /* channel blocks per image */
+    i64 band;   /* output rows per band */
+} dw_args;
+
+static void dw_part(const void *ctx, i64 begin, i64 end) {
+    const dw_args *a = (const dw_args *)ctx;
+    const i64 taps = a->kh * a->kw;
+    /* padded input columns read, and slack for the pixels of a row's last block past its end (computed, never
+     * stored) */
+    const i64 cols = (a->ow - 1) * a->sw + (a->kw - 1) * a->dw + 1 + PIXELS * a->sw;
+    const i64 band_rows = (a->band - 1) * a->sh + (a->kh - 1) * a->dh + 1;
+    void *memory = NULL;
+    const size_t floats = (size_t)(band_rows * cols + taps + a->ow + PIXELS) * LANES;
+    if (posix_memalign(&memory, 64, floats * sizeof(float)) != 0) return;
+    v16 *in = (v16 *)memory;               /* [band_rows][cols] pixels of 16 channels */
+    v16 *wt = in + band_rows * cols;      /* [taps] */
+    v16 *row = wt + taps;                  /* one output row, [ow + PIXELS] */
+    const v16 lo = splat16(a->lo), hi = splat16(a->hi);
+    for (i64 task = begin; task < end; task++) {
+        const i64 image = task / a->blocks, c0 = (task % a->blocks) * LANES;
+        const i64 lanes = a->c - c0 < LANES ? a->c - c0 : LANES;
+        float bias_lanes[LANES] = {0};
+        for (i64 t = 0; t < taps; t++) wt[t] = splat16(0.0f);
+        for (i64 l = 0; l < lanes; l++) {
+            for (i64 t = 0; t < taps; t++) wt[t][l] = a->w[(c0 + l) * taps + t];
+            if (a->bias) bias_lanes[l] = a->bias[c0 + l];
+        }
+        v16 bias;
+        memcpy(&bias, bias_lanes, sizeof bias);
+        const float *xi = a->x + (image * a->c + c0) * a->h * a->wd;
+        float *yi = a->y + (image * a->c + c0) * a->oh * a->ow;
+        for (i64 r0 = 0; r0 < a->oh; r0 += a->band) {
+            const i64 r1 = r0 + a->band < a->oh ? r0 + a->band : a->oh;
+            const i64 in0 = r0 * a->sh - a->pt; /* input row of the band's first scratch row */
+            const i64 rows = (r1 - r0 - 1) * a->sh + (a->kh - 1) * a->dh + 1;
+            /* transpose the band's input rows in, zero outside the input */
+            memset(in, 0, (size_t)(rows * cols) * sizeof(v16));
+            const i64 j0 = a->pl > 0 ? a->pl : 0; /* scratch column of input column j0 - pl */
+            const i64 used = cols - PIXELS * a->sw;
+            const i64 j1 = a->wd + a->pl < used ? a->wd + a->pl : used;
+            for (i64 r = 0; r < rows; r++) {
+                const i64 src = in0 + r;
+                if (src < 0 || src >= a->h || j1 <= j0) continue;
+                float *dst = (float *)(in + r * cols);
+                for (i64 l = 0; l < lanes; l++) {
+                    const float *s = xi + (l * a->h + src) * a->wd - a->pl;
+                    for (i64 j = j0; j < j1; j++) dst[j * LANES + l] = s[j];
+                }
+            }
+            for (i64 oy = r0; oy < r1; oy++) {
+                const v16 *base = in + (oy - r0) * a->sh * cols;
+                for (i64 ox = 0; ox < a->ow; ox += PIXELS) {
+                    v16 acc[PIXELS];
+                    for (int p = 0; p < PIXELS; p++) acc[p] = bias;
+                    for (i64 ky = 0; ky < a->kh; ky++) {
+                        const v16 *line = base + ky * a->dh * cols + ox * a->sw;
+                        for (i64 kx = 0; kx < a->kw; kx++) {
+                            const v16 wv = wt[ky * a->kw + kx];
+                            const v16 *px = line + kx * a->dw;
+                            for (int p = 0; p < PIXELS; p++) acc[p] += wv * px[p * a->sw];
+                        }
+                    }
+                    for (int p = 0; p < PIXELS; p++) row[ox + p] = activate16(acc[p], (int)a->act, lo, hi);
+                }
+                const float *rf = (const float *)row;
+                for (i64 l = 0; l < lanes; l++) {
+                    float *out = yi + (l * a->oh + oy) * a->ow;
+                    for (i64 ox = 0; ox < a->ow; ox++) out[ox] = rf[ox * LANES + l];
+                }
+            }
+        }
+    }
+    free(memory);
+}
+
+/* y = depthwise conv(x, w) + bias, then act (0 none, 1 clamp [lo, hi], 2 hardswish); w [c][kh][kw], NCHW x, y. */
+void kiln_dwconv2d_blocked_f32(const float *x, const float *w, const float *bias, float *y, i64 n, i64 c, i64 h,
+                               i64 wd, i64 kh, i64 kw, i64 sh, i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh,
+                               i64 ow, i64 act, float lo, float hi, i64 threads) {
+    if (n <= 0 || c <= 0 || oh <= 0 || ow <= 0) return;
+    const i64 cols = (ow - 1) * sw + (kw - 1) * dw + 1 + PIXELS * sw;
+    i64 band = oh;
+    while (band > 1 && ((band - 1) * sh + (kh - 1) * dh + 1) * cols * LANES * 4 > BAND_BYTES) band--;
+    dw_args a = {x, w, bias, y, n, c, h, wd, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow, act, lo, hi,
+                 (c + LANES - 1) / LANES, band};
+    parallel_for(dw_part, &a, n * a.blocks, threads);
+}
