@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.runtime.backends.cpu import conv as conv_kernels
-from kiln.runtime.backends.cpu import native
+from kiln.runtime.backends.cpu import forms, native
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 
 lib = native.library()
@@ -81,15 +81,18 @@ def test_compiled_conv2d_matches_torch(case, with_bias, activation):
 
 @needs_native
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (12, 5, 32), (13, 7, 33), (5, 3, 17), (30, 40, 49), (100, 64, 196),
-                                   (25, 9, 20), (7, 0, 10), (37, 300, 70)])
+                                   (25, 9, 20), (7, 0, 10), (37, 300, 70), (9, 20, 35), (14, 50, 98),
+                                   (300, 500, 45)])  # the last: A big, B packed whole
 @pytest.mark.parametrize("activation", ["none", "relu6", "hardswish"])
-def test_packed_gemm_matches_float64_on_any_thread_count(m, k, n, activation, monkeypatch):
-    """Every tile shape (full, 16 wide, padded, single columns), rows past the last panel, strided operands; the same
-    bits on 1 and 2 threads."""
+@pytest.mark.parametrize("b_rows", [False, True], ids=["b", "b_transposed"])
+def test_packed_gemm_matches_float64_on_any_thread_count(m, k, n, activation, b_rows, monkeypatch):
+    """Every tile shape (full, 16 wide, padded, the last few columns), rows past the last panel, strided operands,
+    B given as [k, n] or as its transpose (a linear layer's input rows); the same bits on 1 and 2 threads."""
     rng = np.random.default_rng(m * 1000 + n)
     a = rng.standard_normal((m, k), dtype=np.float32)
-    b_wide = rng.standard_normal((k, n + 3), dtype=np.float32) * 3
-    b = b_wide[:, 2:n + 2]  # rows of B strided
+    given = rng.standard_normal((n, k + 3) if b_rows else (k, n + 3), dtype=np.float32) * 3
+    given = given[:, 2:given.shape[1] - 1]  # rows strided
+    b = given.T if b_rows else given
     bias = rng.standard_normal(m, dtype=np.float32)
     (name, lo, hi), fn = ACTIVATIONS[activation]
     packed = native.pack_gemm_weight(a)
@@ -97,7 +100,7 @@ def test_packed_gemm_matches_float64_on_any_thread_count(m, k, n, activation, mo
     for threads in (1, 2):
         monkeypatch.setenv("KILN_THREADS", str(threads))
         out = np.full((m, n + 5), np.nan, np.float32)
-        native.gemm_packed(packed, m, b, out[:, :n], bias, name, lo, hi)
+        native.gemm_packed(packed, m, given, out[:, :n], bias, name, lo, hi, b_rows=b_rows)
         assert np.isnan(out[:, n:]).all()  # nothing written past the output's columns
         outs.append(out[:, :n])
     np.testing.assert_array_equal(outs[0], outs[1])
@@ -132,11 +135,11 @@ def test_weights_are_transformed_once_per_array(kind, c, o, k):
     args = (None, (1, 1), (k // 2, k // 2), (k // 2, k // 2), (1, 1), 1, ("none", None, None))
     first = conv_kernels._conv2d_compiled(x, w, *args)
     key = (kind, id(w))
-    cached = conv_kernels._derived[key][1]
+    cached = forms._forms[key][1]
     np.testing.assert_array_equal(conv_kernels._conv2d_compiled(x, w, *args), first)
-    assert conv_kernels._derived[key][1] is cached
+    assert forms._forms[key][1] is cached
     del w
-    assert key not in conv_kernels._derived  # dropped with its weight
+    assert key not in forms._forms  # dropped with its weight
 
 
 @needs_native

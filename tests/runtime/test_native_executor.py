@@ -35,9 +35,14 @@ def _lowered(session, method: str) -> bool:
     return all(plan.lowered is not None for plan in session._plans[method].values())
 
 
+def _runs(session, method: str) -> int:
+    """Lowered runs of steps in the method's plans (a method that does not lower whole)."""
+    return sum(step.steps is not None for plan in session._plans[method].values() for step in plan.steps)
+
+
 LOWERED = {"llama": True, "qwen3": True, "gemma": True, "mistral": True, "phi3": False, "gpt2": False}
-"""Whether each family's decode lowers whole (phi3's partial rotary and GPT-2's LayerNorm and tanh do not: they
-run from Python)."""
+"""Whether each family's decode lowers whole (phi3's partial rotary and GPT-2's LayerNorm and tanh do not: those
+nodes run from Python, the runs of nodes between them lowered)."""
 
 
 @pytest.mark.parametrize("family", sorted(LOWERED))
@@ -64,13 +69,19 @@ def test_decode_gives_the_python_paths_bits(family, quantize, monkeypatch):
     for got, want in zip(native_session.state, python_session.state, strict=True):
         assert np.array_equal(got, want)
     assert _lowered(native_session, "decode") == LOWERED[family]
+    assert (_runs(native_session, "decode") > 0) == (not LOWERED[family])
     assert not any(plan.lowered for plan in python_session._plans["decode"].values())
+    assert _runs(python_session, "decode") == 0
 
 
-def test_outputs_are_new_arrays_and_bad_inputs_raise_the_python_paths_errors(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # lowered whole; in runs between Python steps
+def test_outputs_are_new_arrays_and_bad_inputs_raise_the_python_paths_errors(family, monkeypatch):
     """A run's outputs are never rewritten by the next run; a token outside the vocabulary or a position outside
     the cache, which an instruction declines at run time, raise what the Python path raises, the cache unharmed."""
-    program = export_llama(tiny_decoder("llama"), CONTEXT, CHUNK, quantize="int4").load()
+    program = export_llama(tiny_decoder(family), CONTEXT, CHUNK, quantize="int4").load()
+    def lowered(session) -> bool:
+        return _lowered(session, "decode") if family == "llama" else _runs(session, "decode") > 0
+
     native_session, python_session = _sessions(program)
     def step(session, token, position):
         executor = "native" if session is native_session else "python"
@@ -80,7 +91,7 @@ def test_outputs_are_new_arrays_and_bad_inputs_raise_the_python_paths_errors(mon
     first = step(native_session, 7, 0)
     kept = first.copy()
     second = step(native_session, 9, 1)
-    assert second is not first and np.array_equal(first, kept) and _lowered(native_session, "decode")
+    assert second is not first and np.array_equal(first, kept) and lowered(native_session)
     step(python_session, 7, 0)
     step(python_session, 9, 1)
     for token, position in ((1000, 2), (7, CONTEXT), (-1000, 2)):
@@ -89,7 +100,7 @@ def test_outputs_are_new_arrays_and_bad_inputs_raise_the_python_paths_errors(mon
         with pytest.raises(KilnError) as python_error:
             step(python_session, token, position)
         assert str(lowered_error.value) == str(python_error.value)
-    assert _lowered(native_session, "decode")
+    assert lowered(native_session)
     # the declined runs wrote nothing the Python path did not write too
     for got, want in zip(native_session.state, python_session.state, strict=True):
         assert np.array_equal(got, want)

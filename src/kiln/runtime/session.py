@@ -43,6 +43,8 @@ class _Step:
     attrs: dict[str, Any]
     free: tuple[int, ...]
     node: Node
+    steps: list[_Step] | None = None
+    """A lowered run (Backend.lower_runs): the steps it replaces, run one by one where its kernel returns None."""
 
 
 @dataclass
@@ -239,7 +241,20 @@ class Session:
         return Compiled(self.backend.compile(body))
 
     def _execute(self, m: Method, plan: _Plan, slots: list[Any]) -> None:
-        for step in plan.steps:
+        self._execute_steps(m, plan.steps, plan.env, slots)
+
+    def _execute_steps(self, m: Method, steps: list[_Step], env: dict[str, int], slots: list[Any]) -> None:
+        for step in steps:
+            if step.steps is not None:  # a lowered run
+                result = step.kernel(*[slots[i] for i in step.inputs])
+                if result is None:
+                    self._execute_steps(m, step.steps, env, slots)
+                    continue
+                for i, r in zip(step.outputs, result, strict=True):
+                    slots[i] = r
+                for i in step.free:
+                    slots[i] = None
+                continue
             try:
                 result = step.kernel(*[slots[i] if i != NO_VALUE else None for i in step.inputs], **step.attrs)
             except KilnError:
@@ -253,7 +268,7 @@ class Session:
                 for i, r in zip(step.outputs, result, strict=False):
                     slots[i] = r
             if self.validate:
-                self._check_outputs(m, step, slots, plan.env)
+                self._check_outputs(m, step, slots, env)
             for i in step.free:
                 slots[i] = None
 
@@ -332,8 +347,28 @@ class Session:
                 kernel, inputs = prepared
             steps.append(_Step(kernel, inputs, tuple(node.outputs), attrs, tuple(node.free_after), node))
         _keep_extra_inputs(steps)
-        lowered = None if self.validate else self.backend.lower(m, [(s.node, s.attrs) for s in steps], env)
+        if self.validate:
+            return _Plan(steps, env)
+        lowered = self.backend.lower(m, [(s.node, s.attrs) for s in steps], env)
+        if lowered is None:
+            runs = self.backend.lower_runs(m, [(s.node, s.attrs) for s in steps], [s.inputs for s in steps], env)
+            steps = _with_runs(steps, runs)
         return _Plan(steps, env, lowered=lowered)
+
+
+def _with_runs(steps: list[_Step], runs: list[Any]) -> list[_Step]:
+    """`steps` with each lowered run in place of the steps it covers: it reads what its plan binds, gives the values
+    later steps read, and frees what its steps freed of the values made before it."""
+    out: list[_Step] = []
+    k = 0
+    for run in sorted(runs, key=lambda r: r.start):
+        out += steps[k:run.start]
+        covered = steps[run.start:run.end]
+        made = {i for step in covered for i in step.outputs}
+        free = tuple(i for step in covered for i in step.free if i not in made)
+        out.append(_Step(run.plan, tuple(run.plan.values), tuple(run.outputs), {}, free, covered[0].node, covered))
+        k = run.end
+    return out + steps[k:]
 
 
 def _keep_extra_inputs(steps: list[_Step]) -> None:

@@ -170,6 +170,14 @@ class Backend:
         when the backend does not lower it (the CPU's native executor: cpu/executor.py)."""
         return None
 
+    def lower_runs(self, method: Method, steps: list[tuple[Node, dict[str, Any]]], reads: list[tuple[int, ...]],
+                   env: dict[str, int]) -> list[Any]:
+        """Where `lower` does not take a whole method: runs of its consecutive steps as functions of their own,
+        each with .start, .end (the steps it replaces), .plan(*arrays of .plan.values) -> arrays of .outputs or None
+        (its steps then run one by one), and .outputs (the values later steps read); reads[k] is what step k
+        reads. [] when the backend lowers none."""
+        return []
+
     def execution_context(self) -> contextlib.AbstractContextManager:
         """Entered around each run (e.g. the CPU backend's floating-point error mode)."""
         return contextlib.nullcontext()

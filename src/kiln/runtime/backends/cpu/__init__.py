@@ -57,6 +57,10 @@ class CPUBackend(Backend):
               env: dict[str, int]) -> executor.NativePlan | None:
         return executor.lower(self.program, method, steps, env, self.threads)
 
+    def lower_runs(self, method: Method, steps: list[tuple[Node, dict[str, Any]]], reads: list[tuple[int, ...]],
+                   env: dict[str, int]) -> list[executor.Run]:
+        return executor.lower_runs(self.program, method, steps, reads, env, self.threads)
+
     @contextlib.contextmanager
     def execution_context(self) -> Iterator[None]:
         """IEEE results (inf, nan) as PyTorch gives them, without NumPy's divide/overflow warnings; the compiled

@@ -4,13 +4,10 @@ cache-sized bands), the portable ones (kiln.runtime.backends.array_api.conv) for
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-
 import numpy as np
 
 from kiln.runtime.backends.array_api import conv as portable
-from kiln.runtime.backends.cpu import native
+from kiln.runtime.backends.cpu import forms, native
 from kiln.runtime.backends.cpu.registry import LOW_PRECISION, kernel, upcast
 
 _conv_out = portable.conv_out
@@ -51,10 +48,10 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     not apply.
 
     Depthwise runs entirely compiled: plane by plane on big maps, 16 channels a vector on small ones
-    (depthwise.c). 1x1 convolutions with enough inputs and outputs multiply by the weight packed once (gemm.c, bias
-    and activation applied as the tiles are stored), the rest by BLAS and a pass for the epilogue. 3x3 stride-1
-    convolutions on maps big enough use Winograd F(2x2, 3x3); other kernels bigger than 1x1 build im2col compiled,
-    without a padded copy of the input, and multiply with BLAS.
+    (depthwise.c). 3x3 stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3); other kernels bigger than
+    1x1 build im2col compiled, without a padded copy of the input. 1x1 convolutions and im2col bands with enough
+    inputs and outputs multiply by the weight packed once (gemm.c, bias and activation applied as the tiles are
+    stored), the rest by BLAS and a pass for the epilogue.
     """
     lib = native.library()
     if lib is None or x.ndim != 4 or not native.float32_contiguous(weight, bias) or x.dtype != np.float32:
@@ -78,9 +75,9 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
                                   h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds)
         return out
     if kh == kw == 1 and not any(padding) and not any(padding_end):
-        if tuple(stride) != (1, 1) or groups != 1 or c < PACKED_MIN_INPUTS or o < PACKED_MIN_OUTPUTS or h * w == 1:
+        if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o) or h * w == 1:
             return None  # one BLAS GEMM on the (strided) input, then the epilogue (convolve)
-        packed = _packed_weight(weight)
+        packed = forms.packed_gemm_weight(weight)
         out = np.empty((n, o, h * w), dtype=np.float32)
         for b in range(n):
             native.gemm_packed(packed, o, x[b].reshape(c, h * w), out[b], bias, *act)
@@ -94,6 +91,7 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     cols = np.empty(c * kh * kw * band * ow, dtype=np.float32)
     out = np.empty((n, o, oh * ow), dtype=np.float32)
     w_groups = weight.reshape(groups, o // groups, k)
+    packed = forms.packed_gemm_weight(weight) if groups == 1 and _packs(k, o) else None
     for b in range(n):
         for r0 in range(0, oh, band):
             r1 = min(oh, r0 + band)
@@ -101,10 +99,14 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
             part = cols[:c * kh * kw * length].reshape(c * kh * kw, length)
             lib.kiln_im2col2d_f32(x[b].ctypes.data, part.ctypes.data, c, h, w, kh, kw, *stride, *padding, *dilation,
                                   r0, r1, ow)
-            target = out[b, :, r0 * ow:r1 * ow].reshape(groups, o // groups, length)
-            np.matmul(w_groups, part.reshape(groups, k, length), out=target)
+            if packed is not None:
+                native.gemm_packed(packed, o, part, out[b, :, r0 * ow:r1 * ow], bias, *act)
+            else:
+                target = out[b, :, r0 * ow:r1 * ow].reshape(groups, o // groups, length)
+                np.matmul(w_groups, part.reshape(groups, k, length), out=target)
     out = out.reshape(n, o, oh, ow)
-    _epilogue(out, bias, *act)
+    if packed is None:
+        _epilogue(out, bias, *act)
     return out
 
 
@@ -120,6 +122,13 @@ and MobileNetV3-small (1 thread): 10-20% faster than BLAS + epilogue on 80..1152
 slower below (few outputs waste the 12-row tiles; with 16-40 inputs each tile's sums are too short to pay for
 storing it, and BLAS's blocking keeps big outputs' writes in order)."""
 
+
+
+def _packs(inputs: int, outputs: int) -> bool:
+    """Whether a convolution's GEMM of these sizes goes to the packed kernel."""
+    return inputs >= PACKED_MIN_INPUTS and outputs >= PACKED_MIN_OUTPUTS
+
+
 _IM2COL_BAND_BYTES = 1 << 20
 """Patch-matrix size per band of output rows: about half this machine's 2 MiB L2, so the GEMM reads it from cache."""
 
@@ -130,33 +139,13 @@ transformed weights' traffic costs more than the multiplies it saves, and im2col
 _WINOGRAD_MIN_CHANNELS = 8
 
 _WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
-_derived: dict[tuple[str, int], tuple[weakref.ref, np.ndarray]] = {}
-"""Forms of a weight array made once (by identity, dropped with the array): program constants are transformed or
-packed when a run first meets them, not on every call."""
-
-
-def _derived_form(kind: str, weight: np.ndarray, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    key = (kind, id(weight))
-    cached = _derived.get(key)
-    if cached is not None and cached[0]() is weight:
-        return cached[1]
-    form = make(weight)
-    _derived[key] = (weakref.ref(weight, lambda _, key=key: _derived.pop(key, None)), form)
-    return form
-
-
 def _winograd_weight(weight: np.ndarray) -> np.ndarray:
     """U = G g G^T, [16, out, in]."""
     def make(weight: np.ndarray) -> np.ndarray:
         o, c = weight.shape[:2]
         u = np.einsum("ai,ocij,bj->aboc", _WINOGRAD_G, weight.astype(np.float64), _WINOGRAD_G)
         return np.ascontiguousarray(u.reshape(16, o, c), dtype=np.float32)
-    return _derived_form("winograd", weight, make)
-
-
-def _packed_weight(weight: np.ndarray) -> np.ndarray:
-    """The weight as [out, in * kh * kw] in gemm.c's panels."""
-    return _derived_form("gemm", weight, lambda w: native.pack_gemm_weight(w.reshape(w.shape[0], -1)))
+    return forms.derived("winograd", weight, make)
 
 
 def _winograd_3x3(lib, x, weight, bias, padding, oh, ow, act) -> np.ndarray:

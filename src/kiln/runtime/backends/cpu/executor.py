@@ -10,11 +10,13 @@ an output allocated per run), so views (reshape, slice, permute, expand) cost no
 offsets and strides. Compute nodes become instructions that call the helpers the Python kernels call, with the
 same arguments, so the two paths give the same results; a value a helper needs contiguous is copied first.
 
-What it takes: all or nothing per method. One node it cannot lower (another op, dtype or shape; the many rows of
-a prefill, which BLAS serves better: above the few-row kernels' FEW_ROWS) and the method runs from Python as
-before; `KILN_EXECUTOR=python` turns it off.
-At run time an instruction may decline (an index outside its table): the method then runs from Python, which
-raises the op's own error.
+What it takes: a method whose every node lowers runs whole (lower). Otherwise each run of consecutive nodes that
+lower (lower_runs: at least MIN_RUN_NODES of them) becomes one step of the method's Python plan, reading the values
+the Python steps before it made and handing back the ones the steps after it read; the nodes it cannot take
+(another op, dtype or shape; the many rows of a prefill, which BLAS serves better: above the few-row kernels'
+FEW_ROWS) run from Python between runs. `KILN_EXECUTOR=python` turns it off.
+At run time an instruction may decline (an index outside its table): the method (or the run) then runs from
+Python, which raises the op's own error.
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ class Lowering:
     """(base, state index)."""
     scratch: Root = field(default_factory=lambda: Root(0))
     bases: int = 1  # base 0: the arena
+    bound: list[tuple[int, int]] | None = None
+    """A run of a method (lower_runs): (base, value) of each value it reads that is not a constant, bound to the
+    array the step before it left, for each run; None: a whole method, which binds its inputs and state."""
 
     def shape_of(self, value: int) -> tuple[int, ...]:
         return tuple(resolve_shape(self.method.values[value].shape, self.env))
@@ -158,6 +163,11 @@ class Lowering:
             base = self.base()
             self.fixed.append((base, array))
             loc = Loc(base, 0, array.shape, array.strides, array.dtype)
+        elif self.bound is not None:
+            base = self.base()
+            self.bound.append((base, value))
+            shape, dtype = self.shape_of(value), np.dtype(spec.dtype.numpy)
+            loc = Loc(base, 0, shape, c_strides(shape, dtype.itemsize), dtype)
         elif spec.kind == ValueKind.STATE:
             base = self.base()
             self.states.append((base, spec.ref))
@@ -510,8 +520,8 @@ def _binary(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 
 # ---- the plan ----
 
-class NativePlan:
-    """A lowered method: run(inputs, state) -> outputs, or None where an instruction declined its inputs."""
+class _Instructions:
+    """A lowering's instructions encoded for executor.c, with the arena and the bases known when it is built."""
 
     def __init__(self, lw: Lowering, outputs: list[tuple[Loc, tuple[int, ...], np.dtype]], threads: int | None):
         self.lib = native.library()
@@ -549,8 +559,29 @@ class NativePlan:
         self.inputs, self.states = lw.inputs, lw.states
         self.outputs = outputs
         self.output_bases = {root.output: root.base for root in lw.roots if root.output >= 0}
-        self._state_seen: dict[int, tuple[Any, int]] = {}
         self._call = (self.code.ctypes.data, len(self.code), self.bases.ctypes.data)
+
+    def _allocate_outputs(self) -> list[np.ndarray]:
+        results = []
+        for index, (_, shape, dtype) in enumerate(self.outputs):
+            if index in self.output_bases:
+                out = np.empty(shape, dtype)
+                self.bases[self.output_bases[index]] = out.ctypes.data
+                results.append(out)
+            else:
+                results.append(None)  # (a run's output that is one of the arrays it was given: filled by the caller)
+        return results
+
+    def _execute(self) -> bool:
+        return self.lib.kiln_execute(*self._call, self.threads or native.threads()) == 0
+
+
+class NativePlan(_Instructions):
+    """A lowered method: run(inputs, state) -> outputs, or None where an instruction declined its inputs."""
+
+    def __init__(self, lw: Lowering, outputs: list[tuple[Loc, tuple[int, ...], np.dtype]], threads: int | None):
+        super().__init__(lw, outputs, threads)
+        self._state_seen: dict[int, tuple[Any, int]] = {}
 
     def __call__(self, inputs: list[np.ndarray], state: list[np.ndarray]) -> list[np.ndarray] | None:
         bases, held = self.bases, []
@@ -566,13 +597,37 @@ class NativePlan:
                     array = state[i] = np.ascontiguousarray(array)
                 seen = self._state_seen[base] = (array, array.ctypes.data)
             bases[base] = seen[1]
-        results = []
-        for index, (_, shape, dtype) in enumerate(self.outputs):
-            out = np.empty(shape, dtype)
-            bases[self.output_bases[index]] = out.ctypes.data
-            results.append(out)
-        if self.lib.kiln_execute(*self._call, self.threads or native.threads()):
+        results = self._allocate_outputs()
+        return results if self._execute() else None
+
+
+class RunPlan(_Instructions):
+    """A lowered run of a method's nodes: run(*arrays of `values`) -> arrays of `outputs`, or None where the run
+    cannot take these arrays or an instruction declined (the session then runs its nodes from Python)."""
+
+    def __init__(self, lw: Lowering, outputs: list[tuple[Loc, tuple[int, ...], np.dtype]], threads: int | None,
+                 passed: dict[int, int]):
+        super().__init__(lw, outputs, threads)
+        self.bound = [(base, lw.shape_of(value), np.dtype(lw.method.values[value].dtype.numpy))
+                      for base, value in lw.bound]
+        self.values = tuple(value for _, value in lw.bound)
+        self.passed = passed
+        """output index -> index into `values` of the array given for it (written in place: state)."""
+
+    def __call__(self, *arrays: np.ndarray) -> list[np.ndarray] | None:
+        bases, held = self.bases, []
+        for (base, shape, dtype), array in zip(self.bound, arrays, strict=True):
+            if type(array) is not np.ndarray or array.dtype != dtype or array.shape != shape:
+                return None
+            if not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array)
+            held.append(array)
+            bases[base] = array.ctypes.data
+        results = self._allocate_outputs()
+        if not self._execute():
             return None
+        for index, given in self.passed.items():
+            results[index] = held[given]
         return results
 
 
@@ -607,12 +662,81 @@ def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, An
         return None
 
 
+MIN_RUN_NODES = 3
+"""Nodes a run must have to be lowered: a run's call from Python (binding its arrays, allocating its outputs) costs
+about what two small kernels' calls do."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Steps [start, end) of a method's plan as one RunPlan, which reads plan.values and gives `outputs`."""
+    start: int
+    end: int
+    plan: RunPlan
+    outputs: tuple[int, ...]
+
+
+def lower_runs(program: Program, method: Method, steps: list[tuple[Node, dict[str, Any]]],
+               reads: list[tuple[int, ...]], env: dict[str, int], threads: int | None = None) -> list[Run]:
+    """The runs of consecutive steps (at least MIN_RUN_NODES) that lower, each as a plan of its own; reads[k]: the
+    values step k reads (a prepared step may read others than its node's inputs)."""
+    if not enabled() or not steps:
+        return []
+    runs: list[Run] = []
+    start = 0
+    while start < len(steps):
+        end = _lowerable_end(program, method, steps, start, env)
+        if end - start >= MIN_RUN_NODES:
+            run = _lower_run(program, method, steps, reads, start, end, env, threads)
+            if run is not None:
+                runs.append(run)
+        start = end + 1 if end > start else start + 1  # step `end` declined: it runs from Python
+    return runs
+
+
+def _lowerable_end(program: Program, method: Method, steps: list[tuple[Node, dict[str, Any]]], start: int,
+                   env: dict[str, int]) -> int:
+    """The end of the longest run of steps from `start` that lower."""
+    lw = Lowering(program, method, env, bound=[])
+    for k in range(start, len(steps)):
+        node, attrs = steps[k]
+        rule = LOWERINGS.get(node.op)
+        try:
+            if rule is None:
+                raise Decline(f"no lowering for {node.op}")
+            rule(lw, node, attrs)
+        except (Decline, KeyError, TypeError, ValueError, IndexError) as e:
+            log.debug("method %r: node %d (%s) runs from Python: %s", method.name, k, node.op, e)
+            return k
+    return len(steps)
+
+
+def _lower_run(program: Program, method: Method, steps: list[tuple[Node, dict[str, Any]]],
+               reads: list[tuple[int, ...]], start: int, end: int, env: dict[str, int],
+               threads: int | None) -> Run | None:
+    produced = {v for node, _ in steps[start:end] for v in node.outputs}
+    later = {v for k in range(end, len(steps)) for v in reads[k]}
+    later |= set(method.outputs) | {update.value for update in method.state_updates}
+    outputs = tuple(sorted(produced & later))
+    lw = Lowering(program, method, env, bound=[])
+    try:
+        for node, attrs in steps[start:end]:
+            LOWERINGS[node.op](lw, node, attrs)
+        passed: dict[int, int] = {}
+        locs = [_output(lw, index, value, passed) for index, value in enumerate(outputs)]
+        return Run(start, end, RunPlan(lw, locs, threads, passed), outputs)
+    except (Decline, KeyError, TypeError, ValueError, IndexError) as e:
+        log.debug("method %r: steps %d-%d run from Python: %s", method.name, start, end, e)
+        return None
+
+
 def _state_value(method: Method, state: int) -> int | None:
     """The value through which `method` reads state buffer `state` (None: it only writes it)."""
     return next((i for i, v in enumerate(method.values) if v.kind == ValueKind.STATE and v.ref == state), None)
 
 
-def _output(lw: Lowering, index: int, value: int) -> tuple[Loc, tuple[int, ...], np.dtype]:
+def _output(lw: Lowering, index: int, value: int,
+            passed: dict[int, int] | None = None) -> tuple[Loc, tuple[int, ...], np.dtype]:
     """Method output `index`: the root it lies in becomes an array allocated for each run (copied there first
     when it is a view of part of one, or of something else)."""
     loc = lw.locs.get(value)
@@ -622,12 +746,16 @@ def _output(lw: Lowering, index: int, value: int) -> tuple[Loc, tuple[int, ...],
     home = loc.home
     whole = isinstance(home, Root) and home.output < 0 and loc.contiguous and loc.offset == 0 \
         and home.nbytes == max(1, loc.size) * dtype.itemsize and home is not lw.scratch
-    if not whole:
-        copy = lw.new(shape, dtype)
+    if not whole and passed is not None and isinstance(home, int) and loc.offset == 0 and loc.contiguous:
+        given = next((k for k, (base, _) in enumerate(lw.bound) if base == home), None)
+        if given is not None and lw.shape_of(lw.bound[given][1]) == shape:
+            passed[index] = given  # a value written in place in an array the run was given (a KV cache)
+            return loc, shape, dtype
+    if not whole or home.output >= 0:  # (another output lies in that array already: this one gets its own)
         pad = 4 - len(shape)
         _need(pad >= 0, "output of more than 4 dims")
+        copy = lw.new(shape, dtype)
         lw.emit("copy", loc, copy, dtype.itemsize, *((1,) * pad + tuple(shape)), *((0,) * pad + loc.strides))
         loc, home = copy, copy.home
-    _need(home.output < 0, "two outputs in one array")
     home.output, home.base, home.offset = index, lw.base(), 0
     return loc, shape, dtype

@@ -72,7 +72,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_gemm_packed_size": (_i64, _i64),
     "kiln_dwconv2d_blocked_f32": (_ptr,) * 4 + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_gemm_pack_f32": (_ptr, _ptr, _i64, _i64, _i64),
-    "kiln_gemm_packed_f32": (_ptr,) * 4 + (_i64,) * 6 + (ctypes.c_float, ctypes.c_float, _i64),
+    "kiln_gemm_packed_f32": (_ptr,) * 4 + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_execute_words": (),
     "kiln_qdot_level": (),
     "kiln_qlinear_dot_f32": (_ptr,) * 7 + (_i64,) * 6,
@@ -264,15 +264,18 @@ def pack_gemm_weight(weight: np.ndarray) -> np.ndarray | None:
 
 
 def gemm_packed(packed: np.ndarray, m: int, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None,
-                activation: str = "none", lo: float | None = None, hi: float | None = None) -> None:
+                activation: str = "none", lo: float | None = None, hi: float | None = None,
+                b_rows: bool = False) -> None:
     """out[m, n] = A b (+ bias per row, then the activation), A packed by pack_gemm_weight; b a float32 [k, n]
-    matrix whose rows may be strided (its last axis contiguous), out float32 [m, n] likewise."""
-    k, n = b.shape
+    matrix whose rows may be strided (its last axis contiguous), or with b_rows its transpose [n, k] (x's rows
+    for x @ A^T); out float32 [m, n], rows may be strided."""
+    n, k = b.shape if b_rows else b.shape[::-1]
     assert out.shape == (m, n) and float32_contiguous(bias) and b.dtype == out.dtype == np.float32
     assert (b.size == 0 or b.strides[1] == 4) and (out.size == 0 or out.strides[1] == 4)
     library().kiln_gemm_packed_f32(packed.ctypes.data, b.ctypes.data, address(bias), out.ctypes.data, m, n, k,
-                                   b.strides[0] // 4 if b.size else n, out.strides[0] // 4 if out.size else n,
-                                   ACTIVATION_CODES[activation], *bounds(lo, hi), threads())
+                                   b.strides[0] // 4 if b.size else b.shape[1], int(b_rows),
+                                   out.strides[0] // 4 if out.size else n, ACTIVATION_CODES[activation],
+                                   *bounds(lo, hi), threads())
 
 def unary(name: str, x: np.ndarray) -> np.ndarray | None:
     """f(x) by the compiled `kiln_<name>_f32` for float32 x; None when the helpers cannot take it."""

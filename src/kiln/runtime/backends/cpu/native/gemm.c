@@ -74,19 +74,24 @@ static void tile1(const float *restrict a, const float *restrict b, i64 k, v16 a
 #undef ROW
 #undef TILE_BODY
 
-/* One column's sums for a panel's MR rows (lanes 0..MR-1; the rest read the next step's values and are dropped):
- * the same products in the same order as a tile's, so a column's outputs do not depend on which kernel ran it.
- * For the last few columns of a row of outputs, where a tile of 16 would compute mostly padding. */
-static v16 column(const float *restrict a, const float *restrict b, i64 k) {
-    v16 acc = splat16(0.0f);
-    for (i64 p = 0; p < k; p++) acc += *(const v16u *)(a + p * MR) * splat16(b[p * NR]);
-    return acc;
+/* The sums of up to TAIL_COLUMNS columns for a panel's MR rows (lanes 0..MR-1; the rest read the next step's
+ * values and are dropped): the same products in the same order as a tile's, so an output does not depend on which
+ * kernel ran it. For the last few columns of a row of outputs, where a tile of 16 would compute mostly padding;
+ * the columns' chains are independent, so they overlap. */
+static void columns(const float *restrict a, const float *restrict b, i64 k, i64 count, v16 acc[TAIL_COLUMNS]) {
+    for (int j = 0; j < TAIL_COLUMNS; j++) acc[j] = splat16(0.0f);
+    for (i64 p = 0; p < k; p++) {
+        const v16 av = *(const v16u *)(a + p * MR);
+        for (int j = 0; j < TAIL_COLUMNS; j++)
+            if (j < count) acc[j] += av * splat16(b[p * NR + j]);
+    }
 }
 
 typedef struct {
     const float *packed, *b, *bias;
     float *c;
-    i64 m, n, k, ldb, ldc, act;
+    const float *b_packed; /* B packed whole (by_panels), or NULL */
+    i64 m, n, k, ldb, ldc, act, b_rows; /* b_rows: B given transposed, as [n][k] rows ldb apart */
     float lo, hi;
     i64 col_blocks, panel_groups;
 } gemm_args;
@@ -109,74 +114,124 @@ static inline void store(const gemm_args *g, v16 acc[MR][2], int first, int vecs
     }
 }
 
-/* Column block j of NR columns starts at column j * NR; the last may be narrower. */
-static void gemm_part(const void *ctx, i64 begin, i64 end) {
+/* B's columns [c0, c0 + cols) as a contiguous k x NR panel, zero past them */
+static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel) {
+    const i64 k = g->k;
+    if (g->b_rows) { /* panel[p][j] = B[c0 + j][p]: column j of the panel is row c0 + j of the given matrix */
+        for (i64 j = 0; j < NR; j++) {
+            const float *src = g->b + (c0 + j) * g->ldb;
+            if (j < cols)
+                for (i64 p = 0; p < k; p++) panel[p * NR + j] = src[p];
+            else
+                for (i64 p = 0; p < k; p++) panel[p * NR + j] = 0.0f;
+        }
+        return;
+    }
+    for (i64 p = 0; p < k; p++) {
+        const float *src = g->b + p * g->ldb + c0;
+        float *dst = panel + p * NR;
+        if (cols == NR) {
+            *(v16 *)dst = *(const v16u *)src;
+            *(v16 *)(dst + 16) = *(const v16u *)(src + 16);
+        } else {
+            for (i64 j = 0; j < cols; j++) dst[j] = src[j];
+            for (i64 j = cols; j < NR; j++) dst[j] = 0.0f;
+        }
+    }
+}
+
+/* The outputs of A's panel pi (MR rows) x B's column block (its packed panel): a whole tile, or for the last
+ * block a tile of 16, a padded one, and the last few columns one by one. */
+static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *panel, v16 lo, v16 hi) {
+    const i64 k = g->k, c0 = block * NR, cols = g->n - c0 < NR ? g->n - c0 : NR;
+    const float *a = g->packed + pi * MR * k;
+    const i64 rows = g->m - pi * MR < MR ? g->m - pi * MR : MR;
+    float *out = g->c + pi * MR * g->ldc + c0;
+    v16 acc[MR][2];
+    i64 done = 0;
+    if (cols == NR) {
+        tile2(a, panel, k, acc);
+        store(g, acc, 0, 2, pi * MR, rows, out, NR, lo, hi);
+        return;
+    }
+    if (cols >= 16 || cols > TAIL_COLUMNS) {
+        tile1(a, panel, k, acc);
+        done = cols < 16 ? cols : 16;
+        store(g, acc, 0, 1, pi * MR, rows, out, done, lo, hi);
+    }
+    if (cols - done > TAIL_COLUMNS) {
+        tile1(a, panel + done, k, acc);
+        store(g, acc, 0, 1, pi * MR, rows, out + done, cols - done, lo, hi);
+        return;
+    }
+    if (cols > done) {
+        v16 sums[TAIL_COLUMNS];
+        float bias[16] = {0}, line[16];
+        for (i64 i = 0; i < rows; i++) bias[i] = g->bias ? g->bias[pi * MR + i] : 0.0f;
+        columns(a, panel + done, k, cols - done, sums);
+        for (i64 j = done; j < cols; j++) {
+            *(v16u *)line = activate16(sums[j - done] + *(const v16u *)bias, (int)g->act, lo, hi);
+            for (i64 i = 0; i < rows; i++) out[i * g->ldc + j] = line[i];
+        }
+    }
+}
+
+/* Column blocks outer (task = block x group of panels): the block's B panel, packed by the task, stays in cache
+ * while the group's panels of A (a small A, in L2) pass over it. For wide B: a convolution's feature map. */
+static void by_columns(const void *ctx, i64 begin, i64 end) {
     const gemm_args *g = (const gemm_args *)ctx;
-    const i64 k = g->k, panels = (g->m + MR - 1) / MR;
+    const i64 panels = (g->m + MR - 1) / MR;
     void *memory = NULL;
-    if (posix_memalign(&memory, 64, (size_t)(k * NR + 16) * sizeof(float)) != 0) return;
+    if (posix_memalign(&memory, 64, (size_t)(g->k * NR + 16) * sizeof(float)) != 0) return;
     float *panel = (float *)memory;
     i64 packed_block = -1;
     const v16 lo = splat16(g->lo), hi = splat16(g->hi);
     for (i64 task = begin; task < end; task++) {
         const i64 block = task / g->panel_groups, group = task % g->panel_groups;
-        const i64 c0 = block * NR, cols = g->n - c0 < NR ? g->n - c0 : NR;
-        if (block != packed_block) { /* B's columns [c0, c0 + cols) as a contiguous k x NR panel, zero past them */
-            for (i64 p = 0; p < k; p++) {
-                const float *src = g->b + p * g->ldb + c0;
-                float *dst = panel + p * NR;
-                if (cols == NR) {
-                    *(v16 *)dst = *(const v16u *)src;
-                    *(v16 *)(dst + 16) = *(const v16u *)(src + 16);
-                } else {
-                    for (i64 j = 0; j < cols; j++) dst[j] = src[j];
-                    for (i64 j = cols; j < NR; j++) dst[j] = 0.0f;
-                }
-            }
+        if (block != packed_block) {
+            pack_b(g, block * NR, g->n - block * NR < NR ? g->n - block * NR : NR, panel);
             packed_block = block;
         }
         const i64 p1 = (group + 1) * PANELS_PER_TASK < panels ? (group + 1) * PANELS_PER_TASK : panels;
-        for (i64 pi = group * PANELS_PER_TASK; pi < p1; pi++) {
-            const float *a = g->packed + pi * MR * k;
-            const i64 rows = g->m - pi * MR < MR ? g->m - pi * MR : MR;
-            float *out = g->c + pi * MR * g->ldc + c0;
-            v16 acc[MR][2];
-            i64 done = 0;
-            if (cols == NR) {
-                tile2(a, panel, k, acc);
-                store(g, acc, 0, 2, pi * MR, rows, out, NR, lo, hi);
-                continue;
-            }
-            if (cols >= 16 || cols > TAIL_COLUMNS) {
-                tile1(a, panel, k, acc);
-                done = cols < 16 ? cols : 16;
-                store(g, acc, 0, 1, pi * MR, rows, out, done, lo, hi);
-            }
-            if (cols - done > TAIL_COLUMNS) {
-                tile1(a, panel + done, k, acc);
-                store(g, acc, 0, 1, pi * MR, rows, out + done, cols - done, lo, hi);
-                continue;
-            }
-            for (i64 j = done; j < cols; j++) {
-                float bias[16] = {0}, sums[16];
-                for (i64 i = 0; i < rows; i++) bias[i] = g->bias ? g->bias[pi * MR + i] : 0.0f;
-                *(v16u *)sums = activate16(column(a, panel + j, k) + *(const v16u *)bias, (int)g->act, lo, hi);
-                for (i64 i = 0; i < rows; i++) out[i * g->ldc + j] = sums[i];
-            }
-        }
+        for (i64 pi = group * PANELS_PER_TASK; pi < p1; pi++) panel_block(g, pi, block, panel, lo, hi);
     }
     free(panel);
 }
 
-/* C = A B (+ bias[row], then act: 0 none, 1 clamp to [lo, hi], 2 hardswish), A packed by kiln_gemm_pack_f32. */
+/* Panels of A outer (task = one panel): each panel of a big A is read from memory once and stays in L1 while
+ * every column block passes over it, B packed whole beforehand (g->b_packed, small enough for L2). For narrow B:
+ * a linear layer's rows. */
+static void by_panels(const void *ctx, i64 begin, i64 end) {
+    const gemm_args *g = (const gemm_args *)ctx;
+    const v16 lo = splat16(g->lo), hi = splat16(g->hi);
+    for (i64 pi = begin; pi < end; pi++)
+        for (i64 block = 0; block < g->col_blocks; block++)
+            panel_block(g, pi, block, g->b_packed + block * g->k * NR, lo, hi);
+}
+
+enum { WHOLE_B_BYTES = 512 << 10, BIG_A_BYTES = 512 << 10 };
+
+/* C = A B (+ bias[row], then act: 0 none, 1 clamp to [lo, hi], 2 hardswish), A packed by kiln_gemm_pack_f32; B
+ * [k][n] with rows ldb apart, or (b_rows) given as its transpose [n][k] (a linear layer's input rows). */
 void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias, float *c, i64 m, i64 n, i64 k,
-                          i64 ldb, i64 ldc, i64 act, float lo, float hi, i64 threads) {
+                          i64 ldb, i64 b_rows, i64 ldc, i64 act, float lo, float hi, i64 threads) {
     if (m <= 0 || n <= 0) return;
     const i64 panels = (m + MR - 1) / MR;
-    gemm_args g = {packed, b, bias, c, m, n, k, ldb, ldc, act, lo, hi, (n + NR - 1) / NR,
+    gemm_args g = {packed, b, bias, c, NULL, m, n, k, ldb, ldc, act, b_rows, lo, hi, (n + NR - 1) / NR,
                    (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK};
-    const i64 tasks = g.col_blocks * g.panel_groups;
     const i64 work = m * n * (k > 0 ? k : 1);
     const i64 most = work / (1 << 18); /* a part worth at least ~0.25M multiply-adds */
-    parallel_for(gemm_part, &g, tasks, threads < most ? threads : (most > 1 ? most : 1));
+    threads = threads < most ? threads : (most > 1 ? most : 1);
+    const i64 b_bytes = g.col_blocks * NR * k * (i64)sizeof(float);
+    void *whole = NULL;
+    if (m * k * (i64)sizeof(float) > BIG_A_BYTES && b_bytes <= WHOLE_B_BYTES &&
+        posix_memalign(&whole, 64, (size_t)b_bytes + 64) == 0) {
+        for (i64 block = 0; block < g.col_blocks; block++)
+            pack_b(&g, block * NR, n - block * NR < NR ? n - block * NR : NR, (float *)whole + block * k * NR);
+        g.b_packed = (const float *)whole;
+        parallel_for(by_panels, &g, panels, threads);
+        free(whole);
+        return;
+    }
+    parallel_for(by_columns, &g, g.col_blocks * g.panel_groups, threads);
 }
