@@ -28,6 +28,7 @@ from harness import (  # noqa: E402
     functional_decode,
     library_versions,
     machine_report,
+    quiet_ort_options,
     start_torch,
     stderr_log,
     thread_report,
@@ -208,6 +209,7 @@ def run_case(case: Case, workdir: Path, args: argparse.Namespace, log: Callable[
         options.intra_op_num_threads = args.threads
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        quiet_ort_options(options, args.threads)
         ort_session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         feed = {i.name: t.numpy() for i, t in zip(ort_session.get_inputs(), case.onnx_inputs)}
         if len(feed) != len(ort_session.get_inputs()):

@@ -47,7 +47,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import configure_threads, library_versions, machine_report, start_torch, stderr_log  # noqa: E402
+from harness import (  # noqa: E402
+    configure_threads,
+    library_versions,
+    machine_report,
+    quiet_ort_options,
+    start_torch,
+    stderr_log,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "bench"
@@ -251,6 +258,7 @@ def ort_lm(model: Any, args: argparse.Namespace, log: Log) -> tuple[OrtLM, str]:
     options.intra_op_num_threads = args.threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    quiet_ort_options(options, args.threads)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -40,7 +40,7 @@ def _conv_cases():
     yield "dense_1x1_padded", 4, 5, 1, (6, 6), (1, 1), (1, 1), (1, 1), (1, 1), 1
     yield "dw_same_asymmetric", 6, 6, 6, (14, 14), (5, 5), (2, 2), ((1, 2), (2, 1)), (1, 1), 1  # (before, after)
     yield "dense_asymmetric", 3, 4, 1, (9, 8), (3, 3), (2, 2), ((0, 1), (1, 0)), (1, 1), 1
-    yield "dw_big_map", 18, 18, 18, (33, 31), (3, 3), (1, 1), (1, 1), (1, 1), 1  # plane by plane
+    yield "dw_big_map", 18, 18, 18, (33, 31), (3, 3), (1, 1), (1, 1), (1, 1), 1  # bands of rows, tails of 16
     yield "dw_big_map_s2_5x5", 5, 5, 5, (40, 36), (5, 5), (2, 2), (2, 2), (1, 1), 2
     yield "pointwise_packed_7x7", 64, 96, 1, (7, 7), (1, 1), (1, 1), (0, 0), (1, 1), 2  # 49 = 32 + 16 + 1 columns
     yield "pointwise_packed_tails", 70, 101, 1, (14, 15), (1, 1), (1, 1), (0, 0), (1, 1), 1  # 210 = 6 x 32 + 18

@@ -47,11 +47,10 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     """2-d float32 convolution through the compiled helpers (bias and activation included), or None where they do
     not apply.
 
-    Depthwise runs entirely compiled: plane by plane on big maps, 16 channels a vector on small ones
-    (depthwise.c). 3x3 stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3); other kernels bigger than
-    1x1 build im2col compiled, without a padded copy of the input. 1x1 convolutions and im2col bands with enough
-    inputs and outputs multiply by the weight packed once (gemm.c, bias and activation applied as the tiles are
-    stored), the rest by BLAS and a pass for the epilogue.
+    Depthwise runs entirely compiled, 16 channels a vector (depthwise.c). 3x3 stride-1 convolutions on maps big
+    enough use Winograd F(2x2, 3x3); other kernels bigger than 1x1 build im2col compiled, without a padded copy of
+    the input. 1x1 convolutions and im2col bands with enough inputs and outputs multiply by the weight packed once
+    (gemm.c, bias and activation applied as the tiles are stored), the rest by BLAS and a pass for the epilogue.
     """
     lib = native.library()
     if lib is None or x.ndim != 4 or not native.float32_contiguous(weight, bias) or x.dtype != np.float32:
@@ -66,13 +65,9 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     code, bounds = native.ACTIVATION_CODES[activation], native.bounds(lo, hi)
     if cg == 1 and groups == c == o:
         out = np.empty((n, c, oh, ow), dtype=np.float32)
-        if oh * ow <= DEPTHWISE_BLOCKED_MAX_PIXELS:
-            lib.kiln_dwconv2d_blocked_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data,
-                                          n, c, h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds,
-                                          native.threads())
-        else:
-            lib.kiln_dwconv2d_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n * c, c,
-                                  h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds)
+        lib.kiln_dwconv2d_blocked_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n, c,
+                                      h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds,
+                                      native.threads())
         return out
     if kh == kw == 1 and not any(padding) and not any(padding_end):
         if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o) or h * w == 1:
@@ -109,11 +104,6 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
         _epilogue(out, bias, *act)
     return out
 
-
-DEPTHWISE_BLOCKED_MAX_PIXELS = 256
-"""Output maps up to this many pixels (16x16) go to the 16-channel kernel: 1.3-2x the plane kernel's speed on
-EfficientNet-lite0's and MobileNetV3's 7x7 and 14x14 layers; from 28x28 up the plane kernel is as fast or faster
-(3x3 on 28x28: 0.78x; 56x56: 0.6x), its per-plane costs spread over more pixels."""
 
 PACKED_MIN_INPUTS = 64
 PACKED_MIN_OUTPUTS = 96

@@ -54,7 +54,6 @@ SIGNATURES: dict[str, tuple] = {
     **{f"kiln_{name}_f32": (_ptr, _ptr, _i64) for name in UNARY},
     "kiln_clamp_f32": (_ptr, _ptr, _i64, ctypes.c_float, ctypes.c_float),
     "kiln_bias_activate_f32": (_ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float),
-    "kiln_dwconv2d_f32": (_ptr, _ptr, _ptr, _ptr) + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float),
     "kiln_im2col2d_f32": (_ptr, _ptr) + (_i64,) * 14,
     "kiln_transpose_bias_f32": (_ptr, _ptr, _ptr, _i64, _i64),
     "kiln_linear_rows_f32": (_ptr,) * 4 + (_i64,) * 4,

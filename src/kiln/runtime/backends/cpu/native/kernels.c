@@ -109,91 +109,6 @@ void kiln_bias_activate_f32(float *y, const float *bias, i64 planes, i64 channel
     }
 }
 
-/* ---------------------------------------------------------------------------------------------------------
- * Depthwise 2-d convolution (groups == in channels == out channels), NCHW float32.
- *
- * Each channel plane is zero-padded and split by stride phase into scratch (padded position j*s + f lands in phase
- * f at index j), so a strided convolution is stride 1 inside a phase. The output is computed "wide", at the
- * phase pitch qw instead of ow, so every kernel tap is one multiply-add over a contiguous run of oh*qw floats:
- * long vector loops even on 7x7 maps. The extra columns are dropped when the plane is written out; the bias
- * starts the sum and the fused activation runs on the plane while it is in cache.
- */
-#define DW_BLOCK 32 /* two vectors of 16 floats */
-
-typedef unsigned char v16u8u __attribute__((vector_size(16), aligned(1))); /* 16 uint8, unaligned */
-/* unsigned bytes to floats through 32-bit integers (GCC 12 scalarizes a direct char-to-float conversion, and
- * any signed one: int8 weights are read as q + 128, unsigned, and 128 is subtracted in float) */
-static inline v16 to_float16u(v16u8u b) { return __builtin_convertvector(__builtin_convertvector(b, v16i32), v16); }
-
-void kiln_dwconv2d_f32(const float *restrict x, const float *restrict w, const float *restrict bias,
-                       float *restrict y, i64 planes, i64 channels, i64 h, i64 wd, i64 kh, i64 kw, i64 sh, i64 sw,
-                       i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow, i64 act, float lo, float hi) {
-    const i64 ph_rows = (oh - 1) * sh + (kh - 1) * dh + 1; /* padded extent actually read */
-    const i64 ph_cols = (ow - 1) * sw + (kw - 1) * dw + 1;
-    const i64 qh = (ph_rows + sh - 1) / sh, qw = (ph_cols + sw - 1) / sw;
-    const i64 m = oh * qw;
-    const i64 nphase = sh * sw;
-    const i64 mb = (m + DW_BLOCK - 1) / DW_BLOCK * DW_BLOCK; /* outputs computed, in whole blocks */
-    const i64 plen = qh * qw + qw + DW_BLOCK; /* slack: the last block may read past qh*qw, into zeros */
-    float *scratch = (float *)calloc((size_t)(nphase * plen + mb), sizeof(float));
-    if (!scratch) return;
-    float *wide = scratch + nphase * plen;
-    i64 *tap_off = (i64 *)malloc((size_t)(kh * kw) * sizeof(i64));
-    if (!tap_off) { free(scratch); return; }
-    for (i64 i = 0; i < kh; i++)
-        for (i64 j = 0; j < kw; j++) {
-            i64 pi = i * dh, pj = j * dw;
-            tap_off[i * kw + j] = ((pi % sh) * sw + (pj % sw)) * plen + (pi / sh) * qw + (pj / sw);
-        }
-    for (i64 p = 0; p < planes; p++) {
-        const i64 ch = p % channels;
-        const float *xp = x + p * h * wd;
-        /* scatter the plane into its phases: rows and columns outside x are zero */
-        for (i64 r = 0; r < ph_rows; r++) {
-            const i64 src_r = r - pt;
-            const float *srow = xp + src_r * wd;
-            for (i64 f = 0; f < sw; f++) {
-                float *dst = scratch + ((r % sh) * sw + f) * plen + (r / sh) * qw;
-                const i64 n_cols = (ph_cols - f + sw - 1) / sw;
-                if (src_r < 0 || src_r >= h) {
-                    memset(dst, 0, (size_t)n_cols * sizeof(float));
-                    continue;
-                }
-                /* phase column j reads x column j*sw + f - pl: inside x for j in [lo, hi) */
-                i64 lo = pl - f > 0 ? (pl - f + sw - 1) / sw : 0;
-                i64 hi = (wd + pl - f + sw - 1) / sw;
-                hi = hi < n_cols ? hi : n_cols;
-                lo = lo < hi ? lo : hi;
-                for (i64 j = 0; j < lo; j++) dst[j] = 0.0f;
-                const float *s = srow + f - pl;
-                if (sw == 1)
-                    memcpy(dst + lo, s + lo, (size_t)(hi - lo) * sizeof(float));
-                else
-                    for (i64 j = lo; j < hi; j++) dst[j] = s[j * sw];
-                for (i64 j = hi; j < n_cols; j++) dst[j] = 0.0f;
-            }
-        }
-        const float *wc = w + ch * kh * kw;
-        const float b = bias ? bias[ch] : 0.0f;
-        /* DW_BLOCK outputs stay in registers across all taps: one store per output instead of one per tap */
-        for (i64 k0 = 0; k0 < m; k0 += DW_BLOCK) {
-            v16 acc0 = splat16(b), acc1 = acc0;
-            for (i64 t = 0; t < kh * kw; t++) {
-                const v16 wv = splat16(wc[t]);
-                const float *src = scratch + tap_off[t] + k0;
-                acc0 += wv * *(const v16u *)src;
-                acc1 += wv * *(const v16u *)(src + 16);
-            }
-            *(v16u *)(wide + k0) = acc0;
-            *(v16u *)(wide + k0 + 16) = acc1;
-        }
-        float *yp = y + p * oh * ow;
-        for (i64 r = 0; r < oh; r++) memcpy(yp + r * ow, wide + r * qw, (size_t)ow * sizeof(float));
-        conv_activate(yp, oh * ow, (int)act, lo, hi); /* while the plane is in cache */
-    }
-    free(tap_off);
-    free(scratch);
-}
 
 /* ---------------------------------------------------------------------------------------------------------
  * im2col for 2-d convolution, one image, output rows [r_begin, r_end):
@@ -253,6 +168,11 @@ void kiln_transpose_bias_f32(const float *restrict src, const float *restrict bi
         }
     }
 }
+
+typedef unsigned char v16u8u __attribute__((vector_size(16), aligned(1))); /* 16 uint8, unaligned */
+/* unsigned bytes to floats through 32-bit integers (GCC 12 scalarizes a direct char-to-float conversion, and
+ * any signed one: int8 weights are read as q + 128, unsigned, and 128 is subtracted in float) */
+static inline v16 to_float16u(v16u8u b) { return __builtin_convertvector(__builtin_convertvector(b, v16i32), v16); }
 
 /* ---------------------------------------------------------------------------------------------------------
  * A pool of worker threads for the helpers that split their outputs (`parallel_for`, pool.h). A call hands out

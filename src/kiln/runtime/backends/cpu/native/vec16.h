@@ -29,4 +29,57 @@ static inline v16 activate16(v16 v, int act, v16 lo, v16 hi) {
     return v;
 }
 
+/* The first `count` (0..16) lanes from p, the rest zero / into p, the rest of p untouched: masked loads and stores
+ * where the CPU has them (nothing past p + count is touched, so a row's end may be a page's end), else a copy. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline v16 load16_first(const float *p, int count) {
+    return (v16)_mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), p);
+}
+static inline void store16_first(float *p, v16 v, int count) {
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << count) - 1), (__m512)v);
+}
+#else
+static inline v16 load16_first(const float *p, int count) {
+    float lanes[16] = {0};
+    for (int i = 0; i < count; i++) lanes[i] = p[i];
+    v16 v;
+    __builtin_memcpy(&v, lanes, sizeof v);
+    return v;
+}
+static inline void store16_first(float *p, v16 v, int count) {
+    for (int i = 0; i < count; i++) p[i] = v[i];
+}
+#endif
+
+/* r[0..15] transposed in place (r[i][j] <-> r[j][i]): four rounds of swapping the off-diagonal blocks of 8, 4, 2
+ * and 1 lanes between rows i and i + d, one two-source shuffle per row and round (64 in all, vpermt2ps on
+ * AVX-512), where element by element it takes 256 loads and stores. */
+static inline void transpose16(v16 r[16]) {
+    for (int i = 0; i < 16; i++)
+        if ((i & 8) == 0) {
+            const v16 a = r[i], b = r[i + 8];
+            r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+            r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < 16; i++)
+        if ((i & 4) == 0) {
+            const v16 a = r[i], b = r[i + 4];
+            r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+            r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < 16; i++)
+        if ((i & 2) == 0) {
+            const v16 a = r[i], b = r[i + 2];
+            r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        }
+    for (int i = 0; i < 16; i++)
+        if ((i & 1) == 0) {
+            const v16 a = r[i], b = r[i + 1];
+            r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+            r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+        }
+}
+
 #endif
