@@ -109,21 +109,23 @@ def test_packed_gemm_matches_float64_on_any_thread_count(m, k, n, activation, b_
 
 
 @needs_native
-@pytest.mark.parametrize("shape,kernel,stride", [((2, 37, 7, 7), 5, 1), ((1, 16, 14, 13), 3, 2), ((1, 5, 3, 3), 3, 1)])
-def test_depthwise_by_channel_blocks_is_the_same_on_any_thread_count(shape, kernel, stride, monkeypatch):
+@pytest.mark.parametrize("shape,out,groups,kernel,stride", [
+    ((2, 37, 7, 7), 37, 37, 5, 1), ((1, 16, 14, 13), 16, 16, 3, 2), ((1, 5, 3, 3), 5, 5, 3, 1),  # depthwise.c
+    ((2, 3, 15, 17), 20, 1, 3, 2), ((1, 3, 40, 33), 16, 1, 7, 2)])  # direct.c: an image's channels
+def test_channel_vector_kernels_are_the_same_on_any_thread_count(shape, out, groups, kernel, stride, monkeypatch):
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape, dtype=np.float32)
-    w = rng.standard_normal((shape[1], 1, kernel, kernel), dtype=np.float32)
-    b = rng.standard_normal(shape[1], dtype=np.float32)
+    w = rng.standard_normal((out, shape[1] // groups, kernel, kernel), dtype=np.float32)
+    b = rng.standard_normal(out, dtype=np.float32)
     outs = []
     for threads in (1, 2):
         monkeypatch.setenv("KILN_THREADS", str(threads))
         outs.append(conv_kernels._conv2d_compiled(x, w, b, (stride, stride), (kernel // 2,) * 2, (kernel // 2,) * 2,
-                                                  (1, 1), shape[1], ("hardswish", None, None)))
+                                                  (1, 1), groups, ("hardswish", None, None)))
     np.testing.assert_array_equal(outs[0], outs[1])
     want = F.hardswish(F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), stride, kernel // 2,
-                                1, shape[1])).numpy()
-    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * kernel)
+                                1, groups)).numpy()
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * kernel * (shape[1] // groups))
 
 
 @needs_native

@@ -47,10 +47,11 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     """2-d float32 convolution through the compiled helpers (bias and activation included), or None where they do
     not apply.
 
-    Depthwise runs entirely compiled, 16 channels a vector (depthwise.c). 3x3 stride-1 convolutions on maps big
-    enough use Winograd F(2x2, 3x3); other kernels bigger than 1x1 build im2col compiled, without a padded copy of
-    the input. 1x1 convolutions and im2col bands with enough inputs and outputs multiply by the weight packed once
-    (gemm.c, bias and activation applied as the tiles are stored), the rest by BLAS and a pass for the epilogue.
+    Depthwise runs entirely compiled, 16 channels a vector (depthwise.c), and so do convolutions of an image's few
+    channels (direct.c, 16 output channels a vector). 3x3 stride-1 convolutions on maps big enough use Winograd
+    F(2x2, 3x3); other kernels bigger than 1x1 build im2col compiled, without a padded copy of the input. 1x1
+    convolutions and im2col bands with enough inputs and outputs multiply by the weight packed once (gemm.c, bias
+    and activation applied as the tiles are stored), the rest by BLAS and a pass for the epilogue.
     """
     lib = native.library()
     if lib is None or x.ndim != 4 or not native.float32_contiguous(weight, bias) or x.dtype != np.float32:
@@ -68,6 +69,11 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
         lib.kiln_dwconv2d_blocked_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n, c,
                                       h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds,
                                       native.threads())
+        return out
+    if groups == 1 and c <= DIRECT_MAX_INPUTS and kh * kw > 1:
+        out = np.empty((n, o, oh, ow), dtype=np.float32)
+        lib.kiln_conv2d_direct_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n, c, h,
+                                   w, o, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds, native.threads())
         return out
     if kh == kw == 1 and not any(padding) and not any(padding_end):
         if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o) or h * w == 1:
@@ -104,6 +110,9 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
         _epilogue(out, bias, *act)
     return out
 
+
+DIRECT_MAX_INPUTS = 4
+"""Convolutions of up to this many input channels (an image's) go to the direct kernel (direct.c)."""
 
 PACKED_MIN_INPUTS = 16
 PACKED_MIN_OUTPUTS = 24

@@ -33,7 +33,7 @@ import numpy as np
 log = logging.getLogger("kiln.native")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c",
-                                                              "gemm.c", "depthwise.c"))
+                                                              "gemm.c", "depthwise.c", "direct.c"))
 """Compiled together into one library; HEADERS are what they include (the build key reads them all)."""
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h", "vec16.h"))
 FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
@@ -70,6 +70,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_execute": (_ptr, _i64, _ptr, _i64),
     "kiln_gemm_packed_size": (_i64, _i64),
     "kiln_dwconv2d_blocked_f32": (_ptr,) * 4 + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float, _i64),
+    "kiln_conv2d_direct_f32": (_ptr,) * 4 + (_i64,) * 16 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_gemm_pack_f32": (_ptr, _ptr, _i64, _i64, _i64),
     "kiln_gemm_packed_f32": (_ptr,) * 4 + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_execute_words": (),
