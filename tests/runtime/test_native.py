@@ -475,7 +475,8 @@ def test_compiled_attention_declines_what_it_cannot_take():
     k = v = np.zeros((1, 1, 4, 16), np.float32)
     assert native.attention(q, k, v, np.zeros((1, 1, 1, 4), np.float32), False, 1.0) is None  # additive mask
     assert native.attention(q.astype(np.float64), k, v, None, False, 1.0) is None
-    assert native.attention(np.zeros((1, 2, 9, 16), np.float32), k, v, None, False, 1.0) is None  # a prefill
+    assert native.attention(np.zeros((1, 2, native.ATTENTION_MAX_QUERIES + 1, 16), np.float32), k, v, None, False,
+                            1.0) is None  # a prefill
     assert native.attention(q, k[..., ::2], v, None, False, 1.0) is None  # keys not contiguous in a row
     assert native.attention(q[0], k[0], v[0], None, False, 1.0) is None  # rank 3
 

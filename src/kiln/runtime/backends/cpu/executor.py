@@ -41,7 +41,8 @@ from kiln.runtime.program import Program
 log = logging.getLogger("kiln.runtime.cpu")
 
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
-      "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13}
+      "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
+      "unary": 15}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -451,6 +452,42 @@ def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.emit("attention", q, k, v, mask, out, lw.work(4 * S), B, Hq, Hkv, L, S, D, Dv, *elements(k)[:3],
             *elements(v)[:3], *mask_strides, int(bool(attrs["causal"])), as_float_word(scale))
     lw.output(node, out)
+
+
+@lowering("layer_norm")
+def _layer_norm(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As native.layer_norm (the CPU kernel's float32 path)."""
+    x, weight, bias = _inputs(lw, node)
+    axes = int(attrs["axes"])
+    _need(x.dtype == F32 and all(a is None or a.dtype == F32 for a in (weight, bias)), "float32")
+    _need(1 <= axes <= len(x.shape), "axes")
+    n = math.prod(x.shape[len(x.shape) - axes:])
+    _need(all(a is None or a.size == n for a in (weight, bias)), "weight and bias of the normalized size")
+    x = lw.contiguous(x)
+    weight, bias = (None if a is None else lw.contiguous(a) for a in (weight, bias))
+    out = lw.new(x.shape, F32)
+    lw.emit("layer_norm", x, weight, bias, out, x.size // max(n, 1), n, as_float_word(float(attrs["eps"])))
+    lw.output(node, out)
+
+
+def _emit_unary(lw: Lowering, node: Node, name: str) -> None:
+    """native.unary's compiled function `name` over float32 x (the CPU kernel's float32 path)."""
+    (x,) = _inputs(lw, node)
+    _need(x.dtype == F32, "float32")
+    x = lw.contiguous(x)
+    out = lw.new(x.shape, F32)
+    lw.emit("unary", x, out, x.size, native.UNARY.index(name))
+    lw.output(node, out)
+
+
+@lowering("gelu")
+def _gelu(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    _emit_unary(lw, node, "gelu_tanh" if attrs["approximate"] == "tanh" else "gelu_erf")
+
+
+@lowering(*native.UNARY)
+def _unary(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    _emit_unary(lw, node, node.op)
 
 
 @lowering("quantized_embedding")

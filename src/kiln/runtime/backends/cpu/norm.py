@@ -1,10 +1,11 @@
-"""RMSNorm on the CPU, alone and after a residual add (the other normalizations are portable:
-kiln.runtime.backends.array_api.norm)."""
+"""RMSNorm on the CPU, alone and after a residual add, and LayerNorm: float32 rows in one compiled call (the other
+normalizations, and other dtypes, are portable: kiln.runtime.backends.array_api.norm)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtime.backends.array_api import norm as portable
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import kernel, upcast
@@ -35,3 +36,9 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight, axes: int, eps: fl
         return done
     total = x + residual
     return total, rms_norm(total, weight, axes, eps)
+
+
+@kernel("layer_norm")
+def layer_norm(x: np.ndarray, weight, bias, axes: int, eps: float) -> np.ndarray:
+    done = native.layer_norm(x, weight, bias, axes, eps)
+    return portable.layer_norm(np, x, weight, bias, axes, eps) if done is None else done

@@ -63,6 +63,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_winograd23_input_f32": (_ptr, _ptr) + (_i64,) * 8,
     "kiln_winograd23_output_f32": (_ptr, _ptr, _ptr) + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float),
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
+    "kiln_layer_norm_f32": (_ptr,) * 4 + (_i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float,),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
     "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
@@ -316,7 +317,26 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray 
     return total, out
 
 
-ATTENTION_MAX_QUERIES = 8
+def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, axes: int,
+               eps: float) -> np.ndarray | None:
+    """LayerNorm over the last `axes` dims of float32 x in one compiled call; None when the helpers cannot take
+    it (another type, weight or bias not of the normalized shape)."""
+    lib = library()
+    if lib is None or axes < 1 or axes > x.ndim or any(a is not None and a.dtype != np.float32
+                                                        for a in (x, weight, bias)):
+        return None
+    x, weight, bias = (a if a is None or a.flags.c_contiguous else np.ascontiguousarray(a) for a in (x, weight, bias))
+    n = math.prod(x.shape[x.ndim - axes:])
+    if any(a is not None and a.size != n for a in (weight, bias)):
+        return None
+    out = np.empty_like(x)
+    if x.size:
+        lib.kiln_layer_norm_f32(x.ctypes.data, address(weight), address(bias), out.ctypes.data, x.size // n, n,
+                                float(eps))
+    return out
+
+
+ATTENTION_MAX_QUERIES = 16
 """Query rows per head up to which attention runs compiled (a decode step, a short verify); longer ones (prefill)
 are matrix products, which BLAS does better."""
 

@@ -11,8 +11,9 @@
  * of [row][column][16] (16x16 blocks by register shuffles, transpose16; the padding written once, so the taps
  * need no bounds checks); each output row is computed eight pixels at a time with the 16 weights of a tap held in
  * a vector, bias first and the fused activation in registers, then transposed back into the 16 output planes.
- * Channels past the last full block compute on zero weights and are not written. Blocks go to the helpers'
- * threads; every output is the same sum in the same order whatever the thread count.
+ * Channels past the last full block compute on zero weights and are not written. (Block, band) pairs go to the
+ * helpers' threads, so a map of few channels splits too; every output is the same sum in the same order whatever
+ * the thread count.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -50,20 +51,26 @@ static void dw_part(const void *ctx, i64 begin, i64 end) {
     i64 offset[MAX_TAPS]; /* each tap's pixel offset in the scratch from its output's first */
     for (i64 ky = 0; ky < a->kh; ky++)
         for (i64 kx = 0; kx < a->kw; kx++) offset[ky * a->kw + kx] = ky * a->dh * cols + kx * a->dw;
-    for (i64 task = begin; task < end; task++) {
-        const i64 image = task / a->blocks, c0 = (task % a->blocks) * LANES;
+    const i64 bands = (a->oh + a->band - 1) / a->band;
+    i64 loaded = -1; /* the (image, block) whose weights wt holds */
+    v16 bias = splat16(0.0f);
+    for (i64 task = begin; task < end; task++) { /* task: (image, channel block, band of output rows) */
+        const i64 which = task / bands, image = which / a->blocks, c0 = (which % a->blocks) * LANES;
         const i64 lanes = a->c - c0 < LANES ? a->c - c0 : LANES;
-        float bias_lanes[LANES] = {0};
-        for (i64 t = 0; t < taps; t++) wt[t] = splat16(0.0f);
-        for (i64 l = 0; l < lanes; l++) {
-            for (i64 t = 0; t < taps; t++) wt[t][l] = a->w[(c0 + l) * taps + t];
-            if (a->bias) bias_lanes[l] = a->bias[c0 + l];
+        if (which != loaded) {
+            float bias_lanes[LANES] = {0};
+            for (i64 t = 0; t < taps; t++) wt[t] = splat16(0.0f);
+            for (i64 l = 0; l < lanes; l++) {
+                for (i64 t = 0; t < taps; t++) wt[t][l] = a->w[(c0 + l) * taps + t];
+                if (a->bias) bias_lanes[l] = a->bias[c0 + l];
+            }
+            memcpy(&bias, bias_lanes, sizeof bias);
+            loaded = which;
         }
-        v16 bias;
-        memcpy(&bias, bias_lanes, sizeof bias);
         const float *xi = a->x + (image * a->c + c0) * a->h * a->wd;
         float *yi = a->y + (image * a->c + c0) * a->oh * a->ow;
-        for (i64 r0 = 0; r0 < a->oh; r0 += a->band) {
+        {
+            const i64 r0 = task % bands * a->band;
             const i64 r1 = r0 + a->band < a->oh ? r0 + a->band : a->oh;
             const i64 in0 = r0 * a->sh - a->pt; /* input row of the band's first scratch row */
             const i64 rows = (r1 - r0 - 1) * a->sh + (a->kh - 1) * a->dh + 1;
@@ -156,5 +163,5 @@ void kiln_dwconv2d_blocked_f32(const float *x, const float *w, const float *bias
     while (band > 1 && ((band - 1) * sh + (kh - 1) * dh + 1) * cols * LANES * 4 > BAND_BYTES) band--;
     dw_args a = {x, w, bias, y, n, c, h, wd, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow, act, lo, hi,
                  (c + LANES - 1) / LANES, band};
-    parallel_for(dw_part, &a, n * a.blocks, threads);
+    parallel_for(dw_part, &a, n * a.blocks * ((oh + band - 1) / band), threads);
 }

@@ -33,6 +33,8 @@ enum {
     OP_BINARY = 11,   /* a b out | kind dtype(0 int64, 1 float32, 2 bool) shape[4] a_strides[4] b_strides[4] */
     OP_SLOT_ATTENTION = 12, /* q k_cache v_cache slots positions out work | 9 sizes, scale(float bits) */
     OP_ROPE_SLOT = 13,      /* q k v cos sin k_cache v_cache slots positions q_out | 14 sizes and strides */
+    OP_LAYER_NORM = 14,     /* x weight bias out | rows n eps(float bits) */
+    OP_UNARY = 15,          /* x out | n function (native.UNARY's order) */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -87,9 +89,19 @@ i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, co
                               i64 ksh, i64 vsb, i64 vsh, i64 csb, i64 interleaved);
 void kiln_dequantize_f32(const void *qv, const float *scale, const float *zero, float *w, i64 rows, i64 k, i64 bits,
                          i64 group);
+void kiln_layer_norm_f32(const float *x, const float *w, const float *b, float *out, i64 rows, i64 n, float eps);
+void kiln_sigmoid_f32(const float *x, float *y, i64 n);
 void kiln_silu_f32(const float *x, float *y, i64 n);
-void kiln_gelu_tanh_f32(const float *x, float *y, i64 n);
+void kiln_hardsigmoid_f32(const float *x, float *y, i64 n);
+void kiln_hardswish_f32(const float *x, float *y, i64 n);
 void kiln_gelu_erf_f32(const float *x, float *y, i64 n);
+void kiln_gelu_tanh_f32(const float *x, float *y, i64 n);
+void kiln_erf_f32(const float *x, float *y, i64 n);
+
+/* OP_UNARY's functions, in the order of native.UNARY */
+static void (*const UNARY_FUNCTIONS[])(const float *, float *, i64) = {
+    kiln_sigmoid_f32, kiln_silu_f32, kiln_hardsigmoid_f32, kiln_hardswish_f32, kiln_gelu_erf_f32, kiln_gelu_tanh_f32,
+    kiln_erf_f32};
 
 static inline float as_float(i64 word) {
     const int32_t bits = (int32_t)word;
@@ -237,6 +249,13 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
                                                   PTR(17), PTR(19), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
                                                   s[8], s[9], s[10], s[11], s[12], s[13]);
         }
+        case OP_LAYER_NORM:
+            kiln_layer_norm_f32(PTR(1), PTR(3), PTR(5), PTR(7), a[9], a[10], as_float(a[11]));
+            return 1;
+        case OP_UNARY:
+            if (a[6] < 0 || a[6] >= (i64)(sizeof UNARY_FUNCTIONS / sizeof UNARY_FUNCTIONS[0])) return 0;
+            UNARY_FUNCTIONS[a[6]](PTR(1), PTR(3), a[5]);
+            return 1;
         default: return 0;
     }
 #undef PTR

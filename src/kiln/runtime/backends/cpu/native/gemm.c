@@ -244,5 +244,7 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
     /* a span's B panels in about half of L2, at most SPAN_BLOCKS of them */
     g.span = SPAN_BYTES / (k * NR * (i64)sizeof(float) + 1);
     g.span = g.span < 1 ? 1 : (g.span > SPAN_BLOCKS ? SPAN_BLOCKS : g.span);
+    /* at least two tasks a thread where the columns allow it (a span of everything would leave one) */
+    while (g.span > 1 && (g.col_blocks + g.span - 1) / g.span * g.panel_groups < 2 * threads) g.span /= 2;
     parallel_for(by_columns, &g, (g.col_blocks + g.span - 1) / g.span * g.panel_groups, threads);
 }
