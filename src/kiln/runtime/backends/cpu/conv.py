@@ -76,7 +76,7 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
                                    w, o, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds, native.threads())
         return out
     if kh == kw == 1 and not any(padding) and not any(padding_end):
-        if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o) or h * w == 1:
+        if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o):
             return None  # one BLAS GEMM on the (strided) input, then the epilogue (convolve)
         packed = forms.packed_gemm_weight(weight)
         out = np.empty((n, o, h * w), dtype=np.float32)
