@@ -349,10 +349,10 @@ class Session:
         _keep_extra_inputs(steps)
         if self.validate:
             return _Plan(steps, env)
-        lowered = self.backend.lower(m, [(s.node, s.attrs) for s in steps], env)
+        nodes = [(s.node, s.attrs) for s in steps]
+        lowered = self.backend.lower(m, nodes, env)
         if lowered is None:
-            runs = self.backend.lower_runs(m, [(s.node, s.attrs) for s in steps], [s.inputs for s in steps], env)
-            steps = _with_runs(steps, runs)
+            steps = _with_runs(steps, self.backend.lower_runs(m, nodes, [s.inputs for s in steps], env))
         return _Plan(steps, env, lowered=lowered)
 
 

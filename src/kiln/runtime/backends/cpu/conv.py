@@ -123,7 +123,6 @@ in runs of a span of column blocks, from 16 x 96: 1.42 / 2.18x, from 16 x 24: 1.
 noise). Below 16 outputs (the 3-channel stems' 16) the 12-row tiles compute mostly padding."""
 
 
-
 def _packs(inputs: int, outputs: int) -> bool:
     """Whether a convolution's GEMM of these sizes goes to the packed kernel."""
     return inputs >= PACKED_MIN_INPUTS and outputs >= PACKED_MIN_OUTPUTS
@@ -139,6 +138,8 @@ transformed weights' traffic costs more than the multiplies it saves, and im2col
 _WINOGRAD_MIN_CHANNELS = 8
 
 _WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+
+
 def _winograd_weight(weight: np.ndarray) -> np.ndarray:
     """U = G g G^T, [16, out, in]."""
     def make(weight: np.ndarray) -> np.ndarray:

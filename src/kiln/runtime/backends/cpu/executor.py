@@ -677,13 +677,7 @@ def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, An
     lw = Lowering(program, method, env)
     try:
         for node, attrs in steps:
-            rule = LOWERINGS.get(node.op)
-            if rule is None:
-                raise Decline(f"no lowering for {node.op}")
-            try:
-                rule(lw, node, attrs)
-            except Decline as e:
-                raise Decline(f"{node.op}: {e}") from None
+            _lower_node(lw, node, attrs)
         for update in method.state_updates:
             read = _state_value(method, update.state)
             loc = lw.locs.get(update.value)
@@ -691,12 +685,24 @@ def lower(program: Program, method: Method, steps: list[tuple[Node, dict[str, An
                 raise Decline(f"state {update.state} is not updated in place")
         outputs = [_output(lw, index, value) for index, value in enumerate(method.outputs)]
         return NativePlan(lw, outputs, threads)
-    except Decline as e:
-        log.debug("method %r runs from Python: %s", method.name, e)
-        return None
-    except (KeyError, TypeError, ValueError, IndexError) as e:  # an attribute or shape the rules did not expect
+    except NOT_LOWERED as e:
         log.debug("method %r runs from Python: %s: %s", method.name, type(e).__name__, e)
         return None
+
+
+NOT_LOWERED = (Decline, KeyError, TypeError, ValueError, IndexError)
+"""What lowering a node may raise: a Decline, or an attribute or shape the rules did not expect."""
+
+
+def _lower_node(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """node's instructions into lw, or Decline (naming the op)."""
+    rule = LOWERINGS.get(node.op)
+    if rule is None:
+        raise Decline(f"no lowering for {node.op}")
+    try:
+        rule(lw, node, attrs)
+    except Decline as e:
+        raise Decline(f"{node.op}: {e}") from None
 
 
 MIN_RUN_NODES = 3
@@ -736,14 +742,10 @@ def _lowerable_end(program: Program, method: Method, steps: list[tuple[Node, dic
     """The end of the longest run of steps from `start` that lower."""
     lw = Lowering(program, method, env, bound=[])
     for k in range(start, len(steps)):
-        node, attrs = steps[k]
-        rule = LOWERINGS.get(node.op)
         try:
-            if rule is None:
-                raise Decline(f"no lowering for {node.op}")
-            rule(lw, node, attrs)
-        except (Decline, KeyError, TypeError, ValueError, IndexError) as e:
-            log.debug("method %r: node %d (%s) runs from Python: %s", method.name, k, node.op, e)
+            _lower_node(lw, *steps[k])
+        except NOT_LOWERED as e:
+            log.debug("method %r: node %d runs from Python: %s: %s", method.name, k, type(e).__name__, e)
             return k
     return len(steps)
 
@@ -758,11 +760,11 @@ def _lower_run(program: Program, method: Method, steps: list[tuple[Node, dict[st
     lw = Lowering(program, method, env, bound=[])
     try:
         for node, attrs in steps[start:end]:
-            LOWERINGS[node.op](lw, node, attrs)
+            _lower_node(lw, node, attrs)
         passed: dict[int, int] = {}
         locs = [_output(lw, index, value, passed) for index, value in enumerate(outputs)]
         return Run(start, end, RunPlan(lw, locs, threads, passed), outputs)
-    except (Decline, KeyError, TypeError, ValueError, IndexError) as e:
+    except NOT_LOWERED as e:
         log.debug("method %r: steps %d-%d run from Python: %s", method.name, start, end, e)
         return None
 
@@ -788,7 +790,7 @@ def _output(lw: Lowering, index: int, value: int,
         if given is not None and lw.shape_of(lw.bound[given][1]) == shape:
             passed[index] = given  # a value written in place in an array the run was given (a KV cache)
             return loc, shape, dtype
-    if not whole or home.output >= 0:  # (another output lies in that array already: this one gets its own)
+    if not whole:  # (a view, an array the run was given, or one another output lies in already: copied)
         pad = 4 - len(shape)
         _need(pad >= 0, "output of more than 4 dims")
         copy = lw.new(shape, dtype)

@@ -20,13 +20,13 @@
 enum { OCS = 16, PIXELS = 16 };
 
 typedef struct {
-    const float *x, *w, *bias;
+    const float *w, *bias;
     float *y;
-    i64 n, c, h, wd, o, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow, act;
+    i64 c, o, kh, kw, sh, sw, dh, dw, oh, ow, act;
     float lo, hi;
-    i64 ph, pw;    /* the padded input's size */
-    float *padded; /* [n][c][ph][pw] */
-    i64 blocks;    /* output channel blocks */
+    i64 ph, pw;          /* the padded input's size */
+    const float *padded; /* [n][c][ph][pw] */
+    i64 blocks;          /* output channel blocks */
 } direct_args;
 
 static void direct_part(const void *ctx, i64 begin, i64 end) {
@@ -95,8 +95,7 @@ void kiln_conv2d_direct_f32(const float *x, const float *w, const float *bias, f
             if (j1 > j0)
                 memcpy(padded + (plane * ph + r) * pw + j0, x + (plane * h + src) * wd, (size_t)(j1 - j0) * 4);
         }
-    direct_args a = {x, w, bias, y, n, c, h, wd, o, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow, act, lo, hi, ph, pw,
-                     padded, (o + OCS - 1) / OCS};
+    direct_args a = {w, bias, y, c, o, kh, kw, sh, sw, dh, dw, oh, ow, act, lo, hi, ph, pw, padded, (o + OCS - 1) / OCS};
     parallel_for(direct_part, &a, n * a.blocks * oh, threads);
     free(padded);
 }

@@ -99,14 +99,14 @@ typedef struct {
 
 /* A tile's rows (its first `vecs` vectors of columns, `width` of them kept) plus bias, activated, into out (the
  * tile's first output; rows g->ldc apart). */
-static inline void store(const gemm_args *g, v16 acc[MR][2], int first, int vecs, i64 row0, i64 rows, float *out,
+static inline void store(const gemm_args *g, v16 acc[MR][2], int vecs, i64 row0, i64 rows, float *out,
                          i64 width, v16 lo, v16 hi) {
     for (i64 i = 0; i < rows; i++) {
         const v16 bias = splat16(g->bias ? g->bias[row0 + i] : 0.0f);
         float *dst = out + i * g->ldc;
         float line[NR];
         for (int v = 0; v < vecs; v++) {
-            const v16 o = activate16(acc[i][first + v] + bias, (int)g->act, lo, hi);
+            const v16 o = activate16(acc[i][v] + bias, (int)g->act, lo, hi);
             if (width == NR || (vecs == 1 && width == 16)) *(v16u *)(dst + 16 * v) = o;
             else *(v16u *)(line + 16 * v) = o;
         }
@@ -152,17 +152,17 @@ static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *pane
     i64 done = 0;
     if (cols == NR) {
         tile2(a, panel, k, acc);
-        store(g, acc, 0, 2, pi * MR, rows, out, NR, lo, hi);
+        store(g, acc, 2, pi * MR, rows, out, NR, lo, hi);
         return;
     }
     if (cols >= 16 || cols > TAIL_COLUMNS) {
         tile1(a, panel, k, acc);
         done = cols < 16 ? cols : 16;
-        store(g, acc, 0, 1, pi * MR, rows, out, done, lo, hi);
+        store(g, acc, 1, pi * MR, rows, out, done, lo, hi);
     }
     if (cols - done > TAIL_COLUMNS) {
         tile1(a, panel + done, k, acc);
-        store(g, acc, 0, 1, pi * MR, rows, out + done, cols - done, lo, hi);
+        store(g, acc, 1, pi * MR, rows, out + done, cols - done, lo, hi);
         return;
     }
     if (cols > done) {
@@ -226,7 +226,7 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
     if (m <= 0 || n <= 0) return;
     const i64 panels = (m + MR - 1) / MR;
     gemm_args g = {packed, b, bias, c, NULL, m, n, k, ldb, ldc, act, b_rows, lo, hi, (n + NR - 1) / NR,
-                   (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK};
+                   (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 0};
     const i64 work = m * n * (k > 0 ? k : 1);
     const i64 most = work / (1 << 18); /* a part worth at least ~0.25M multiply-adds */
     threads = threads < most ? threads : (most > 1 ? most : 1);

@@ -55,31 +55,26 @@ static inline void store16_first(float *p, v16 v, int count) {
 /* r[0..15] transposed in place (r[i][j] <-> r[j][i]): four rounds of swapping the off-diagonal blocks of 8, 4, 2
  * and 1 lanes between rows i and i + d, one two-source shuffle per row and round (64 in all, vpermt2ps on
  * AVX-512), where element by element it takes 256 loads and stores. */
+#define KILN_LANES(...) __VA_ARGS__
+#define KILN_SWAP_BLOCKS(d, top, bottom)                                                                         \
+    for (int i = 0; i < 16; i++)                                                                              \
+        if ((i & (d)) == 0) {                                                                                 \
+            const v16 a = r[i], b = r[i + (d)];                                                               \
+            r[i] = __builtin_shufflevector(a, b, KILN_LANES top);                                             \
+            r[i + (d)] = __builtin_shufflevector(a, b, KILN_LANES bottom);                                    \
+        }
 static inline void transpose16(v16 r[16]) {
-    for (int i = 0; i < 16; i++)
-        if ((i & 8) == 0) {
-            const v16 a = r[i], b = r[i + 8];
-            r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-            r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-        }
-    for (int i = 0; i < 16; i++)
-        if ((i & 4) == 0) {
-            const v16 a = r[i], b = r[i + 4];
-            r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-            r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-        }
-    for (int i = 0; i < 16; i++)
-        if ((i & 2) == 0) {
-            const v16 a = r[i], b = r[i + 2];
-            r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-            r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-        }
-    for (int i = 0; i < 16; i++)
-        if ((i & 1) == 0) {
-            const v16 a = r[i], b = r[i + 1];
-            r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-            r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-        }
+    /* top row: its own lanes where lane & d is 0, else the bottom row's lane - d; bottom row: the top's lane + d,
+     * else its own */
+    KILN_SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                     (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    KILN_SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                     (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    KILN_SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                     (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    KILN_SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                     (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 }
-
+#undef KILN_SWAP_BLOCKS
+#undef KILN_LANES
 #endif
