@@ -215,3 +215,61 @@ def test_serving_decode_steps_lower_whole(quantize, monkeypatch):
     with pytest.raises(KilnError) as python_error:
         _run(python_session, "decode", *bad, executor="python", monkeypatch=monkeypatch)
     assert str(lowered_error.value) == str(python_error.value)
+
+
+class SmallNet(torch.nn.Module):
+    """Every compiled convolution route (conv.ROUTES: a 3-channel stem, depthwise, a packed 1x1, squeeze-and-
+    excitation's 1x1 convolutions of 1x1 maps, a packed im2col band) with fused activations, a mean and a sum over
+    the maps, a broadcast product, max pooling, ReLU, a residual add and the classifier; with `blas`, also a 1x1
+    convolution of few outputs, which runs by BLAS from Python between two lowered runs."""
+
+    def __init__(self, blas: bool):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.dw = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.expand = torch.nn.Conv2d(16, 32, 1)
+        self.se_reduce, self.se_expand = torch.nn.Conv2d(32, 8, 1), torch.nn.Conv2d(8, 32, 1)
+        self.down = torch.nn.Conv2d(32, 32, 3, stride=2, padding=1)
+        self.narrow = torch.nn.Conv2d(32, 8, 1) if blas else None
+        self.head = torch.nn.Linear(8 if blas else 32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.hardswish(self.stem(x))
+        x = self.expand(torch.nn.functional.relu6(self.dw(x)))
+        s = x.mean((2, 3), keepdim=True)
+        x = x * torch.nn.functional.hardsigmoid(self.se_expand(torch.relu(self.se_reduce(s))))
+        x = torch.relu(self.down(x)) + torch.nn.functional.max_pool2d(x, 2)
+        if self.narrow is not None:
+            x = self.narrow(x)
+        return self.head(x.sum((2, 3)) / 16)
+
+
+@pytest.mark.parametrize("blas", [False, True], ids=["whole", "runs"])
+def test_convolution_networks_lower_with_the_python_paths_bits(blas, monkeypatch):
+    """A small CNN over every compiled convolution route runs lowered (whole, or in runs around a BLAS
+    convolution), to the Python path's bits and eager's values, two images at once."""
+    from kiln.runtime.backends.cpu import conv
+
+    torch.manual_seed(0)
+    model = SmallNet(blas).eval()
+    x = torch.randn(2, 3, 16, 16)
+    program = kiln.export(model, (x,)).load()
+    routes = set()
+
+    def recording(*args):
+        r = route(*args)
+        routes.add(None if r is None else r.name)
+        return r
+
+    route = conv.route
+    monkeypatch.setattr(conv, "route", recording)
+    native_session, python_session = _sessions(program)
+    (got,) = _run(native_session, "forward", x.numpy(), executor="native", monkeypatch=monkeypatch)
+    (want,) = _run(python_session, "forward", x.numpy(), executor="python", monkeypatch=monkeypatch)
+    assert routes == set(conv.ROUTES) | ({None} if blas else set())
+    assert _lowered(native_session, "forward") == (not blas)
+    assert (_runs(native_session, "forward") == 2) == blas
+    with torch.no_grad():
+        eager = model(x).numpy()
+    assert np.array_equal(got, want)
+    np.testing.assert_allclose(got, eager, rtol=1e-4, atol=1e-4)

@@ -17,7 +17,8 @@ import kiln.runtime.backends.cpu.conv
 import kiln.runtime.backends.cpu.elementwise
 import kiln.runtime.backends.cpu.linalg
 import kiln.runtime.backends.cpu.norm
-import kiln.runtime.backends.cpu.quant  # noqa: F401 - importing the kernel families registers them
+import kiln.runtime.backends.cpu.quant
+import kiln.runtime.backends.cpu.reduce  # noqa: F401 - importing the kernel families registers them
 from kiln.ir.graph import Method, Node, StateBuffer
 from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.base import Backend, Kernel

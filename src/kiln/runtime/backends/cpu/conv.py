@@ -4,6 +4,8 @@ cache-sized bands), the portable ones (kiln.runtime.backends.array_api.conv) for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kiln.runtime.backends.array_api import conv as portable
@@ -43,71 +45,117 @@ def _epilogue(out: np.ndarray, bias: np.ndarray | None, activation: str, lo: flo
     portable.epilogue(np, out, bias, activation, lo, hi)
 
 
-def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, groups, act) -> np.ndarray | None:
-    """2-d float32 convolution through the compiled helpers (bias and activation included), or None where they do
-    not apply.
+@dataclass(frozen=True)
+class Route:
+    """How a 2-d float32 convolution of given shapes runs: by a compiled route of native/conv.c (ROUTES), or
+    "winograd" / "blas" (NumPy's matmul between compiled transforms). Chosen from the shapes alone, so the CPU
+    kernel and the native executor, which both call kiln_conv2d_f32 for the compiled routes, agree."""
+    name: str
+    geometry: tuple[int, ...]
+    """n c h w o kh kw sh sw pt pl dh dw oh ow"""
+    band: int = 0
+    """im2col: output rows a band."""
+
+    @property
+    def code(self) -> int | None:
+        return ROUTES.get(self.name)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the route multiplies by the weight packed for gemm.c (forms.packed_gemm_weight)."""
+        return self.name in ("pointwise", "im2col")
+
+    @property
+    def work_floats(self) -> int:
+        n, c, h, w, o, kh, kw, *_, oh, ow = self.geometry
+        return c * kh * kw * self.band * ow if self.name in ("im2col", "blas") else 0
+
+
+ROUTES = {"depthwise": 0, "direct": 1, "pointwise": 2, "im2col": 3, "rows": 4}
+"""native/conv.c's route codes."""
+
+
+def route(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], stride, padding, padding_end, dilation,
+          groups: int) -> Route | None:
+    """The route of a 2-d float32 convolution (x [n, c, h, w], weight [o, c / groups, kh, kw]), or None where no
+    compiled helper applies (the portable convolution, then the epilogue).
 
     Depthwise runs entirely compiled, 16 channels a vector (depthwise.c), and so do convolutions of an image's few
-    channels (direct.c, 16 output channels a vector). 3x3 stride-1 convolutions on maps big enough use Winograd
-    F(2x2, 3x3); other kernels bigger than 1x1 build im2col compiled, without a padded copy of the input. 1x1
-    convolutions and im2col bands with enough inputs and outputs multiply by the weight packed once (gemm.c, bias
-    and activation applied as the tiles are stored), the rest by BLAS and a pass for the epilogue.
+    channels (direct.c, 16 output channels a vector). 1x1 convolutions of 1x1 maps (squeeze-and-excitation) are a
+    linear layer over the images' rows (kiln_linear_rows_f32). Other 1x1 convolutions and im2col bands with enough
+    inputs and outputs multiply by the weight packed once (gemm.c, bias and activation applied as the tiles are
+    stored). 3x3 stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3); the rest build im2col compiled,
+    without a padded copy of the input, for BLAS and a pass for the epilogue.
     """
-    lib = native.library()
-    if lib is None or x.ndim != 4 or not native.float32_contiguous(weight, bias) or x.dtype != np.float32:
+    if len(x_shape) != 4 or len(weight_shape) != 4:
         return None
-    n, c, h, w = x.shape
-    o, cg, kh, kw = weight.shape
+    n, c, h, w = x_shape
+    o, cg, kh, kw = weight_shape
     oh, ow = (_conv_out(*args) for args in zip((h, w), (kh, kw), stride, padding, dilation, padding_end))
     if oh <= 0 or ow <= 0 or n == 0 or c == 0:
         return None
-    x = np.ascontiguousarray(x)
-    activation, lo, hi = act
-    code, bounds = native.ACTIVATION_CODES[activation], native.bounds(lo, hi)
+    geometry = (n, c, h, w, o, kh, kw, *stride, *padding, *dilation, oh, ow)
     if cg == 1 and groups == c == o:
-        out = np.empty((n, c, oh, ow), dtype=np.float32)
-        lib.kiln_dwconv2d_blocked_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n, c,
-                                      h, w, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds,
-                                      native.threads())
-        return out
+        return Route("depthwise", geometry)
     if groups == 1 and c <= DIRECT_MAX_INPUTS and kh * kw > 1:
-        out = np.empty((n, o, oh, ow), dtype=np.float32)
-        lib.kiln_conv2d_direct_f32(x.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, n, c, h,
-                                   w, o, kh, kw, *stride, *padding, *dilation, oh, ow, code, *bounds, native.threads())
-        return out
+        return Route("direct", geometry)
     if kh == kw == 1 and not any(padding) and not any(padding_end):
+        if h == w == 1 and groups == 1:
+            return Route("rows", geometry)
         if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o):
             return None  # one BLAS GEMM on the (strided) input, then the epilogue (convolve)
-        packed = forms.packed_gemm_weight(weight)
-        out = np.empty((n, o, h * w), dtype=np.float32)
-        for b in range(n):
-            native.gemm_packed(packed, o, x[b].reshape(c, h * w), out[b], bias, *act)
-        return out.reshape(n, o, oh, ow)
+        return Route("pointwise", geometry)
     if (kh, kw, *stride, *dilation, groups) == (3, 3, 1, 1, 1, 1, 1) and min(c, o) >= _WINOGRAD_MIN_CHANNELS \
             and n * ((oh + 1) // 2) * ((ow + 1) // 2) >= _WINOGRAD_MIN_TILES:
-        return _winograd_3x3(lib, x, weight, bias, padding, oh, ow, act)
+        return Route("winograd", geometry)
     # im2col + GEMM in bands of output rows, each band's patch matrix small enough to stay in cache
-    k = cg * kh * kw
     band = max(1, min(oh, _IM2COL_BAND_BYTES // (4 * c * kh * kw * ow)))
-    cols = np.empty(c * kh * kw * band * ow, dtype=np.float32)
+    return Route("im2col" if groups == 1 and _packs(cg * kh * kw, o) else "blas", geometry, band)
+
+
+def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, groups, act) -> np.ndarray | None:
+    """2-d float32 convolution through the compiled helpers (bias and activation included), or None where they do
+    not apply (route)."""
+    lib = native.library()
+    if lib is None or x.ndim != 4 or not native.float32_contiguous(weight, bias) or x.dtype != np.float32:
+        return None
+    r = route(x.shape, weight.shape, stride, padding, padding_end, dilation, groups)
+    if r is None:
+        return None
+    x = np.ascontiguousarray(x)
+    if r.name == "winograd":
+        return _winograd_3x3(lib, x, weight, bias, padding, *r.geometry[-2:], act)
+    if r.name == "blas":
+        return _im2col_blas(lib, x, weight, bias, groups, r, act)
+    n, _, _, _, o, *_, oh, ow = r.geometry
+    out = np.empty((n, o, oh, ow), dtype=np.float32)
+    work = np.empty(r.work_floats, np.float32) if r.work_floats else None
+    activation, lo, hi = act
+    lib.kiln_conv2d_f32(r.code, x.ctypes.data, (forms.packed_gemm_weight(weight) if r.packed else weight).ctypes.data,
+                        native.address(bias), out.ctypes.data, native.address(work),
+                        np.array(r.geometry, np.int64).ctypes.data, r.band, native.ACTIVATION_CODES[activation],
+                        *native.bounds(lo, hi), native.threads())
+    return out
+
+
+def _im2col_blas(lib, x, weight, bias, groups: int, r: Route, act) -> np.ndarray:
+    """im2col (compiled) in bands of output rows, each band's GEMM by BLAS, then the epilogue."""
+    n, c, h, w, o, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow = r.geometry
+    k = weight.shape[1] * kh * kw
+    cols = np.empty(r.work_floats, dtype=np.float32)
     out = np.empty((n, o, oh * ow), dtype=np.float32)
     w_groups = weight.reshape(groups, o // groups, k)
-    packed = forms.packed_gemm_weight(weight) if groups == 1 and _packs(k, o) else None
     for b in range(n):
-        for r0 in range(0, oh, band):
-            r1 = min(oh, r0 + band)
+        for r0 in range(0, oh, r.band):
+            r1 = min(oh, r0 + r.band)
             length = (r1 - r0) * ow
             part = cols[:c * kh * kw * length].reshape(c * kh * kw, length)
-            lib.kiln_im2col2d_f32(x[b].ctypes.data, part.ctypes.data, c, h, w, kh, kw, *stride, *padding, *dilation,
-                                  r0, r1, ow)
-            if packed is not None:
-                native.gemm_packed(packed, o, part, out[b, :, r0 * ow:r1 * ow], bias, *act)
-            else:
-                target = out[b, :, r0 * ow:r1 * ow].reshape(groups, o // groups, length)
-                np.matmul(w_groups, part.reshape(groups, k, length), out=target)
+            lib.kiln_im2col2d_f32(x[b].ctypes.data, part.ctypes.data, c, h, w, kh, kw, sh, sw, pt, pl, dh, dw, r0, r1,
+                                  ow)
+            target = out[b, :, r0 * ow:r1 * ow].reshape(groups, o // groups, length)
+            np.matmul(w_groups, part.reshape(groups, k, length), out=target)
     out = out.reshape(n, o, oh, ow)
-    if packed is None:
-        _epilogue(out, bias, *act)
+    _epilogue(out, bias, *act)
     return out
 
 

@@ -34,15 +34,17 @@ from kiln.ir.graph import NO_VALUE, Method, Node, ValueKind
 from kiln.ir.ops import COMPARE
 from kiln.ir.symbolic import resolve_shape
 from kiln.registry import register_once
+from kiln.runtime.backends.array_api.conv import pool_geometry
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
-from kiln.runtime.backends.cpu import linalg, native, quant
+from kiln.runtime.backends.cpu import conv, forms, linalg, native, quant
+from kiln.runtime.backends.cpu.reduce import reduced_shape, trailing_rows
 from kiln.runtime.program import Program
 
 log = logging.getLogger("kiln.runtime.cpu")
 
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
       "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
-      "unary": 15}
+      "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -188,6 +190,20 @@ class Lowering:
         root = Root(max(1, math.prod(shape)) * dtype.itemsize)
         self.roots.append(root)
         return Loc(root, 0, tuple(shape), c_strides(shape, dtype.itemsize), dtype)
+
+    def constant_array(self, loc: Loc) -> np.ndarray | None:
+        """The array of a constant loc is the whole of (None: loc is something else, or a view of part of one)."""
+        if isinstance(loc.home, int) and loc.offset == 0:
+            for base, array in self.fixed:
+                if base == loc.home and array.shape == loc.shape and array.strides == loc.strides:
+                    return array
+        return None
+
+    def fixed_array(self, array: np.ndarray) -> Loc:
+        """An array made when the plan is built (a weight's packed form), held by the plan."""
+        base = self.base()
+        self.fixed.append((base, array))
+        return Loc(base, 0, array.shape, array.strides, array.dtype)
 
     def work(self, nbytes: int) -> Loc:
         """Scratch shared by every instruction (they run one after another)."""
@@ -470,6 +486,85 @@ def _layer_norm(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.output(node, out)
 
 
+@lowering("conv")
+def _conv(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """conv.route's compiled routes (kiln_conv2d_f32, as the CPU kernel calls it); the packed routes need the weight
+    to be a constant, packed here once."""
+    x, weight, bias = _inputs(lw, node)
+    _need(not attrs["transposed"] and x.dtype == F32 and weight.dtype == F32 and (bias is None or bias.dtype == F32),
+          "a float32 convolution")
+    padding_end = tuple(attrs["padding_end"]) or tuple(attrs["padding"])
+    r = conv.route(x.shape, weight.shape, tuple(attrs["stride"]), tuple(attrs["padding"]), padding_end,
+                   tuple(attrs["dilation"]), int(attrs["groups"]))
+    _need(r is not None and r.code is not None, "no compiled route")
+    if r.packed:
+        array = lw.constant_array(weight)
+        _need(array is not None, "a weight computed at run time")
+        weight = lw.fixed_array(forms.packed_gemm_weight(array))
+    else:
+        weight = lw.contiguous(weight)
+    x = lw.contiguous(x)
+    bias = None if bias is None else lw.contiguous(bias)
+    n, _, _, _, o, *_, oh, ow = r.geometry
+    out = lw.new((n, o, oh, ow), F32)
+    work = lw.work(4 * r.work_floats) if r.work_floats else None
+    lo, hi = native.bounds(attrs["activation_min"], attrs["activation_max"])
+    lw.emit("conv", x, weight, bias, out, work, r.code, r.band, native.ACTIVATION_CODES[attrs["activation"]],
+            as_float_word(lo), as_float_word(hi), *r.geometry)
+    lw.output(node, out)
+
+
+@lowering("sum", "mean")
+def _sum_rows(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As cpu/reduce.py: float32 sums over trailing dims."""
+    (x,) = _inputs(lw, node)
+    dims = tuple(attrs["dims"])
+    shape = trailing_rows(x.shape, dims)
+    _need(x.dtype == F32 and shape is not None and shape[1] > 0, "float32 over trailing dims")
+    rows, n = shape
+    x = lw.contiguous(x)
+    out = lw.new(reduced_shape(x.shape, dims, bool(attrs["keepdim"])), F32)
+    lw.emit("sum_rows", x, out, rows, n, as_float_word(float(n) if node.op == "mean" else 1.0))
+    lw.output(node, out)
+
+
+@lowering("max_pool")
+def _max_pool(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As cpu/conv.py's max_pool: 2-d, float32."""
+    (x,) = _inputs(lw, node)
+    kernel = tuple(attrs["kernel"])
+    stride = tuple(attrs["stride"]) or kernel
+    _need(len(kernel) == 2 and x.dtype == F32 and len(x.shape) >= 2 and x.size > 0, "2-d float32")
+    out_sp, _ = pool_geometry(x.shape[-2:], kernel, stride, attrs["padding"], attrs["dilation"], attrs["ceil_mode"])
+    _need(0 not in out_sp, "an empty output")
+    x = lw.contiguous(x)
+    out = lw.new(x.shape[:-2] + out_sp, F32)
+    lw.emit("max_pool", x, out, x.size // (x.shape[-1] * x.shape[-2]), *x.shape[-2:], *kernel, *stride,
+            *attrs["padding"], *attrs["dilation"], *out_sp)
+    lw.output(node, out)
+
+
+def _emit_clamp(lw: Lowering, node: Node, lo: float | None, hi: float | None) -> None:
+    """As native.clamp (the CPU kernel's float32 path)."""
+    (x,) = _inputs(lw, node)
+    _need(x.dtype == F32, "float32")
+    x = lw.contiguous(x)
+    out = lw.new(x.shape, F32)
+    lw.emit("clamp", x, out, x.size, *(as_float_word(b) for b in native.bounds(lo, hi)))
+    lw.output(node, out)
+
+
+@lowering("clamp")
+def _clamp(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    _need(attrs["min"] is not None or attrs["max"] is not None, "no bound")
+    _emit_clamp(lw, node, attrs["min"], attrs["max"])
+
+
+@lowering("relu")
+def _relu(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    _emit_clamp(lw, node, 0.0, None)
+
+
 def _emit_unary(lw: Lowering, node: Node, name: str) -> None:
     """native.unary's compiled function `name` over float32 x (the CPU kernel's float32 path)."""
     (x,) = _inputs(lw, node)
@@ -547,12 +642,30 @@ def _binary(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     shape = lw.shape_of(node.outputs[0])
     out_dtype = np.dtype(lw.method.values[node.outputs[0]].dtype.numpy)
     codes = {BINARY_DTYPES[c][0]: BINARY_DTYPES[c][1] for c in dtypes}
-    _need(a.dtype == b.dtype == out_dtype and a.dtype in codes and len(shape) <= 4, "operands of one type")
-    pad = (1,) * (4 - len(shape))
+    _need(a.dtype == b.dtype == out_dtype and a.dtype in codes, "operands of one type")
+    dims, a_strides, b_strides = collapse(shape, broadcast_strides(a, shape), broadcast_strides(b, shape))
+    _need(len(dims) <= 4, "more than 4 dims after merging")
+    pad = 4 - len(dims)
     out = lw.new(shape, out_dtype)
-    lw.emit("binary", a, b, out, kind, codes[a.dtype], *(pad + shape), *broadcast_strides(a, pad + shape),
-            *broadcast_strides(b, pad + shape))
+    lw.emit("binary", a, b, out, kind, codes[a.dtype], *((1,) * pad + dims), *((0,) * pad + a_strides),
+            *((0,) * pad + b_strides))
     lw.output(node, out)
+
+
+def collapse(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """shape and the operands' element strides with adjacent dims merged where every operand steps through both
+    as through one (a contiguous output always does): [1, C, 1, 1] x [1, C, H, W] becomes [C, H * W], so the
+    innermost loop runs over whole planes."""
+    dims = [(n, list(s)) for n, *s in zip(shape, *strides, strict=True) if n != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for n, s in dims:
+        if merged and all(prev == cur * n for prev, cur in zip(merged[-1][1], s, strict=True)):
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    if not merged:
+        return (1,), *((0,) for _ in strides)
+    return tuple(n for n, _ in merged), *(tuple(s[k] for _, s in merged) for k in range(len(strides)))
 
 
 # ---- the plan ----

@@ -35,6 +35,10 @@ enum {
     OP_ROPE_SLOT = 13,      /* q k v cos sin k_cache v_cache slots positions q_out | 14 sizes and strides */
     OP_LAYER_NORM = 14,     /* x weight bias out | rows n eps(float bits) */
     OP_UNARY = 15,          /* x out | n function (native.UNARY's order) */
+    OP_CONV = 16,           /* x w bias out work | route band act lo hi (float bits) geometry[15] (conv.c) */
+    OP_SUM_ROWS = 17,       /* x out | rows n divisor(float bits) */
+    OP_MAX_POOL = 18,       /* x out | planes h w kh kw sh sw ph pw dh dw oh ow */
+    OP_CLAMP = 19,          /* x out | n lo hi (float bits) */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -64,6 +68,33 @@ static inline float binary_f32(i64 kind, float a, float b) {
         default: return a / b;
     }
 }
+
+/* out[i] = x[i * xs] op y[i * ys] over a row of n: the kind chosen once a row, and loops the compiler vectorizes
+ * for the common strides (both contiguous, or one operand a scalar broadcast along the row). */
+#define BINARY_ROW(OP)                                                                             \
+    do {                                                                                           \
+        if (xs == 1 && ys == 1)                                                                    \
+            for (i64 i = 0; i < n; i++) out[i] = x[i] OP y[i];                                     \
+        else if (xs == 0 && ys == 1) {                                                             \
+            const float a = x[0];                                                                  \
+            for (i64 i = 0; i < n; i++) out[i] = a OP y[i];                                        \
+        } else if (xs == 1 && ys == 0) {                                                           \
+            const float b = y[0];                                                                  \
+            for (i64 i = 0; i < n; i++) out[i] = x[i] OP b;                                        \
+        } else                                                                                     \
+            for (i64 i = 0; i < n; i++) out[i] = x[i * xs] OP y[i * ys];                           \
+    } while (0)
+
+static void binary_row_f32(i64 kind, const float *restrict x, i64 xs, const float *restrict y, i64 ys,
+                           float *restrict out, i64 n) {
+    switch (kind) {
+        case 0: BINARY_ROW(+); break;
+        case 1: BINARY_ROW(-); break;
+        case 2: BINARY_ROW(*); break;
+        default: BINARY_ROW(/); break;
+    }
+}
+#undef BINARY_ROW
 
 i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, const float *zero, const float *bias,
                          float *out, void *work, i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads);
@@ -97,6 +128,12 @@ void kiln_hardswish_f32(const float *x, float *y, i64 n);
 void kiln_gelu_erf_f32(const float *x, float *y, i64 n);
 void kiln_gelu_tanh_f32(const float *x, float *y, i64 n);
 void kiln_erf_f32(const float *x, float *y, i64 n);
+void kiln_clamp_f32(const float *x, float *y, i64 n, float lo, float hi);
+i64 kiln_conv2d_f32(i64 route, const float *x, const float *w, const float *bias, float *y, float *work,
+                    const i64 *g, i64 band, i64 act, float lo, float hi, i64 threads);
+void kiln_sum_rows_f32(const float *x, float *out, i64 rows, i64 n, float divisor);
+void kiln_maxpool2d_f32(const float *x, float *y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh, i64 sw, i64 pt,
+                        i64 pl, i64 dh, i64 dw, i64 oh, i64 ow);
 
 /* OP_UNARY's functions, in the order of native.UNARY */
 static void (*const UNARY_FUNCTIONS[])(const float *, float *, i64) = {
@@ -223,6 +260,17 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             char *out = PTR(5);
             const i64 kind = a[7], dtype = a[8], *n = a + 9, *xs = a + 13, *ys = a + 17;
             i64 o = 0;
+            if (dtype == 1) {
+                for (i64 i0 = 0; i0 < n[0]; i0++)
+                    for (i64 i1 = 0; i1 < n[1]; i1++)
+                        for (i64 i2 = 0; i2 < n[2]; i2++, o += n[3]) {
+                            const i64 xi = i0 * xs[0] + i1 * xs[1] + i2 * xs[2];
+                            const i64 yi = i0 * ys[0] + i1 * ys[1] + i2 * ys[2];
+                            binary_row_f32(kind, (const float *)x + xi, xs[3], (const float *)y + yi, ys[3],
+                                           (float *)out + o, n[3]);
+                        }
+                return 1;
+            }
             for (i64 i0 = 0; i0 < n[0]; i0++)
                 for (i64 i1 = 0; i1 < n[1]; i1++)
                     for (i64 i2 = 0; i2 < n[2]; i2++)
@@ -255,6 +303,19 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
         case OP_UNARY:
             if (a[6] < 0 || a[6] >= (i64)(sizeof UNARY_FUNCTIONS / sizeof UNARY_FUNCTIONS[0])) return 0;
             UNARY_FUNCTIONS[a[6]](PTR(1), PTR(3), a[5]);
+            return 1;
+        case OP_CONV:
+            return (int)kiln_conv2d_f32(a[11], PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), a + 16, a[12], a[13],
+                                        as_float(a[14]), as_float(a[15]), threads);
+        case OP_SUM_ROWS:
+            kiln_sum_rows_f32(PTR(1), PTR(3), a[5], a[6], as_float(a[7]));
+            return 1;
+        case OP_MAX_POOL:
+            kiln_maxpool2d_f32(PTR(1), PTR(3), a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
+                               a[16], a[17]);
+            return 1;
+        case OP_CLAMP:
+            kiln_clamp_f32(PTR(1), PTR(3), a[5], as_float(a[6]), as_float(a[7]));
             return 1;
         default: return 0;
     }
