@@ -273,3 +273,23 @@ def test_convolution_networks_lower_with_the_python_paths_bits(blas, monkeypatch
         eager = model(x).numpy()
     assert np.array_equal(got, want)
     np.testing.assert_allclose(got, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [4, 12], ids=["few-rows", "packed-gemm"])
+def test_linear_layers_of_few_and_many_rows_lower_with_the_python_paths_bits(rows, monkeypatch):
+    """Linear layers lower at any row count: up to linalg.FEW_ROWS by the few-row helper, above by the GEMM with
+    the weight packed once when the plan is built; the Python path's bits, eager's values."""
+    from kiln.runtime.backends.cpu import linalg
+
+    assert (rows <= linalg.FEW_ROWS) == (rows == 4)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 56), torch.nn.GELU(), torch.nn.Linear(56, 24)).eval()
+    x = torch.randn(rows, 40)
+    program = kiln.export(model, (x,)).load()
+    native_session, python_session = _sessions(program)
+    (got,) = _run(native_session, "forward", x.numpy(), executor="native", monkeypatch=monkeypatch)
+    (want,) = _run(python_session, "forward", x.numpy(), executor="python", monkeypatch=monkeypatch)
+    assert _lowered(native_session, "forward")
+    assert np.array_equal(got, want)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-4, atol=1e-5)

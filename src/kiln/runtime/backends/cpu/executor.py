@@ -13,8 +13,7 @@ same arguments, so the two paths give the same results; a value a helper needs c
 What it takes: a method whose every node lowers runs whole (lower). Otherwise each run of consecutive nodes that
 lower (lower_runs: at least MIN_RUN_NODES of them) becomes one step of the method's Python plan, reading the values
 the Python steps before it made and handing back the ones the steps after it read; the nodes it cannot take
-(another op, dtype or shape; the many rows of a prefill, which BLAS serves better: above the few-row kernels'
-FEW_ROWS) run from Python between runs. `KILN_EXECUTOR=python` turns it off.
+(another op, dtype or shape) run from Python between runs. `KILN_EXECUTOR=python` turns it off.
 At run time an instruction may decline (an index outside its table): the method (or the run) then runs from
 Python, which raises the op's own error.
 """
@@ -44,7 +43,7 @@ log = logging.getLogger("kiln.runtime.cpu")
 
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
       "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
-      "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19}
+      "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19, "gemm_rows": 20}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -144,6 +143,9 @@ class Lowering:
     """(base, state index)."""
     scratch: Root = field(default_factory=lambda: Root(0))
     bases: int = 1  # base 0: the arena
+    origins: list[str] = field(default_factory=list)
+    """Per instruction, the node that emitted it (op and output shape): what a profile of the plan reports."""
+    node: str = ""
     bound: list[tuple[int, int]] | None = None
     """A run of a method (lower_runs): (base, value) of each value it reads that is not a constant, bound to the
     array the step before it left, for each run; None: a whole method, which binds its inputs and state."""
@@ -223,6 +225,7 @@ class Lowering:
 
     def emit(self, op: str, *words: Any) -> None:
         self.code.append([OP[op], *words])
+        self.origins.append(self.node)
 
     def output(self, node: Node, *locs: Loc) -> None:
         for value, loc in zip(node.outputs, locs, strict=True):
@@ -307,13 +310,22 @@ def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 
 
 def emit_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None) -> Loc:
-    _need(x.dtype == F32 and weight.dtype == F32 and _rows(x) <= linalg.FEW_ROWS, "not a few float32 rows")
+    """As linalg.linear's float32 paths: few rows by kiln_linear_rows_f32, more by the GEMM with the weight (a
+    constant) packed once here, then back to row-major with the bias added."""
+    _need(x.dtype == F32 and weight.dtype == F32 and len(weight.shape) == 2, "float32 rows")
     _need(bias is None or bias.dtype == F32, "float32 bias")
     n, k = weight.shape
-    x, weight = lw.contiguous(x), lw.contiguous(weight)
+    rows = _rows(x)
+    x = lw.contiguous(x)
     bias = None if bias is None else lw.contiguous(bias)
     out = lw.new(x.shape[:-1] + (n,), F32)
-    lw.emit("linear", x, weight, bias, out, _rows(x), n, k)
+    if rows <= linalg.FEW_ROWS:
+        lw.emit("linear", x, lw.contiguous(weight), bias, out, rows, n, k)
+        return out
+    array = lw.constant_array(weight)
+    _need(array is not None and array.flags.c_contiguous, "many rows times a weight computed at run time")
+    packed = lw.fixed_array(forms.packed_gemm_weight(array))
+    lw.emit("gemm_rows", x, packed, bias, out, lw.work(4 * rows * n), rows, n, k)
     return out
 
 
@@ -706,6 +718,9 @@ class _Instructions:
                 raise Decline("an instruction longer than executor.c's")
             row[:len(encoded)] = encoded
         self.code = code
+        self.origins = lw.origins
+        self.times: np.ndarray | None = None
+        """With profile(): nanoseconds spent in each instruction over the runs since."""
         self.inputs, self.states = lw.inputs, lw.states
         self.outputs = outputs
         self.output_bases = {root.output: root.base for root in lw.roots if root.output >= 0}
@@ -723,7 +738,14 @@ class _Instructions:
         return results
 
     def _execute(self) -> bool:
-        return self.lib.kiln_execute(*self._call, self.threads or native.threads()) == 0
+        threads = self.threads or native.threads()
+        if self.times is not None:
+            return self.lib.kiln_execute_timed(*self._call, threads, self.times.ctypes.data) == 0
+        return self.lib.kiln_execute(*self._call, threads) == 0
+
+    def profile(self) -> None:
+        """Time each instruction from now on (into self.times, by self.origins)."""
+        self.times = np.zeros(len(self.code), np.int64)
 
 
 class NativePlan(_Instructions):
@@ -812,6 +834,8 @@ def _lower_node(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     rule = LOWERINGS.get(node.op)
     if rule is None:
         raise Decline(f"no lowering for {node.op}")
+    shapes = [list(lw.shape_of(v)) for v in (*node.inputs[:1], *node.outputs[:1]) if v != NO_VALUE]
+    lw.node = f"{node.op} " + " -> ".join(map(str, shapes))
     try:
         rule(lw, node, attrs)
     except Decline as e:

@@ -16,12 +16,13 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, b)
 
 
-FEW_ROWS = 16
+FEW_ROWS = 8
 """Up to this many rows the compiled helper runs (kiln_linear_rows_f32: the weight read from memory once for all
-rows, a chunk of it kept in L2 while blocks of 8 rows read it; split over threads); above, BLAS. SmolLM2's layers
-on a 2-core AVX-512 machine: 4 rows of its LM head in 5.6 ms where OpenBLAS's SGEMM takes 9.6 (it packs the whole
-weight per call) and its GEMV 3.6-3.9 for one row; MiniLM's layers with weights from DRAM, 16 rows: 55-70 GFLOP/s
-against OpenBLAS's 38-50, even at 32 rows, OpenBLAS ahead at 64."""
+rows, a chunk of it kept in L2 while blocks of 8 rows read it; split over threads); above, the GEMM with the weight
+packed once. SmolLM2's layers on a 2-core AVX-512 machine: 4 rows of its LM head in 5.6 ms where OpenBLAS's SGEMM
+takes 9.6 (it packs the whole weight per call). MiniLM's and SmolLM2's layers with weights from DRAM, 1 thread:
+the helper ahead at 8 rows (198-343 us against 258-380), even at 12, the packed GEMM 15-40% ahead at 16 rows
+(252-374 us against 295-525)."""
 
 
 @kernel("linear")

@@ -70,6 +70,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
     "kiln_execute": (_ptr, _i64, _ptr, _i64),
+    "kiln_execute_timed": (_ptr, _i64, _ptr, _i64, _ptr),
     "kiln_gemm_packed_size": (_i64, _i64),
     "kiln_dwconv2d_blocked_f32": (_ptr,) * 4 + (_i64,) * 15 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_conv2d_direct_f32": (_ptr,) * 4 + (_i64,) * 16 + (ctypes.c_float, ctypes.c_float, _i64),
@@ -83,7 +84,7 @@ SIGNATURES: dict[str, tuple] = {
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 RESULTS: dict[str, type] = {name: _i64 for name in (
     "kiln_qdot_level", "kiln_conv2d_f32", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32", "kiln_rope_cache_update_f32",
-    "kiln_execute", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32")}
+    "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()

@@ -14,6 +14,7 @@
  * Python, which raises the op's own error.
  */
 #include <string.h>
+#include <time.h>
 
 #include "pool.h"
 
@@ -39,6 +40,7 @@ enum {
     OP_SUM_ROWS = 17,       /* x out | rows n divisor(float bits) */
     OP_MAX_POOL = 18,       /* x out | planes h w kh kw sh sw ph pw dh dw oh ow */
     OP_CLAMP = 19,          /* x out | n lo hi (float bits) */
+    OP_GEMM_ROWS = 20,      /* x packed bias out work | m n k: out[m][n] = x W^T + bias, W packed (linalg.linear) */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -131,6 +133,9 @@ void kiln_erf_f32(const float *x, float *y, i64 n);
 void kiln_clamp_f32(const float *x, float *y, i64 n, float lo, float hi);
 i64 kiln_conv2d_f32(i64 route, const float *x, const float *w, const float *bias, float *y, float *work,
                     const i64 *g, i64 band, i64 act, float lo, float hi, i64 threads);
+void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias, float *c, i64 m, i64 n, i64 k,
+                          i64 ldb, i64 b_rows, i64 ldc, i64 act, float lo, float hi, i64 threads);
+void kiln_transpose_bias_f32(const float *src, const float *bias, float *dst, i64 rows, i64 cols);
 void kiln_sum_rows_f32(const float *x, float *out, i64 rows, i64 n, float divisor);
 void kiln_maxpool2d_f32(const float *x, float *y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh, i64 sw, i64 pt,
                         i64 pl, i64 dh, i64 dw, i64 oh, i64 ow);
@@ -314,6 +319,11 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             kiln_maxpool2d_f32(PTR(1), PTR(3), a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
                                a[16], a[17]);
             return 1;
+        case OP_GEMM_ROWS: /* (W x^T) into work [n][m], then transposed back with the bias */
+            kiln_gemm_packed_f32(PTR(3), PTR(1), 0, PTR(9), a[12], a[11], a[13], a[13], 1, a[11], 0, -__builtin_inff(),
+                                 __builtin_inff(), threads);
+            kiln_transpose_bias_f32(PTR(9), PTR(5), PTR(7), a[11], a[12]);
+            return 1;
         case OP_CLAMP:
             kiln_clamp_f32(PTR(1), PTR(3), a[5], as_float(a[6]), as_float(a[7]));
             return 1;
@@ -327,5 +337,18 @@ i64 kiln_execute_words(void) { return WORDS; }
 i64 kiln_execute(const i64 *code, i64 count, char *const *bases, i64 threads) {
     for (i64 i = 0; i < count; i++)
         if (!run(code + i * WORDS, bases, threads)) return i + 1;
+    return 0;
+}
+
+/* kiln_execute, adding each instruction's wall time in nanoseconds to ns[i] (a profile of a lowered plan) */
+i64 kiln_execute_timed(const i64 *code, i64 count, char *const *bases, i64 threads, i64 *ns) {
+    for (i64 i = 0; i < count; i++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        const int ok = run(code + i * WORDS, bases, threads);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        ns[i] += (t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+        if (!ok) return i + 1;
+    }
     return 0;
 }
