@@ -39,10 +39,10 @@ static void dw_part(const void *ctx, i64 begin, i64 end) {
      * stored) */
     const i64 cols = (a->ow - 1) * a->sw + (a->kw - 1) * a->dw + 1 + PIXELS * a->sw;
     const i64 band_rows = (a->band - 1) * a->sh + (a->kh - 1) * a->dh + 1;
-    void *memory = NULL;
     const i64 row_pixels = (a->ow + 15) / 16 * 16 + PIXELS; /* whole blocks of 16 for the transpose out */
-    const size_t floats = (size_t)(band_rows * cols + taps + row_pixels) * LANES;
-    if (posix_memalign(&memory, 64, floats * sizeof(float)) != 0) return;
+    const i64 floats = (band_rows * cols + taps + row_pixels) * LANES;
+    void *memory = thread_scratch(SCRATCH_DEPTHWISE, floats * (i64)sizeof(float));
+    if (!memory) return;
     v16 *in = (v16 *)memory;               /* [band_rows][cols] pixels of 16 channels */
     v16 *wt = in + band_rows * cols;      /* [taps] */
     v16 *row = wt + taps;                  /* one output row, [row_pixels] */
@@ -150,7 +150,6 @@ static void dw_part(const void *ctx, i64 begin, i64 end) {
             }
         }
     }
-    free(memory);
 }
 
 /* y = depthwise conv(x, w) + bias, then act (0 none, 1 clamp [lo, hi], 2 hardswish); w [c][kh][kw], NCHW x, y. */

@@ -32,8 +32,8 @@ typedef struct {
 static void direct_part(const void *ctx, i64 begin, i64 end) {
     const direct_args *a = (const direct_args *)ctx;
     const i64 taps = a->c * a->kh * a->kw;
-    v16 *wt = NULL; /* [c][kh][kw] vectors of 16 output channels */
-    if (posix_memalign((void **)&wt, 64, (size_t)taps * sizeof(v16)) != 0) return;
+    v16 *wt = (v16 *)thread_scratch(SCRATCH_DIRECT_WEIGHTS, taps * (i64)sizeof(v16)); /* [c][kh][kw] x 16 outs */
+    if (!wt) return;
     const v16 lo = splat16(a->lo), hi = splat16(a->hi);
     for (i64 task = begin; task < end; task++) { /* task: (image, channel block, output row) */
         const i64 oy = task % a->oh, rest = task / a->oh;
@@ -74,7 +74,6 @@ static void direct_part(const void *ctx, i64 begin, i64 end) {
             }
         }
     }
-    free(wt);
 }
 
 /* y = conv(x, w) + bias, then act (0 none, 1 clamp [lo, hi], 2 hardswish): groups 1, w [o][c][kh][kw], NCHW. */
@@ -85,17 +84,21 @@ void kiln_conv2d_direct_f32(const float *x, const float *w, const float *bias, f
     /* the padded copy covers every tap of every computed pixel, the last block's past the row included */
     const i64 ph = (oh - 1) * sh + (kh - 1) * dh + 1;
     const i64 pw = ((ow + PIXELS - 1) / PIXELS * PIXELS - 1) * sw + (kw - 1) * dw + 1;
-    float *padded = (float *)calloc((size_t)(n * c * ph * pw), sizeof(float));
+    float *padded = (float *)thread_scratch(SCRATCH_DIRECT_INPUT, n * c * ph * pw * (i64)sizeof(float));
     if (!padded) return;
+    const i64 j0 = pl < pw ? pl : pw, j1 = wd + pl < pw ? wd + pl : pw; /* padded columns [j0, j1) hold x's */
     for (i64 plane = 0; plane < n * c; plane++)
         for (i64 r = 0; r < ph; r++) {
+            float *dst = padded + (plane * ph + r) * pw;
             const i64 src = r - pt;
-            if (src < 0 || src >= h) continue;
-            const i64 j0 = pl, j1 = wd + pl < pw ? wd + pl : pw; /* padded columns [j0, j1) hold x's [0, j1 - pl) */
-            if (j1 > j0)
-                memcpy(padded + (plane * ph + r) * pw + j0, x + (plane * h + src) * wd, (size_t)(j1 - j0) * 4);
+            if (src < 0 || src >= h || j1 <= j0) {
+                memset(dst, 0, (size_t)pw * 4);
+                continue;
+            }
+            memset(dst, 0, (size_t)j0 * 4);
+            memcpy(dst + j0, x + (plane * h + src) * wd, (size_t)(j1 - j0) * 4);
+            memset(dst + j1, 0, (size_t)(pw - j1) * 4);
         }
     direct_args a = {w, bias, y, c, o, kh, kw, sh, sw, dh, dw, oh, ow, act, lo, hi, ph, pw, padded, (o + OCS - 1) / OCS};
     parallel_for(direct_part, &a, n * a.blocks * oh, threads);
-    free(padded);
 }

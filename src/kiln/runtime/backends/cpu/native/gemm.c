@@ -184,9 +184,8 @@ static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *pane
 static void by_columns(const void *ctx, i64 begin, i64 end) {
     const gemm_args *g = (const gemm_args *)ctx;
     const i64 panels = (g->m + MR - 1) / MR, span = g->span;
-    void *memory = NULL;
-    if (posix_memalign(&memory, 64, (size_t)(span * g->k * NR + 16) * sizeof(float)) != 0) return;
-    float *panels_b = (float *)memory;
+    float *panels_b = (float *)thread_scratch(SCRATCH_GEMM_SPAN, (span * g->k * NR + 16) * (i64)sizeof(float));
+    if (!panels_b) return;
     i64 packed_span = -1;
     const v16 lo = splat16(g->lo), hi = splat16(g->hi);
     for (i64 task = begin; task < end; task++) {
@@ -203,7 +202,6 @@ static void by_columns(const void *ctx, i64 begin, i64 end) {
             for (i64 block = b0; block < b1; block++)
                 panel_block(g, pi, block, panels_b + (block - b0) * g->k * NR, lo, hi);
     }
-    free(memory);
 }
 
 /* Panels of A outer (task = one panel): each panel of a big A is read from memory once and stays in L1 while
@@ -231,14 +229,14 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
     const i64 most = work / (1 << 18); /* a part worth at least ~0.25M multiply-adds */
     threads = threads < most ? threads : (most > 1 ? most : 1);
     const i64 b_bytes = g.col_blocks * NR * k * (i64)sizeof(float);
-    void *whole = NULL;
-    if (m * k * (i64)sizeof(float) > BIG_A_BYTES && b_bytes <= WHOLE_B_BYTES &&
-        posix_memalign(&whole, 64, (size_t)b_bytes + 64) == 0) {
+    float *whole = m * k * (i64)sizeof(float) > BIG_A_BYTES && b_bytes <= WHOLE_B_BYTES
+                       ? (float *)thread_scratch(SCRATCH_GEMM_B, b_bytes + 64)
+                       : NULL;
+    if (whole) {
         for (i64 block = 0; block < g.col_blocks; block++)
-            pack_b(&g, block * NR, n - block * NR < NR ? n - block * NR : NR, (float *)whole + block * k * NR);
-        g.b_packed = (const float *)whole;
+            pack_b(&g, block * NR, n - block * NR < NR ? n - block * NR : NR, whole + block * k * NR);
+        g.b_packed = whole;
         parallel_for(by_panels, &g, panels, threads);
-        free(whole);
         return;
     }
     /* a span's B panels in about half of L2, at most SPAN_BLOCKS of them */

@@ -265,6 +265,25 @@ static void pool_grow(int threads) {
 }
 
 /* fn(ctx, begin, end) over [0, count) in up to `threads` contiguous parts */
+static __thread struct {
+    void *memory;
+    i64 bytes;
+} scratch[SCRATCH_SLOTS];
+
+void *thread_scratch(int slot, i64 bytes) {
+    if (scratch[slot].bytes < bytes) {
+        free(scratch[slot].memory);
+        scratch[slot].memory = NULL;
+        scratch[slot].bytes = 0;
+        if (posix_memalign(&scratch[slot].memory, 64, (size_t)bytes) != 0) {
+            scratch[slot].memory = NULL;
+            return NULL;
+        }
+        scratch[slot].bytes = bytes;
+    }
+    return scratch[slot].memory;
+}
+
 void parallel_for(task_fn fn, const void *ctx, i64 count, i64 threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > count) threads = count;
@@ -422,7 +441,7 @@ void kiln_winograd23_input_f32(const float *restrict x, float *restrict v, i64 n
     const i64 ntiles = n * th * tw;
     /* a row of tiles is transformed into `row` ([16][tw]) and then copied out as 16 contiguous runs: writing the
      * 16 positions of each tile directly hits addresses c * ntiles floats apart, which thrashes the cache sets */
-    float *row = (float *)malloc((size_t)(16 * tw) * sizeof(float));
+    float *row = (float *)thread_scratch(SCRATCH_WINOGRAD, 16 * tw * (i64)sizeof(float));
     if (!row) return;
     for (i64 b = 0; b < n; b++)
         for (i64 ch = 0; ch < c; ch++) {
@@ -460,7 +479,6 @@ void kiln_winograd23_input_f32(const float *restrict x, float *restrict v, i64 n
                     memcpy(vc + k * c * ntiles + ti * tw, row + k * tw, (size_t)tw * sizeof(float));
             }
         }
-    free(row);
 }
 
 /* Output transform: y = A^T m A for each tile's 16 GEMM results m[k][o][tile], cropped to [oh, ow], plus the
@@ -468,7 +486,7 @@ void kiln_winograd23_input_f32(const float *restrict x, float *restrict v, i64 n
 void kiln_winograd23_output_f32(const float *restrict m, const float *restrict bias, float *restrict y, i64 n, i64 o,
                                 i64 oh, i64 ow, i64 th, i64 tw, i64 act, float lo, float hi) {
     const i64 ntiles = n * th * tw;
-    float *row = (float *)malloc((size_t)(16 * tw) * sizeof(float)); /* one row of tiles, gathered contiguously */
+    float *row = (float *)thread_scratch(SCRATCH_WINOGRAD, 16 * tw * (i64)sizeof(float)); /* a row of tiles */
     if (!row) return;
     for (i64 b = 0; b < n; b++)
         for (i64 oc = 0; oc < o; oc++) {
@@ -496,7 +514,6 @@ void kiln_winograd23_output_f32(const float *restrict m, const float *restrict b
             }
             conv_activate(plane, oh * ow, (int)act, lo, hi);
         }
-    free(row);
 }
 
 /* ---------------------------------------------------------------------------------------------------------
