@@ -682,6 +682,40 @@ def collapse(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[tuple[i
 
 # ---- the plan ----
 
+def place_arena(lw: Lowering) -> int:
+    """Offsets in the arena for the plan's roots (all but the per-run outputs), reusing the bytes of a root whose
+    last instruction has run for one first written after it; the arena's size. Why: placed one after another, an
+    EfficientNet-lite0 plan's arena was 24 MB, every run writing all of it (2-3x the L3 a core gets, evicting the
+    weights); with reuse its maps cycle through a few MB that stay in cache, as ONNX Runtime's planned buffers do.
+    The shared scratch lives throughout; a root that no instruction reads or writes gets any place."""
+    first: dict[Root, int] = {}
+    last: dict[Root, int] = {}
+    for k, instruction in enumerate(lw.code):
+        for word in instruction:
+            if isinstance(word, Loc) and isinstance(word.home, Root):
+                first.setdefault(word.home, k)
+                last[word.home] = k
+    def size(root: Root) -> int:
+        return -(-root.nbytes // ALIGN) * ALIGN
+
+    lw.scratch.base, lw.scratch.offset = 0, 0
+    live: list[tuple[int, int, int]] = []  # (offset, end, last instruction), by offset
+    end_of_arena = size(lw.scratch)
+    for root in sorted((r for r in lw.roots if r.output < 0), key=lambda r: first.get(r, -1)):
+        start = first.get(root, -1)
+        live = [block for block in live if block[2] >= start]
+        offset, need = size(lw.scratch), size(root)
+        for block_offset, block_end, _ in live:
+            if block_offset - offset >= need:
+                break
+            offset = max(offset, block_end)
+        root.base, root.offset = 0, offset
+        live.append((offset, offset + need, last.get(root, -1)))
+        live.sort()
+        end_of_arena = max(end_of_arena, offset + need)
+    return end_of_arena
+
+
 class _Instructions:
     """A lowering's instructions encoded for executor.c, with the arena and the bases known when it is built."""
 
@@ -689,11 +723,7 @@ class _Instructions:
         self.lib = native.library()
         self.threads = threads
         words = int(self.lib.kiln_execute_words())
-        arena_bytes = 0
-        for root in [*lw.roots, lw.scratch]:
-            if root.output < 0:
-                root.base, root.offset = 0, arena_bytes
-                arena_bytes += -(-root.nbytes // ALIGN) * ALIGN
+        arena_bytes = place_arena(lw)
         if arena_bytes > MAX_ARENA_BYTES:
             raise Decline(f"an arena of {arena_bytes} bytes")
         self.arena = np.empty(arena_bytes + ALIGN, np.uint8)
