@@ -25,6 +25,10 @@ def configure_threads(threads: int) -> None:
         raise RuntimeError(f"configure_threads must run before importing {late}: their thread pools are sized at load")
     for var in THREAD_VARIABLES:
         os.environ[var] = str(threads)
+    if threads > 1:
+        # torch's OpenMP workers otherwise spin after each eager run and take the cores of the contestant after it
+        # (as ORT's do: quiet_ort_options); kiln's own pool spins ~100 us, then sleeps
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # kiln before NumPy, as its command line loads them: kiln sets how long NumPy's OpenBLAS threads spin after a
     # call (OPENBLAS_THREAD_TIMEOUT), which decides whether they take the cores of kiln's own pool right after
     import kiln  # noqa: F401

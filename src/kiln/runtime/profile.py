@@ -3,7 +3,9 @@
 `OpProfiler.attach(session)` swaps the session's kernel table for timed wrappers (and drops its cached plans, which
 hold the kernels they were built with), so the next runs record, for each kiln op and for each (op, input shapes),
 the number of calls and the total time. The wrappers cost a few microseconds a call, so profile to rank ops, and
-time the model without the profiler.
+time the model without the profiler. Methods (or runs of nodes) the CPU backend lowers to its native executor stay
+lowered, as they run unprofiled: their plans time each instruction in C (NativePlan.profile), reported under the
+op of the node that emitted it with its input and output shapes.
 """
 
 from __future__ import annotations
@@ -31,8 +33,31 @@ class OpProfiler:
     """Accumulates kernel time by op name and by op and input shapes over every run of the attached sessions."""
 
     def __init__(self) -> None:
-        self.by_op: dict[str, OpTime] = defaultdict(OpTime)
-        self.by_site: dict[tuple[str, str], OpTime] = defaultdict(OpTime)
+        self.kernel_op: dict[str, OpTime] = defaultdict(OpTime)
+        self.kernel_site: dict[tuple[str, str], OpTime] = defaultdict(OpTime)
+        self.plans: list[Any] = []
+        """Lowered plans (cpu executor) timing their instructions."""
+
+    def _folded(self) -> tuple[dict[str, OpTime], dict[tuple[str, str], OpTime]]:
+        """The kernels' times with the lowered plans' instructions added by the op that emitted them."""
+        by_op = defaultdict(OpTime, {k: OpTime(v.calls, v.seconds) for k, v in self.kernel_op.items()})
+        by_site = defaultdict(OpTime, {k: OpTime(v.calls, v.seconds) for k, v in self.kernel_site.items()})
+        for plan in self.plans:
+            runs = max(plan.runs, 1)
+            for origin, ns in zip(plan.origins, plan.times, strict=True):
+                op, _, shapes = origin.partition(" ")
+                for table, key in ((by_op, op), (by_site, (op, shapes))):
+                    table[key].calls += runs
+                    table[key].seconds += float(ns) * 1e-9
+        return by_op, by_site
+
+    @property
+    def by_op(self) -> dict[str, OpTime]:
+        return self._folded()[0]
+
+    @property
+    def by_site(self) -> dict[tuple[str, str], OpTime]:
+        return self._folded()[1]
 
     def attach(self, session: Any) -> OpProfiler:
         """Time every kernel `session` runs from now on; returns self."""
@@ -46,8 +71,25 @@ class OpProfiler:
             return None if prepared is None else (self._wrap(node.op, prepared[0]), prepared[1])
 
         session.backend.prepare = timed_prepare
-        session.backend.lower = lambda *args: None  # a lowered method calls no kernel from Python
-        session.backend.lower_runs = lambda *args: []
+        lower, lower_runs = session.backend.lower, session.backend.lower_runs
+
+        def timed_lower(*args: Any) -> Any:
+            """A lowered method runs no kernel from Python: its plan times its own instructions."""
+            plan = lower(*args)
+            if plan is not None and hasattr(plan, "profile"):
+                plan.profile()
+                self.plans.append(plan)
+            return plan
+
+        def timed_lower_runs(*args: Any) -> list[Any]:
+            runs = lower_runs(*args)
+            for run in runs:
+                run.plan.profile()
+                self.plans.append(run.plan)
+            return runs
+
+        session.backend.lower = timed_lower
+        session.backend.lower_runs = timed_lower_runs
         session._plans.clear()  # plans built before hold the unwrapped kernels
         session.graphs = False  # a replayed graph calls no kernel from Python: time them one by one
         return self
@@ -57,10 +99,10 @@ class OpProfiler:
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
             dt = time.perf_counter() - t0
-            op = self.by_op[name]
+            op = self.kernel_op[name]
             op.calls += 1
             op.seconds += dt
-            site = self.by_site[(name, _shape_key(args))]
+            site = self.kernel_site[(name, _shape_key(args))]
             site.calls += 1
             site.seconds += dt
             return result
@@ -68,8 +110,10 @@ class OpProfiler:
         return timed
 
     def reset(self) -> None:
-        self.by_op.clear()
-        self.by_site.clear()
+        self.kernel_op.clear()
+        self.kernel_site.clear()
+        for plan in self.plans:
+            plan.profile()
 
     @property
     def total(self) -> float:

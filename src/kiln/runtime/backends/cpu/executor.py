@@ -144,7 +144,7 @@ class Lowering:
     scratch: Root = field(default_factory=lambda: Root(0))
     bases: int = 1  # base 0: the arena
     origins: list[str] = field(default_factory=list)
-    """Per instruction, the node that emitted it (op and output shape): what a profile of the plan reports."""
+    """Per instruction, the node that emitted it (op and input shapes): what a profile of the plan reports."""
     node: str = ""
     bound: list[tuple[int, int]] | None = None
     """A run of a method (lower_runs): (base, value) of each value it reads that is not a constant, bound to the
@@ -751,6 +751,7 @@ class _Instructions:
         self.origins = lw.origins
         self.times: np.ndarray | None = None
         """With profile(): nanoseconds spent in each instruction over the runs since."""
+        self.runs = 0
         self.inputs, self.states = lw.inputs, lw.states
         self.outputs = outputs
         self.output_bases = {root.output: root.base for root in lw.roots if root.output >= 0}
@@ -770,12 +771,14 @@ class _Instructions:
     def _execute(self) -> bool:
         threads = self.threads or native.threads()
         if self.times is not None:
+            self.runs += 1
             return self.lib.kiln_execute_timed(*self._call, threads, self.times.ctypes.data) == 0
         return self.lib.kiln_execute(*self._call, threads) == 0
 
     def profile(self) -> None:
-        """Time each instruction from now on (into self.times, by self.origins)."""
+        """Time each instruction from now on (into self.times, by self.origins; self.runs counts the runs)."""
         self.times = np.zeros(len(self.code), np.int64)
+        self.runs = 0
 
 
 class NativePlan(_Instructions):
@@ -864,8 +867,8 @@ def _lower_node(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     rule = LOWERINGS.get(node.op)
     if rule is None:
         raise Decline(f"no lowering for {node.op}")
-    shapes = [list(lw.shape_of(v)) for v in (*node.inputs[:1], *node.outputs[:1]) if v != NO_VALUE]
-    lw.node = f"{node.op} " + " -> ".join(map(str, shapes))
+    lw.node = " ".join([node.op] + [f"{np.dtype(lw.method.values[v].dtype.numpy)}{list(lw.shape_of(v))}"
+                                    for v in node.inputs if v != NO_VALUE])  # (as the profiler names kernel sites)
     try:
         rule(lw, node, attrs)
     except Decline as e:
