@@ -218,8 +218,8 @@ def test_serving_decode_steps_lower_whole(quantize, monkeypatch):
 
 
 class SmallNet(torch.nn.Module):
-    """Every compiled convolution route (conv.ROUTES: a 3-channel stem, depthwise, a packed 1x1, squeeze-and-
-    excitation's 1x1 convolutions of 1x1 maps, a packed im2col band) with fused activations, a mean and a sum over
+    """Every compiled convolution route (conv.ROUTES: a 3-channel stem, depthwise, Winograd, a packed 1x1, squeeze-
+    and-excitation's 1x1 convolutions of 1x1 maps, a packed im2col band) with fused activations, a mean and a sum over
     the maps, a broadcast product, max pooling, ReLU, a residual add and the classifier; with `blas`, also a 1x1
     convolution of few outputs, which runs by BLAS from Python between two lowered runs."""
 
@@ -227,6 +227,7 @@ class SmallNet(torch.nn.Module):
         super().__init__()
         self.stem = torch.nn.Conv2d(3, 16, 3, stride=2, padding=1)
         self.dw = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.mix = torch.nn.Conv2d(16, 16, 3, padding=1)
         self.expand = torch.nn.Conv2d(16, 32, 1)
         self.se_reduce, self.se_expand = torch.nn.Conv2d(32, 8, 1), torch.nn.Conv2d(8, 32, 1)
         self.down = torch.nn.Conv2d(32, 32, 3, stride=2, padding=1)
@@ -235,13 +236,13 @@ class SmallNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.hardswish(self.stem(x))
-        x = self.expand(torch.nn.functional.relu6(self.dw(x)))
+        x = self.expand(torch.relu(self.mix(torch.nn.functional.relu6(self.dw(x)))))
         s = x.mean((2, 3), keepdim=True)
         x = x * torch.nn.functional.hardsigmoid(self.se_expand(torch.relu(self.se_reduce(s))))
         x = torch.relu(self.down(x)) + torch.nn.functional.max_pool2d(x, 2)
         if self.narrow is not None:
             x = self.narrow(x)
-        return self.head(x.sum((2, 3)) / 16)
+        return self.head(x.sum((2, 3)) / 64)
 
 
 @pytest.mark.parametrize("blas", [False, True], ids=["whole", "runs"])
@@ -252,7 +253,7 @@ def test_convolution_networks_lower_with_the_python_paths_bits(blas, monkeypatch
 
     torch.manual_seed(0)
     model = SmallNet(blas).eval()
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 3, 32, 32)
     program = kiln.export(model, (x,)).load()
     routes = set()
 

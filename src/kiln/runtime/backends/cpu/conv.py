@@ -60,18 +60,24 @@ class Route:
     def code(self) -> int | None:
         return ROUTES.get(self.name)
 
-    @property
-    def packed(self) -> bool:
-        """Whether the route multiplies by the weight packed for gemm.c (forms.packed_gemm_weight)."""
-        return self.name in ("pointwise", "im2col")
+    def weight_form(self, weight: np.ndarray) -> np.ndarray:
+        """The form of the weight the route multiplies by, made once per weight array (forms): packed for gemm.c,
+        Winograd's 16 transformed matrices packed, or the weight as it is."""
+        if self.name in ("pointwise", "im2col"):
+            return forms.packed_gemm_weight(weight)
+        if self.name == "winograd":
+            return _winograd_packed(weight)
+        return weight
 
     @property
     def work_floats(self) -> int:
         n, c, h, w, o, kh, kw, *_, oh, ow = self.geometry
+        if self.name == "winograd":
+            return 16 * (c + o) * n * ((oh + 1) // 2) * ((ow + 1) // 2)
         return c * kh * kw * self.band * ow if self.name in ("im2col", "blas") else 0
 
 
-ROUTES = {"depthwise": 0, "direct": 1, "pointwise": 2, "im2col": 3, "rows": 4}
+ROUTES = {"depthwise": 0, "direct": 1, "pointwise": 2, "im2col": 3, "rows": 4, "winograd": 5}
 """native/conv.c's route codes."""
 
 
@@ -82,10 +88,11 @@ def route(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], stride, paddi
 
     Depthwise runs entirely compiled, 16 channels a vector (depthwise.c), and so do convolutions of an image's few
     channels (direct.c, 16 output channels a vector). 1x1 convolutions of 1x1 maps (squeeze-and-excitation) are a
-    linear layer over the images' rows (kiln_linear_rows_f32). Other 1x1 convolutions and im2col bands with enough
-    inputs and outputs multiply by the weight packed once (gemm.c, bias and activation applied as the tiles are
-    stored). 3x3 stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3); the rest build im2col compiled,
-    without a padded copy of the input, for BLAS and a pass for the epilogue.
+    linear layer over the images' rows (kiln_linear_rows_f32). Other 1x1 stride-1 convolutions and im2col bands
+    with enough inputs and outputs multiply by the weight packed once (gemm.c, bias and activation applied as the
+    tiles are stored). 3x3 stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3), its 16 products by
+    the packed GEMM too; the rest build im2col compiled, without a padded copy of the input, for BLAS and a pass
+    for the epilogue.
     """
     if len(x_shape) != 4 or len(weight_shape) != 4:
         return None
@@ -99,12 +106,11 @@ def route(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], stride, paddi
         return Route("depthwise", geometry)
     if groups == 1 and c <= DIRECT_MAX_INPUTS and kh * kw > 1:
         return Route("direct", geometry)
-    if kh == kw == 1 and not any(padding) and not any(padding_end):
-        if h == w == 1 and groups == 1:
+    if kh == kw == 1 and not any(padding) and not any(padding_end) and groups == 1:
+        if h == w == 1:
             return Route("rows", geometry)
-        if tuple(stride) != (1, 1) or groups != 1 or not _packs(c, o):
-            return None  # one BLAS GEMM on the (strided) input, then the epilogue (convolve)
-        return Route("pointwise", geometry)
+        if tuple(stride) == (1, 1):
+            return Route("pointwise", geometry) if _packs(c, o) else None  # (None: one BLAS GEMM, the epilogue)
     if (kh, kw, *stride, *dilation, groups) == (3, 3, 1, 1, 1, 1, 1) and min(c, o) >= _WINOGRAD_MIN_CHANNELS \
             and n * ((oh + 1) // 2) * ((ow + 1) // 2) >= _WINOGRAD_MIN_TILES:
         return Route("winograd", geometry)
@@ -123,15 +129,13 @@ def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, gr
     if r is None:
         return None
     x = np.ascontiguousarray(x)
-    if r.name == "winograd":
-        return _winograd_3x3(lib, x, weight, bias, padding, *r.geometry[-2:], act)
     if r.name == "blas":
         return _im2col_blas(lib, x, weight, bias, groups, r, act)
     n, _, _, _, o, *_, oh, ow = r.geometry
     out = np.empty((n, o, oh, ow), dtype=np.float32)
     work = np.empty(r.work_floats, np.float32) if r.work_floats else None
     activation, lo, hi = act
-    lib.kiln_conv2d_f32(r.code, x.ctypes.data, (forms.packed_gemm_weight(weight) if r.packed else weight).ctypes.data,
+    lib.kiln_conv2d_f32(r.code, x.ctypes.data, r.weight_form(weight).ctypes.data,
                         native.address(bias), out.ctypes.data, native.address(work),
                         np.array(r.geometry, np.int64).ctypes.data, r.band, native.ACTIVATION_CODES[activation],
                         *native.bounds(lo, hi), native.threads())
@@ -197,21 +201,11 @@ def _winograd_weight(weight: np.ndarray) -> np.ndarray:
     return forms.derived("winograd", weight, make)
 
 
-def _winograd_3x3(lib, x, weight, bias, padding, oh, ow, act) -> np.ndarray:
-    """3x3 stride-1 convolution as Winograd F(2x2, 3x3): input transform (compiled), 16 GEMMs (BLAS), output
-    transform with bias and activation (compiled)."""
-    n, c, h, w = x.shape
-    o = weight.shape[0]
-    th, tw = (oh + 1) // 2, (ow + 1) // 2
-    tiles = n * th * tw
-    v = np.empty((16, c, tiles), dtype=np.float32)
-    lib.kiln_winograd23_input_f32(x.ctypes.data, v.ctypes.data, n, c, h, w, padding[0], padding[1], th, tw)
-    m = np.matmul(_winograd_weight(weight), v)
-    out = np.empty((n, o, oh, ow), dtype=np.float32)
-    activation, lo, hi = act
-    lib.kiln_winograd23_output_f32(m.ctypes.data, native.address(bias), out.ctypes.data, n, o, oh, ow, th, tw,
-                                   native.ACTIVATION_CODES[activation], *native.bounds(lo, hi))
-    return out
+def _winograd_packed(weight: np.ndarray) -> np.ndarray:
+    """U's 16 [out, in] matrices, each packed for gemm.c, one after another (native/conv.c's Winograd route)."""
+    def make(weight: np.ndarray) -> np.ndarray:
+        return np.concatenate([native.pack_gemm_weight(u) for u in _winograd_weight(weight)])
+    return forms.derived("winograd-gemm", weight, make)
 
 
 @kernel("max_pool")

@@ -498,6 +498,11 @@ def _layer_norm(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.output(node, out)
 
 
+PREPARED_WEIGHTS = ("pointwise", "im2col", "winograd")
+"""Routes that multiply by a form of the weight made when the plan is built (packed, transformed): the weight must
+be a constant."""
+
+
 @lowering("conv")
 def _conv(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     """conv.route's compiled routes (kiln_conv2d_f32, as the CPU kernel calls it); the packed routes need the weight
@@ -509,10 +514,10 @@ def _conv(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     r = conv.route(x.shape, weight.shape, tuple(attrs["stride"]), tuple(attrs["padding"]), padding_end,
                    tuple(attrs["dilation"]), int(attrs["groups"]))
     _need(r is not None and r.code is not None, "no compiled route")
-    if r.packed:
+    if r.name in PREPARED_WEIGHTS:
         array = lw.constant_array(weight)
         _need(array is not None, "a weight computed at run time")
-        weight = lw.fixed_array(forms.packed_gemm_weight(array))
+        weight = lw.fixed_array(r.weight_form(array))
     else:
         weight = lw.contiguous(weight)
     x = lw.contiguous(x)
