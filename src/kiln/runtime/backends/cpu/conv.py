@@ -218,6 +218,6 @@ def max_pool(x: np.ndarray, kernel, stride, padding, dilation, ceil_mode: bool) 
         x = np.ascontiguousarray(x)
         out = np.empty(x.shape[:-2] + out_sp, dtype=np.float32)
         lib.kiln_maxpool2d_f32(x.ctypes.data, out.ctypes.data, x.size // (x.shape[-1] * x.shape[-2]), *x.shape[-2:],
-                               *kernel, *stride, *padding, *dilation, *out_sp)
+                               *kernel, *stride, *padding, *dilation, *out_sp, native.threads())
         return out
     return portable.max_pool(np, x, kernel, stride, padding, dilation, ceil_mode)

@@ -26,9 +26,10 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
 void kiln_linear_rows_f32(const float *x, const float *w, const float *bias, float *out, i64 m, i64 n, i64 k,
                           i64 threads);
 i64 kiln_gemm_packed_size(i64 m, i64 k);
-void kiln_winograd23_input_f32(const float *x, float *v, i64 n, i64 c, i64 h, i64 w, i64 pt, i64 pl, i64 th, i64 tw);
+void kiln_winograd23_input_f32(const float *x, float *v, i64 n, i64 c, i64 h, i64 w, i64 pt, i64 pl, i64 th, i64 tw,
+                               i64 threads);
 void kiln_winograd23_output_f32(const float *m, const float *bias, float *y, i64 n, i64 o, i64 oh, i64 ow, i64 th,
-                                i64 tw, i64 act, float lo, float hi);
+                                i64 tw, i64 act, float lo, float hi, i64 threads);
 void kiln_im2col2d_f32(const float *restrict x, float *restrict cols, i64 c, i64 h, i64 wd, i64 kh, i64 kw, i64 sh,
                        i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 r_begin, i64 r_end, i64 ow);
 
@@ -70,11 +71,11 @@ i64 kiln_conv2d_f32(i64 route, const float *x, const float *w, const float *bias
         case ROUTE_WINOGRAD: {
             const i64 th = (oh + 1) / 2, tw = (ow + 1) / 2, tiles = n * th * tw, step = kiln_gemm_packed_size(o, c);
             float *v = work, *m = work + 16 * c * tiles;
-            kiln_winograd23_input_f32(x, v, n, c, h, wd, pt, pl, th, tw);
+            kiln_winograd23_input_f32(x, v, n, c, h, wd, pt, pl, th, tw, threads);
             for (i64 e = 0; e < 16; e++)
                 kiln_gemm_packed_f32(w + e * step, v + e * c * tiles, 0, m + e * o * tiles, o, tiles, c, tiles, 0,
                                      tiles, 0, -__builtin_inff(), __builtin_inff(), threads);
-            kiln_winograd23_output_f32(m, bias, y, n, o, oh, ow, th, tw, act, lo, hi);
+            kiln_winograd23_output_f32(m, bias, y, n, o, oh, ow, th, tw, act, lo, hi, threads);
             return 1;
         }
         case ROUTE_ROWS:

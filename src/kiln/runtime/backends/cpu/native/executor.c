@@ -138,7 +138,7 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
 void kiln_transpose_bias_f32(const float *src, const float *bias, float *dst, i64 rows, i64 cols);
 void kiln_sum_rows_f32(const float *x, float *out, i64 rows, i64 n, float divisor);
 void kiln_maxpool2d_f32(const float *x, float *y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh, i64 sw, i64 pt,
-                        i64 pl, i64 dh, i64 dw, i64 oh, i64 ow);
+                        i64 pl, i64 dh, i64 dw, i64 oh, i64 ow, i64 threads);
 
 /* OP_UNARY's functions, in the order of native.UNARY */
 static void (*const UNARY_FUNCTIONS[])(const float *, float *, i64) = {
@@ -317,7 +317,7 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             return 1;
         case OP_MAX_POOL:
             kiln_maxpool2d_f32(PTR(1), PTR(3), a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
-                               a[16], a[17]);
+                               a[16], a[17], threads);
             return 1;
         case OP_GEMM_ROWS: /* (W x^T) into work [n][m], then transposed back with the bias */
             kiln_gemm_packed_f32(PTR(3), PTR(1), 0, PTR(9), a[12], a[11], a[13], a[13], 1, a[11], 0, -__builtin_inff(),

@@ -430,111 +430,141 @@ void kiln_linear_rows_f32(const float *restrict x, const float *restrict w, cons
 
 /* ---------------------------------------------------------------------------------------------------------
  * Winograd F(2x2, 3x3) for 3x3, stride-1 convolutions: each 2x2 output tile costs 16 multiplies per (in, out)
- * channel pair instead of 36, done as 16 GEMMs [O, C] x [C, tiles] by BLAS between the two transforms below.
- * The weight transform U = G g G^T is done once per weight, in NumPy (conv.py).
+ * channel pair instead of 36, done as 16 GEMMs [O, C] x [C, tiles] (packed, conv.c) between the two transforms
+ * below. The weight transform U = G g G^T is done once per weight, in NumPy (conv.py).
  *
  * Input transform: v[k][c][tile] = (B^T d B)[k] for each 4x4 input patch d starting at (2 ti - pt, 2 tj - pl),
  * zero outside x; tiles of all images side by side (tile = (b * th + ti) * tw + tj).
  */
-void kiln_winograd23_input_f32(const float *restrict x, float *restrict v, i64 n, i64 c, i64 h, i64 w, i64 pt,
-                               i64 pl, i64 th, i64 tw) {
-    const i64 ntiles = n * th * tw;
+typedef struct {
+    const float *x, *m, *bias;
+    float *v, *y;
+    i64 n, c, h, w, pt, pl, th, tw, o, oh, ow, act;
+    float lo, hi;
+} winograd_args;
+
+/* planes [begin, end) of (image, input channel) */
+static void winograd_input_part(const void *ctx, i64 begin, i64 end) {
+    const winograd_args *a = ctx;
+    const i64 c = a->c, h = a->h, w = a->w, th = a->th, tw = a->tw, ntiles = a->n * th * tw;
     /* a row of tiles is transformed into `row` ([16][tw]) and then copied out as 16 contiguous runs: writing the
      * 16 positions of each tile directly hits addresses c * ntiles floats apart, which thrashes the cache sets */
     float *row = (float *)thread_scratch(SCRATCH_WINOGRAD, 16 * tw * (i64)sizeof(float));
     if (!row) return;
-    for (i64 b = 0; b < n; b++)
-        for (i64 ch = 0; ch < c; ch++) {
-            const float *plane = x + (b * c + ch) * h * w;
-            float *vc = v + ch * ntiles + b * th * tw;
-            for (i64 ti = 0; ti < th; ti++) {
-                for (i64 tj = 0; tj < tw; tj++) {
-                    const i64 r0 = 2 * ti - pt, c0 = 2 * tj - pl;
-                    float d[4][4];
-                    if (r0 >= 0 && c0 >= 0 && r0 + 4 <= h && c0 + 4 <= w) {
-                        for (int r = 0; r < 4; r++)
-                            for (int s = 0; s < 4; s++) d[r][s] = plane[(r0 + r) * w + c0 + s];
-                    } else {
-                        for (int r = 0; r < 4; r++)
-                            for (int s = 0; s < 4; s++) {
-                                const i64 rr = r0 + r, cc = c0 + s;
-                                d[r][s] = (rr >= 0 && rr < h && cc >= 0 && cc < w) ? plane[rr * w + cc] : 0.0f;
-                            }
-                    }
-                    float t[4][4]; /* B^T d */
-                    for (int s = 0; s < 4; s++) {
-                        t[0][s] = d[0][s] - d[2][s];
-                        t[1][s] = d[1][s] + d[2][s];
-                        t[2][s] = d[2][s] - d[1][s];
-                        t[3][s] = d[1][s] - d[3][s];
-                    }
-                    for (int r = 0; r < 4; r++) { /* (B^T d) B */
-                        row[(r * 4 + 0) * tw + tj] = t[r][0] - t[r][2];
-                        row[(r * 4 + 1) * tw + tj] = t[r][1] + t[r][2];
-                        row[(r * 4 + 2) * tw + tj] = t[r][2] - t[r][1];
-                        row[(r * 4 + 3) * tw + tj] = t[r][1] - t[r][3];
-                    }
+    for (i64 p = begin; p < end; p++) {
+        const i64 b = p / c, ch = p % c;
+        const float *plane = a->x + (b * c + ch) * h * w;
+        float *vc = a->v + ch * ntiles + b * th * tw;
+        for (i64 ti = 0; ti < th; ti++) {
+            for (i64 tj = 0; tj < tw; tj++) {
+                const i64 r0 = 2 * ti - a->pt, c0 = 2 * tj - a->pl;
+                float d[4][4];
+                if (r0 >= 0 && c0 >= 0 && r0 + 4 <= h && c0 + 4 <= w) {
+                    for (int r = 0; r < 4; r++)
+                        for (int s = 0; s < 4; s++) d[r][s] = plane[(r0 + r) * w + c0 + s];
+                } else {
+                    for (int r = 0; r < 4; r++)
+                        for (int s = 0; s < 4; s++) {
+                            const i64 rr = r0 + r, cc = c0 + s;
+                            d[r][s] = (rr >= 0 && rr < h && cc >= 0 && cc < w) ? plane[rr * w + cc] : 0.0f;
+                        }
                 }
-                for (int k = 0; k < 16; k++)
-                    memcpy(vc + k * c * ntiles + ti * tw, row + k * tw, (size_t)tw * sizeof(float));
+                float t[4][4]; /* B^T d */
+                for (int s = 0; s < 4; s++) {
+                    t[0][s] = d[0][s] - d[2][s];
+                    t[1][s] = d[1][s] + d[2][s];
+                    t[2][s] = d[2][s] - d[1][s];
+                    t[3][s] = d[1][s] - d[3][s];
+                }
+                for (int r = 0; r < 4; r++) { /* (B^T d) B */
+                    row[(r * 4 + 0) * tw + tj] = t[r][0] - t[r][2];
+                    row[(r * 4 + 1) * tw + tj] = t[r][1] + t[r][2];
+                    row[(r * 4 + 2) * tw + tj] = t[r][2] - t[r][1];
+                    row[(r * 4 + 3) * tw + tj] = t[r][1] - t[r][3];
+                }
+            }
+            for (int k = 0; k < 16; k++)
+                memcpy(vc + k * c * ntiles + ti * tw, row + k * tw, (size_t)tw * sizeof(float));
+        }
+    }
+}
+
+void kiln_winograd23_input_f32(const float *restrict x, float *restrict v, i64 n, i64 c, i64 h, i64 w, i64 pt,
+                               i64 pl, i64 th, i64 tw, i64 threads) {
+    const winograd_args a = {.x = x, .v = v, .n = n, .c = c, .h = h, .w = w, .pt = pt, .pl = pl, .th = th, .tw = tw};
+    parallel_for(winograd_input_part, &a, n * c, threads);
+}
+
+/* planes [begin, end) of (image, output channel) */
+static void winograd_output_part(const void *ctx, i64 begin, i64 end) {
+    const winograd_args *a = ctx;
+    const i64 o = a->o, oh = a->oh, ow = a->ow, th = a->th, tw = a->tw, ntiles = a->n * th * tw;
+    float *row = (float *)thread_scratch(SCRATCH_WINOGRAD, 16 * tw * (i64)sizeof(float)); /* a row of tiles */
+    if (!row) return;
+    for (i64 p = begin; p < end; p++) {
+        const i64 b = p / o, oc = p % o;
+        const float *mo = a->m + oc * ntiles + b * th * tw;
+        float *plane = a->y + (b * o + oc) * oh * ow;
+        const float bv = a->bias ? a->bias[oc] : 0.0f;
+        for (i64 ti = 0; ti < th; ti++) {
+            for (int k = 0; k < 16; k++)
+                memcpy(row + k * tw, mo + k * o * ntiles + ti * tw, (size_t)tw * sizeof(float));
+            for (i64 tj = 0; tj < tw; tj++) {
+                float q[4][4];
+                for (int k = 0; k < 16; k++) q[k / 4][k % 4] = row[k * tw + tj];
+                float t[2][4]; /* A^T q */
+                for (int s = 0; s < 4; s++) {
+                    t[0][s] = q[0][s] + q[1][s] + q[2][s];
+                    t[1][s] = q[1][s] - q[2][s] - q[3][s];
+                }
+                for (int r = 0; r < 2; r++) {
+                    const i64 rr = 2 * ti + r;
+                    if (rr >= oh) break;
+                    plane[rr * ow + 2 * tj] = t[r][0] + t[r][1] + t[r][2] + bv;
+                    if (2 * tj + 1 < ow) plane[rr * ow + 2 * tj + 1] = t[r][1] - t[r][2] - t[r][3] + bv;
+                }
             }
         }
+        conv_activate(plane, oh * ow, (int)a->act, a->lo, a->hi);
+    }
 }
 
 /* Output transform: y = A^T m A for each tile's 16 GEMM results m[k][o][tile], cropped to [oh, ow], plus the
- * bias, then the fused activation on each finished plane. */
+ * bias, then the fused activation on each finished plane. Both transforms split their planes over the threads. */
 void kiln_winograd23_output_f32(const float *restrict m, const float *restrict bias, float *restrict y, i64 n, i64 o,
-                                i64 oh, i64 ow, i64 th, i64 tw, i64 act, float lo, float hi) {
-    const i64 ntiles = n * th * tw;
-    float *row = (float *)thread_scratch(SCRATCH_WINOGRAD, 16 * tw * (i64)sizeof(float)); /* a row of tiles */
-    if (!row) return;
-    for (i64 b = 0; b < n; b++)
-        for (i64 oc = 0; oc < o; oc++) {
-            const float *mo = m + oc * ntiles + b * th * tw;
-            float *plane = y + (b * o + oc) * oh * ow;
-            const float bv = bias ? bias[oc] : 0.0f;
-            for (i64 ti = 0; ti < th; ti++) {
-                for (int k = 0; k < 16; k++)
-                    memcpy(row + k * tw, mo + k * o * ntiles + ti * tw, (size_t)tw * sizeof(float));
-                for (i64 tj = 0; tj < tw; tj++) {
-                    float q[4][4];
-                    for (int k = 0; k < 16; k++) q[k / 4][k % 4] = row[k * tw + tj];
-                    float t[2][4]; /* A^T q */
-                    for (int s = 0; s < 4; s++) {
-                        t[0][s] = q[0][s] + q[1][s] + q[2][s];
-                        t[1][s] = q[1][s] - q[2][s] - q[3][s];
-                    }
-                    for (int r = 0; r < 2; r++) {
-                        const i64 rr = 2 * ti + r;
-                        if (rr >= oh) break;
-                        plane[rr * ow + 2 * tj] = t[r][0] + t[r][1] + t[r][2] + bv;
-                        if (2 * tj + 1 < ow) plane[rr * ow + 2 * tj + 1] = t[r][1] - t[r][2] - t[r][3] + bv;
-                    }
-                }
-            }
-            conv_activate(plane, oh * ow, (int)act, lo, hi);
-        }
+                                i64 oh, i64 ow, i64 th, i64 tw, i64 act, float lo, float hi, i64 threads) {
+    const winograd_args a = {.m = m, .bias = bias, .y = y, .n = n, .o = o, .oh = oh, .ow = ow, .th = th, .tw = tw,
+                             .act = act, .lo = lo, .hi = hi};
+    parallel_for(winograd_output_part, &a, n * o, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------------
  * 2-d max pooling over planes of [h, w]: positions outside x (padding, ceil_mode's extra) never win, NaN wins as
- * in PyTorch. Output geometry (oh, ow) comes from the caller, which applies PyTorch's ceil_mode rules.
+ * in PyTorch. Output geometry (oh, ow) comes from the caller, which applies PyTorch's ceil_mode rules. Planes are
+ * split over the threads.
  */
-void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh,
-                        i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow) {
-    for (i64 p = 0; p < planes; p++) {
-        const float *xp = x + p * h * w;
-        float *yp = y + p * oh * ow;
+typedef struct {
+    const float *x;
+    float *y;
+    i64 h, w, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow;
+} maxpool_args;
+
+static void maxpool_part(const void *ctx, i64 begin, i64 end) {
+    const maxpool_args *a = ctx;
+    const i64 h = a->h, w = a->w, sh = a->sh, sw = a->sw, dw = a->dw, oh = a->oh, ow = a->ow;
+    for (i64 p = begin; p < end; p++) {
+        const float *xp = a->x + p * h * w;
+        float *yp = a->y + p * oh * ow;
         for (i64 r = 0; r < oh; r++) {
             float *yr = yp + r * ow;
             for (i64 c = 0; c < ow; c++) yr[c] = -__builtin_inff();
-            for (i64 i = 0; i < kh; i++) {
-                const i64 rr = r * sh - pt + i * dh;
+            for (i64 i = 0; i < a->kh; i++) {
+                const i64 rr = r * sh - a->pt + i * a->dh;
                 if (rr < 0 || rr >= h) continue;
                 const float *xr = xp + rr * w;
-                for (i64 j = 0; j < kw; j++) {
+                for (i64 j = 0; j < a->kw; j++) {
                     /* one tap across the output row: columns c with 0 <= c * sw + off < w */
-                    const i64 off = j * dw - pl;
+                    const i64 off = j * dw - a->pl;
                     const i64 lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
                     i64 hi = (w - off + sw - 1) / sw;
                     hi = hi < ow ? hi : ow;
@@ -546,6 +576,12 @@ void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, 
             }
         }
     }
+}
+
+void kiln_maxpool2d_f32(const float *restrict x, float *restrict y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh,
+                        i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow, i64 threads) {
+    const maxpool_args a = {x, y, h, w, kh, kw, sh, sw, pt, pl, dh, dw, oh, ow};
+    parallel_for(maxpool_part, &a, planes, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------------
