@@ -89,10 +89,17 @@ def route(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], stride, paddi
     Depthwise runs entirely compiled, 16 channels a vector (depthwise.c), and so do convolutions of an image's few
     channels (direct.c, 16 output channels a vector). 1x1 convolutions of 1x1 maps (squeeze-and-excitation) are a
     linear layer over the images' rows (kiln_linear_rows_f32). Other 1x1 stride-1 convolutions and im2col bands
-    with enough inputs and outputs multiply by the weight packed once (gemm.c, bias and activation applied as the
-    tiles are stored). 3x3 stride-1 convolutions on maps big enough use Winograd F(2x2, 3x3), its 16 products by
-    the packed GEMM too; the rest build im2col compiled, without a padded copy of the input, for BLAS and a pass
-    for the epilogue.
+    multiply by the weight packed once (gemm.c, bias and activation applied as the tiles are stored). 3x3 stride-1
+    convolutions on maps big enough use Winograd F(2x2, 3x3), its 16 products by the packed GEMM too. Grouped
+    convolutions build im2col compiled, without a padded copy of the input, for BLAS and a pass for the epilogue.
+
+    Every GEMM of one group is packed. From 16 inputs x 24 outputs up that was measured faster than BLAS + a pass
+    for the epilogue (EfficientNet-lite0 and MobileNetV3-small, 1 thread: 1.38 / 2.16x ORT's time against 1.58 /
+    2.39x with BLAS below 64 x 96); below it BLAS's call alone was faster (16 -> 16 channels on 56x56: 39 us against
+    48; 32 -> 16 on 112x112, the 12-row tiles a third padding: 145 against 265). But a BLAS convolution is a Python
+    step in the middle of a lowered net: with ONNX Runtime run before each kiln run (as in the interleaved
+    benchmark), MobileNetV3-small took 3.00-3.05 -> 2.54-2.55 ms and EfficientNet-lite0 11.4-13.0 -> 10.8 ms once
+    every convolution lowered.
     """
     if len(x_shape) != 4 or len(weight_shape) != 4:
         return None
@@ -110,13 +117,13 @@ def route(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], stride, paddi
         if h == w == 1:
             return Route("rows", geometry)
         if tuple(stride) == (1, 1):
-            return Route("pointwise", geometry) if _packs(c, o) else None  # (None: one BLAS GEMM, the epilogue)
+            return Route("pointwise", geometry)
     if (kh, kw, *stride, *dilation, groups) == (3, 3, 1, 1, 1, 1, 1) and min(c, o) >= _WINOGRAD_MIN_CHANNELS \
             and n * ((oh + 1) // 2) * ((ow + 1) // 2) >= _WINOGRAD_MIN_TILES:
         return Route("winograd", geometry)
     # im2col + GEMM in bands of output rows, each band's patch matrix small enough to stay in cache
     band = max(1, min(oh, _IM2COL_BAND_BYTES // (4 * c * kh * kw * ow)))
-    return Route("im2col" if groups == 1 and _packs(cg * kh * kw, o) else "blas", geometry, band)
+    return Route("im2col" if groups == 1 else "blas", geometry, band)
 
 
 def _conv2d_compiled(x, weight, bias, stride, padding, padding_end, dilation, groups, act) -> np.ndarray | None:
@@ -165,20 +172,6 @@ def _im2col_blas(lib, x, weight, bias, groups: int, r: Route, act) -> np.ndarray
 
 DIRECT_MAX_INPUTS = 4
 """Convolutions of up to this many input channels (an image's) go to the direct kernel (direct.c)."""
-
-PACKED_MIN_INPUTS = 16
-PACKED_MIN_OUTPUTS = 24
-"""Convolution GEMMs go to the packed kernel from this many inputs (in * kh * kw) and outputs. Measured in
-EfficientNet-lite0 and MobileNetV3-small, 1 thread, whole nets against BLAS + a pass for the epilogue: from 64 x 96
-(the first version, whose tiles wrote 96 rows 128 bytes at a time) 1.58 / 2.39x ORT's time, then with the writes
-in runs of a span of column blocks, from 16 x 96: 1.42 / 2.18x, from 16 x 24: 1.38 / 2.16x (a tie within the
-noise). Below 16 outputs (the 3-channel stems' 16) the 12-row tiles compute mostly padding."""
-
-
-def _packs(inputs: int, outputs: int) -> bool:
-    """Whether a convolution's GEMM of these sizes goes to the packed kernel."""
-    return inputs >= PACKED_MIN_INPUTS and outputs >= PACKED_MIN_OUTPUTS
-
 
 _IM2COL_BAND_BYTES = 1 << 20
 """Patch-matrix size per band of output rows: about half this machine's 2 MiB L2, so the GEMM reads it from cache."""
