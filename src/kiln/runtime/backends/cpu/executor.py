@@ -467,8 +467,7 @@ def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v)), "rank-4 float32")
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    _need(L <= native.ATTENTION_MAX_QUERIES and k.shape == (B, Hkv, S, D) and v.shape[:3] == (B, Hkv, S)
-          and Hkv > 0 and Hq % Hkv == 0, "a few queries, GQA shapes")
+    _need(k.shape == (B, Hkv, S, D) and v.shape[:3] == (B, Hkv, S) and Hkv > 0 and Hq % Hkv == 0, "GQA shapes")
     _need(k.strides[3] == 4 and v.strides[3] == 4, "rows of keys contiguous")
     mask_strides = (0, 0, 0, 0)
     if mask is not None:

@@ -65,7 +65,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
     "kiln_layer_norm_f32": (_ptr,) * 4 + (_i64, _i64, ctypes.c_float),
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
-    "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float,),
+    "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float, _i64),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
     "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
@@ -340,17 +340,17 @@ def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None
 
 
 ATTENTION_MAX_QUERIES = 16
-"""Query rows per head up to which attention runs compiled (a decode step, a short verify); longer ones (prefill)
-are matrix products, which BLAS does better."""
+"""Query rows per head up to which slot attention (serving steps) runs compiled; `attention` takes any count (from
+16 rows in tiles of queries against blocks of keys: attention.c)."""
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
               scale: float) -> np.ndarray | None:
     """sdpa of float32 q [B, Hq, L, D], k and v [B, Hkv, S, D] (any strides, the last dimension contiguous) and a
     bool mask broadcastable to [B, Hq, L, S], in one compiled call (attention.c); None when the helpers cannot
-    take it (other dtypes or ranks, an additive mask, long queries)."""
+    take it (other dtypes or ranks, an additive mask)."""
     lib = library()
-    if lib is None or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[2] > ATTENTION_MAX_QUERIES:
+    if lib is None or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return None
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -371,7 +371,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         work = np.empty(S, dtype=np.float32)
         lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), out.ctypes.data,
                                work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3], *(s // 4 for s in k.strides[:3]),
-                               *(s // 4 for s in v.strides[:3]), *mask_strides, int(causal), float(scale))
+                               *(s // 4 for s in v.strides[:3]), *mask_strides, int(causal), float(scale), threads())
     return out
 
 

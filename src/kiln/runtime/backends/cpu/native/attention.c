@@ -12,6 +12,8 @@
  * `work` (S floats).
  */
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "pool.h"
 #include "vmath.h"
@@ -86,24 +88,156 @@ static void attend(const float *restrict qi, const float *restrict kq, i64 ks, c
     for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
 }
 
+/* The keys query i may see, [first, seen): causal and the mask's first and last true entries bound them. */
+static inline void visible(const unsigned char *mi, i64 ms, i64 i, i64 S, i64 causal, i64 *first, i64 *seen) {
+    const i64 last = causal ? i : S - 1; /* the last key this query may see (causal: as tril(ones(L, S))) */
+    i64 f = 0, n = last < S ? last + 1 : S;
+    if (mi) {
+        if (ms == 1) { /* 8 bytes at a time past runs of hidden keys (a static cache's unused tail) */
+            uint64_t word;
+            while (f + 8 <= n && (memcpy(&word, mi + f, 8), word == 0)) f += 8;
+            while (n - 8 >= f && (memcpy(&word, mi + n - 8, 8), word == 0)) n -= 8;
+        }
+        while (f < n && !mi[f * ms]) f++;
+        while (n > f && !mi[(n - 1) * ms]) n--;
+    }
+    *first = f;
+    *seen = n;
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    const unsigned char *mask;
+    float *out;
+    i64 Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh, ml, ms, causal;
+    float scale;
+} attention_args;
+
+enum { QT = 8, KT = 16 }; /* queries a tile, keys a vector */
+
+/* The queries of one head (task = (batch, q head)) in tiles of QT: the keys any of them sees transposed once
+ * ([D][keys]: no sums across lanes), each tile's scores against the keys its queries see, 16 keys a vector and QT
+ * rows in registers; each row's softmax; then the values weighted by the rows, 4 rows x 64 outputs in registers,
+ * each value row loaded once for them. For prefill (128 queries and more), where one query at a time re-read
+ * every key for each query and summed each dot product across lanes. */
+static void attention_tiles(const void *ctx, i64 begin, i64 end) {
+    const attention_args *a = ctx;
+    const i64 D = a->D, Dv = a->Dv, S = a->S, group = a->Hq / a->Hkv;
+    const i64 span = (S + KT - 1) / KT * KT;
+    float *memory = (float *)thread_scratch(SCRATCH_ATTENTION, (D * span + QT * span + 4 * a->L) * (i64)sizeof(float));
+    if (!memory) return;
+    float *kt = memory, *scores = memory + D * span; /* [D][span], [QT][span] */
+    i64 *bounds = (i64 *)(scores + QT * span);      /* [L][2]: each query's visible keys */
+    for (i64 bh = begin; bh < end; bh++) { /* task: (batch, q head) */
+        const i64 b = bh / a->Hq, h = bh % a->Hq;
+        const float *kq = a->k + b * a->kb + (h / group) * a->kh, *vq = a->v + b * a->vb + (h / group) * a->vh;
+        const unsigned char *mh = a->mask ? a->mask + b * a->mb + h * a->mh : 0;
+        /* the keys any query of the head sees, transposed once ([D][keys], zero past them) */
+        i64 lo = S, hi = 0;
+        for (i64 i = 0; i < a->L; i++) {
+            i64 *f = &bounds[2 * i], *n = &bounds[2 * i + 1];
+            visible(mh ? mh + i * a->ml : 0, a->ms, i, S, a->causal, f, n);
+            if (*n > *f) {
+                lo = *f < lo ? *f : lo;
+                hi = *n > hi ? *n : hi;
+            }
+        }
+        const i64 all = hi > lo ? hi - lo : 0, stride = (all + KT - 1) / KT * KT;
+        for (i64 j = 0; j < stride; j++)
+            for (i64 d = 0; d < D; d++) kt[d * stride + j] = j < all ? kq[(lo + j) * a->ks + d] : 0.0f;
+        for (i64 i0 = 0; i0 < a->L; i0 += QT) {
+            const i64 rows = a->L - i0 < QT ? a->L - i0 : QT;
+            float *o0 = a->out + ((b * a->Hq + h) * a->L + i0) * Dv;
+            i64 first[QT], seen[QT], tlo = hi, thi = lo;
+            for (i64 r = 0; r < rows; r++) {
+                first[r] = bounds[2 * (i0 + r)], seen[r] = bounds[2 * (i0 + r) + 1];
+                if (seen[r] > first[r]) {
+                    tlo = first[r] < tlo ? first[r] : tlo;
+                    thi = seen[r] > thi ? seen[r] : thi;
+                }
+            }
+            if (thi <= tlo) { /* no row sees a key */
+                for (i64 e = 0; e < rows * Dv; e++) o0[e] = NAN;
+                continue;
+            }
+            const i64 j0 = (tlo - lo) / KT * KT, j1 = thi - lo; /* the tile's keys, from a whole vector of kt */
+            const float *qt = a->q + ((b * a->Hq + h) * a->L + i0) * D;
+            for (i64 j = j0; j < j1; j += KT) {
+                v16 acc[QT];
+                for (int r = 0; r < QT; r++) acc[r] = (v16){0};
+                for (i64 d = 0; d < D; d++) {
+                    const v16 kv = *(const v16 *)(kt + d * stride + j);
+                    for (int r = 0; r < QT; r++) acc[r] += kv * qt[(r < rows ? r : 0) * D + d];
+                }
+                for (int r = 0; r < QT; r++) *(v16u *)(scores + r * span + j) = acc[r];
+            }
+            int dead[QT] = {0};
+            for (i64 r = 0; r < rows; r++) {
+                float *sr = scores + r * span, top = -INFINITY;
+                const unsigned char *mi = mh ? mh + (i0 + r) * a->ml : 0;
+                for (i64 j = j0; j < j1; j++) {
+                    const i64 key = lo + j;
+                    const int hidden = key < first[r] || key >= seen[r] || (mi && !mi[key * a->ms]);
+                    sr[j] = hidden ? -INFINITY : sr[j] * a->scale;
+                    top = sr[j] > top ? sr[j] : top;
+                }
+                if (!(top > -INFINITY)) { /* no key seen (or NaN scores): NaN, as the reference's softmax */
+                    dead[r] = 1;
+                    for (i64 j = j0; j < j1; j++) sr[j] = 0.0f;
+                    continue;
+                }
+                float total = 0.0f;
+                for (i64 j = j0; j < j1; j++) sr[j] = exp_f32(sr[j] - top); /* (vectorized; hidden keys: 0) */
+                for (i64 j = j0; j < j1; j++) total += sr[j];
+                const float inverse = 1.0f / total;
+                for (i64 j = j0; j < j1; j++) sr[j] *= inverse;
+            }
+            for (i64 r0 = 0; r0 < rows; r0 += 4) { /* out rows r0.. = sum_j p[r][j] v[j], 64 outputs at a time */
+                const i64 rn = rows - r0 < 4 ? rows - r0 : 4;
+                for (i64 e = 0; e < Dv; e += 64) {
+                    v16 acc[4][4];
+                    for (int r = 0; r < 4; r++)
+                        for (int c = 0; c < 4; c++) acc[r][c] = (v16){0};
+                    for (i64 j = j0; j < j1; j++) {
+                        const float *vj = vq + (lo + j) * a->vs + e;
+                        const v16 v0 = *(const v16u *)vj, v1 = *(const v16u *)(vj + 16),
+                                  v2 = *(const v16u *)(vj + 32), v3 = *(const v16u *)(vj + 48);
+                        for (int r = 0; r < 4; r++) {
+                            const float p = scores[(r0 + (r < rn ? r : 0)) * span + j];
+                            acc[r][0] += v0 * p, acc[r][1] += v1 * p, acc[r][2] += v2 * p, acc[r][3] += v3 * p;
+                        }
+                    }
+                    for (i64 r = 0; r < rn; r++)
+                        for (int c = 0; c < 4; c++)
+                            *(v16u *)(o0 + (r0 + r) * Dv + e + 16 * c) = dead[r0 + r] ? (v16){0} / 0.0f : acc[r][c];
+                }
+            }
+        }
+    }
+}
+
+/* Queries a head from which the tiles run (below, one query at a time: a decode step's few rows) */
+enum { TILED_MIN_QUERIES = 16 };
+
 void kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
                         const unsigned char *restrict mask, float *restrict out, float *restrict work, i64 B, i64 Hq,
                         i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb,
-                        i64 mh, i64 ml, i64 ms, i64 causal, float scale) {
+                        i64 mh, i64 ml, i64 ms, i64 causal, float scale, i64 threads) {
     const i64 group = Hq / Hkv;
+    if (L >= TILED_MIN_QUERIES && Dv % 64 == 0) {
+        const attention_args a = {q, k, v, mask, out, Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh, ml, ms,
+                                  causal, scale};
+        parallel_for(attention_tiles, &a, B * Hq, threads);
+        return;
+    }
     for (i64 b = 0; b < B; b++)
         for (i64 h = 0; h < Hq; h++)
             for (i64 i = 0; i < L; i++) {
                 const float *qi = q + ((b * Hq + h) * L + i) * D;
                 const float *kh0 = k + b * kb + (h / group) * kh, *vh0 = v + b * vb + (h / group) * vh;
                 const unsigned char *mi = mask ? mask + b * mb + h * mh + i * ml : 0;
-                const i64 last = causal ? i : S - 1; /* the last key this query may see (causal: as tril(ones(L, S))) */
-                /* keys first..seen-1 may be seen: the mask's first and last true entry bound them */
-                i64 seen = last < S ? last + 1 : S, first = 0;
-                if (mi) {
-                    while (first < seen && !mi[first * ms]) first++;
-                    while (seen > first && !mi[(seen - 1) * ms]) seen--;
-                }
+                i64 first, seen;
+                visible(mi, ms, i, S, causal, &first, &seen);
                 attend(qi, kh0 + first * ks, ks, vh0 + first * vs, vs, mi ? mi + first * ms : 0, ms, seen - first, D,
                        Dv, scale, work, out + ((b * Hq + h) * L + i) * Dv);
             }

@@ -112,7 +112,7 @@ i64 kiln_rope_cache_update_f32(const float *q, const float *k, const float *v, c
                                i64 vsb, i64 vsh, i64 vsl, i64 csb, i64 csl, i64 interleaved);
 void kiln_attention_f32(const float *q, const float *k, const float *v, const unsigned char *mask, float *out,
                         float *work, i64 B, i64 Hq, i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks,
-                        i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms, i64 causal, float scale);
+                        i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms, i64 causal, float scale, i64 threads);
 i64 kiln_slot_attention_f32(const float *q, const float *k, const float *v, const i64 *slots, const i64 *positions,
                             float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
                             i64 slot_count, i64 window, float scale);
@@ -190,7 +190,7 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             const i64 *s = a + 13;
             kiln_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), s[0], s[1], s[2], s[3], s[4], s[5],
                                s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], s[17],
-                               as_float(s[18]));
+                               as_float(s[18]), threads);
             return 1;
         }
         case OP_GATED: {

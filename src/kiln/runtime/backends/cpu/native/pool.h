@@ -21,7 +21,7 @@ __attribute__((visibility("hidden"))) void conv_activate(float *y, i64 n, int ac
  * (the packed GEMM at 2 threads: 163 -> 120 us on a 1536 x 384 layer with them kept). A slot is one use, so
  * a helper that calls another never shares a buffer with it. */
 enum { SCRATCH_GEMM_B, SCRATCH_GEMM_SPAN, SCRATCH_DEPTHWISE, SCRATCH_DIRECT_INPUT, SCRATCH_DIRECT_WEIGHTS,
-       SCRATCH_WINOGRAD, SCRATCH_SLOTS };
+       SCRATCH_WINOGRAD, SCRATCH_ATTENTION, SCRATCH_SLOTS };
 __attribute__((visibility("hidden"))) void *thread_scratch(int slot, i64 bytes);
 
 enum { LINEAR_MIN_PART = 1 << 16 }; /* weight elements a thread's part reads at least: smaller calls run alone */
