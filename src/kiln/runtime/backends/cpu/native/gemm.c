@@ -118,14 +118,18 @@ static inline void store(const gemm_args *g, v16 acc[MR][2], int vecs, i64 row0,
 /* B's columns [c0, c0 + cols) as a contiguous k x NR panel, zero past them */
 static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel) {
     const i64 k = g->k;
-    if (g->b_rows) { /* panel[p][j] = B[c0 + j][p]: column j of the panel is row c0 + j of the given matrix */
-        for (i64 j = 0; j < NR; j++) {
-            const float *src = g->b + (c0 + j) * g->ldb;
-            if (j < cols)
-                for (i64 p = 0; p < k; p++) panel[p * NR + j] = src[p];
-            else
-                for (i64 p = 0; p < k; p++) panel[p * NR + j] = 0.0f;
-        }
+    if (g->b_rows) { /* panel[p][j] = B[c0 + j][p]: 16 rows x 16 of their elements at a time, transposed */
+        for (i64 j0 = 0; j0 < NR; j0 += 16)
+            for (i64 p0 = 0; p0 < k; p0 += 16) {
+                const int count = k - p0 < 16 ? (int)(k - p0) : 16;
+                v16 t[16];
+                for (i64 j = 0; j < 16; j++) {
+                    const float *src = g->b + (c0 + j0 + j) * g->ldb + p0;
+                    t[j] = j0 + j >= cols ? splat16(0.0f) : count == 16 ? *(const v16u *)src : load16_first(src, count);
+                }
+                transpose16(t);
+                for (int q = 0; q < count; q++) *(v16u *)(panel + (p0 + q) * NR + j0) = t[q];
+            }
         return;
     }
     for (i64 p = 0; p < k; p++) {
