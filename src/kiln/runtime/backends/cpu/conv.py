@@ -60,14 +60,17 @@ class Route:
     def code(self) -> int | None:
         return ROUTES.get(self.name)
 
+    @property
+    def prepared(self) -> bool:
+        """Whether the route multiplies by a form of the weight made once (weight_form), not the weight itself."""
+        return self.name in ("pointwise", "im2col", "winograd")
+
     def weight_form(self, weight: np.ndarray) -> np.ndarray:
         """The form of the weight the route multiplies by, made once per weight array (forms): packed for gemm.c,
         Winograd's 16 transformed matrices packed, or the weight as it is."""
-        if self.name in ("pointwise", "im2col"):
-            return forms.packed_gemm_weight(weight)
-        if self.name == "winograd":
-            return _winograd_packed(weight)
-        return weight
+        if not self.prepared:
+            return weight
+        return _winograd_packed(weight) if self.name == "winograd" else forms.packed_gemm_weight(weight)
 
     @property
     def work_floats(self) -> int:

@@ -497,15 +497,10 @@ def _layer_norm(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.output(node, out)
 
 
-PREPARED_WEIGHTS = ("pointwise", "im2col", "winograd")
-"""Routes that multiply by a form of the weight made when the plan is built (packed, transformed): the weight must
-be a constant."""
-
-
 @lowering("conv")
 def _conv(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    """conv.route's compiled routes (kiln_conv2d_f32, as the CPU kernel calls it); the packed routes need the weight
-    to be a constant, packed here once."""
+    """conv.route's compiled routes (kiln_conv2d_f32, as the CPU kernel calls it); a route that multiplies by a
+    prepared form of the weight (packed, transformed) needs the weight to be a constant, prepared here once."""
     x, weight, bias = _inputs(lw, node)
     _need(not attrs["transposed"] and x.dtype == F32 and weight.dtype == F32 and (bias is None or bias.dtype == F32),
           "a float32 convolution")
@@ -513,7 +508,7 @@ def _conv(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     r = conv.route(x.shape, weight.shape, tuple(attrs["stride"]), tuple(attrs["padding"]), padding_end,
                    tuple(attrs["dilation"]), int(attrs["groups"]))
     _need(r is not None and r.code is not None, "no compiled route")
-    if r.name in PREPARED_WEIGHTS:
+    if r.prepared:
         array = lw.constant_array(weight)
         _need(array is not None, "a weight computed at run time")
         weight = lw.fixed_array(r.weight_form(array))
@@ -699,6 +694,7 @@ def place_arena(lw: Lowering) -> int:
             if isinstance(word, Loc) and isinstance(word.home, Root):
                 first.setdefault(word.home, k)
                 last[word.home] = k
+
     def size(root: Root) -> int:
         return -(-root.nbytes // ALIGN) * ALIGN
 

@@ -14,11 +14,16 @@ from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import kernel
 
 
+def _axes(rank: int, dims: tuple[int, ...]) -> list[int]:
+    """The reduced axes, sorted (empty dims: all)."""
+    return sorted({d % rank for d in dims}) if dims and rank else list(range(rank))
+
+
 def trailing_rows(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, int] | None:
     """(rows, n) when reducing `dims` of `shape` (empty: all) sums the last dims of a C-contiguous array, rows of n
     elements each; None when the dims are not a trailing run."""
     rank = len(shape)
-    axes = sorted({d % rank for d in dims}) if dims and rank else list(range(rank))
+    axes = _axes(rank, dims)
     if axes != list(range(rank - len(axes), rank)):
         return None
     n = math.prod(shape[rank - len(axes):])
@@ -26,8 +31,7 @@ def trailing_rows(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, i
 
 
 def reduced_shape(shape: tuple[int, ...], dims: tuple[int, ...], keepdim: bool) -> tuple[int, ...]:
-    rank = len(shape)
-    axes = {d % rank for d in dims} if dims and rank else set(range(rank))
+    axes = set(_axes(len(shape), dims))
     return tuple(1 if i in axes else s for i, s in enumerate(shape) if keepdim or i not in axes)
 
 

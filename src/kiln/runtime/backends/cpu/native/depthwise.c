@@ -32,40 +32,36 @@ typedef struct {
     i64 band;   /* output rows per band */
 } dw_args;
 
-/* One output row's sums for a kernel KW wide at stride SW (dilation 1), PIXELS outputs at a time: each input vector
- * of a kernel row is loaded once and multiplied into every output of the group whose window covers it, the row's KW
+/* One output row's sums for a 5x5 kernel at stride 1 (dilation 1), PIXELS outputs at a time: each input vector of
+ * a kernel row is loaded once and multiplied into every output of the group whose window covers it, the row's 5
  * weights held in registers. The generic loop loads an input vector for every multiply-add (and each tap's weight
  * and offset). Each output's sum keeps the generic loop's order (kernel rows, then columns), so the results are
  * its bits (tested). Measured against it, 1 thread: 5x5 stride 1 layers 7-14% faster (1152 ch on 7x7 100 -> 91 us,
- * 672 on 14x14 163 -> 141), so only they use it; 3x3 and stride 2 were 2-12% slower (fewer reuses per load, and a
- * row of 16 or more registers where the generic loop streams). base: the output row's first input row in the
- * scratch; out gets the sums (bias included), not yet activated. */
-typedef void (*row_fn)(const v16 *base, i64 cols, const v16 *wt, i64 kh, v16 bias, v16 *out, i64 ow);
-
-#define DW_ROW(NAME, KW, SW)                                                                                   \
-    static void NAME(const v16 *restrict base, i64 cols, const v16 *restrict wt, i64 kh, v16 bias,           \
-                     v16 *restrict out, i64 ow) {                                                              \
-        for (i64 ox = 0; ox < ow; ox += PIXELS) {                                                              \
-            v16 s[PIXELS];                                                                                     \
-            for (int p = 0; p < PIXELS; p++) s[p] = bias;                                                     \
-            for (i64 ky = 0; ky < kh; ky++) {                                                                  \
-                const v16 *in = base + ky * cols + ox * (SW);                                                  \
-                v16 w[KW];                                                                                     \
-                _Pragma("GCC unroll 8") for (int kx = 0; kx < (KW); kx++) w[kx] = wt[ky * (KW) + kx];         \
-                _Pragma("GCC unroll 32") for (int j = 0; j < (PIXELS - 1) * (SW) + (KW); j++) {                \
-                    const v16 v = in[j];                                                                       \
-                    _Pragma("GCC unroll 8") for (int kx = 0; kx < (KW); kx++) {                                \
-                        const int d = j - kx;                                                                  \
-                        if (d >= 0 && d % (SW) == 0 && d / (SW) < PIXELS) s[d / (SW)] += w[kx] * v;            \
-                    }                                                                                          \
-                }                                                                                              \
-            }                                                                                                  \
-            for (int p = 0; p < PIXELS; p++) out[ox + p] = s[p];                                               \
-        }                                                                                                      \
+ * 672 on 14x14 163 -> 141), so only they use it; 3x3 and stride 2 were 2-12% slower this way (fewer reuses per
+ * load, and a row of 16 or more registers where the generic loop streams). base: the output row's first input
+ * row in the scratch; out gets the sums (bias included), not yet activated. */
+static void row_k5s1(const v16 *restrict base, i64 cols, const v16 *restrict wt, i64 kh, v16 bias,
+                     v16 *restrict out, i64 ow) {
+    enum { KW = 5 };
+    for (i64 ox = 0; ox < ow; ox += PIXELS) {
+        v16 s[PIXELS];
+        for (int p = 0; p < PIXELS; p++) s[p] = bias;
+        for (i64 ky = 0; ky < kh; ky++) {
+            const v16 *in = base + ky * cols + ox;
+            v16 w[KW];
+#pragma GCC unroll 8
+            for (int kx = 0; kx < KW; kx++) w[kx] = wt[ky * KW + kx];
+#pragma GCC unroll 32
+            for (int j = 0; j < PIXELS - 1 + KW; j++) {
+                const v16 v = in[j];
+#pragma GCC unroll 8
+                for (int kx = 0; kx < KW; kx++)
+                    if (j - kx >= 0 && j - kx < PIXELS) s[j - kx] += w[kx] * v;
+            }
+        }
+        for (int p = 0; p < PIXELS; p++) out[ox + p] = s[p];
     }
-
-DW_ROW(row_k5s1, 5, 1)
-#undef DW_ROW
+}
 
 static void dw_part(const void *ctx, i64 begin, i64 end) {
     const dw_args *a = (const dw_args *)ctx;
@@ -142,9 +138,8 @@ static void dw_part(const void *ctx, i64 begin, i64 end) {
             for (i64 oy = r0; oy < r1; oy++) {
                 const v16 *base = in + (oy - r0) * a->sh * cols;
                 const int act = (int)a->act;
-                const row_fn fast = a->dh == 1 && a->dw == 1 && a->kw == 5 && sw == 1 ? row_k5s1 : 0;
-                if (fast) {
-                    fast(base, cols, wt, a->kh, bias, row, a->ow);
+                if (a->dh == 1 && a->dw == 1 && a->kw == 5 && sw == 1) {
+                    row_k5s1(base, cols, wt, a->kh, bias, row, a->ow);
                     for (i64 ox = 0; ox < a->ow; ox++) row[ox] = activate16(row[ox], act, lo, hi);
                 } else
                 /* PIXELS outputs at a time, their sums in registers across the taps (independent chains) */
