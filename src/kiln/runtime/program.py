@@ -80,6 +80,18 @@ class Program:
                 arr = self._constants.setdefault(index, arr)
         return arr
 
+    def release_constant_pages(self, index: int) -> None:
+        """Unmap the file pages under constant `index` from this process (they stay in the OS's page cache, and a
+        later read maps them again): for a backend that holds its own copy, so the process is not charged twice."""
+        if not isinstance(self._buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        blob = self.ir.blobs[self.ir.constants[index].blob]
+        start = self.header.const_offset + blob.offset
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (start + blob.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     @property
     def constant_bytes(self) -> int:
         return sum(b.nbytes for b in self.ir.blobs)

@@ -22,7 +22,7 @@ import kiln.runtime.backends.cpu.reduce  # noqa: F401 - importing the kernel fam
 from kiln.ir.graph import Method, Node, StateBuffer
 from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.base import Backend, Kernel
-from kiln.runtime.backends.cpu import executor, native, prepare
+from kiln.runtime.backends.cpu import executor, native, prepare, resident
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 from kiln.runtime.program import Program
 
@@ -37,7 +37,7 @@ class CPUBackend(Backend):
         self.program = program
 
     def constant(self, index: int) -> np.ndarray:
-        return self.program.constant(index)
+        return resident.constant(self.program, index)
 
     def initial_state(self, index: int, buffer: StateBuffer) -> np.ndarray:
         if buffer.init >= 0:

@@ -35,7 +35,7 @@ from kiln.ir.symbolic import resolve_shape
 from kiln.registry import register_once
 from kiln.runtime.backends.array_api.conv import pool_geometry
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
-from kiln.runtime.backends.cpu import conv, forms, linalg, native, quant
+from kiln.runtime.backends.cpu import conv, forms, linalg, native, quant, resident
 from kiln.runtime.backends.cpu.reduce import reduced_shape, trailing_rows
 from kiln.runtime.program import Program
 
@@ -164,7 +164,7 @@ class Lowering:
             return self.locs[value]
         spec = self.method.values[value]
         if spec.kind == ValueKind.CONSTANT:
-            array = self.program.constant(spec.ref)
+            array = resident.constant(self.program, spec.ref)
             base = self.base()
             self.fixed.append((base, array))
             loc = Loc(base, 0, array.shape, array.strides, array.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kiln.ir.graph import Method, Node
 from kiln.runtime.backends.base import Prepared, PreparerRegistry, absent, constant_ref
+from kiln.runtime.backends.cpu import resident
 from kiln.runtime.program import Program
 
 PREPARERS = PreparerRegistry("cpu")
@@ -23,6 +24,6 @@ def quantized_linear(program: Program, method: Method, node: Node, env: dict[str
     refs = [constant_ref(method, node, i) for i in range(1, 5)]  # q, scale, zero, bias
     if refs[0] is None or refs[1] is None or any(r is None and not absent(node, i + 1) for i, r in enumerate(refs)):
         return None
-    arrays = [None if r is None else program.constant(r) for r in refs]
+    arrays = [None if r is None else resident.constant(program, r) for r in refs]
     kernel = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]))
     return None if kernel is None else (kernel, tuple(node.inputs))
