@@ -311,7 +311,7 @@ def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 
 def emit_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None) -> Loc:
     """As linalg.linear's float32 paths: few rows by kiln_linear_rows_f32, more by the GEMM with the weight (a
-    constant) packed once here, then back to row-major with the bias added."""
+    constant) packed once here, writing the output's rows with the bias added."""
     _need(x.dtype == F32 and weight.dtype == F32 and len(weight.shape) == 2, "float32 rows")
     _need(bias is None or bias.dtype == F32, "float32 bias")
     n, k = weight.shape
@@ -325,7 +325,7 @@ def emit_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None) -> Loc:
     array = lw.constant_array(weight)
     _need(array is not None and array.flags.c_contiguous, "many rows times a weight computed at run time")
     packed = lw.fixed_array(forms.packed_gemm_weight(array))
-    lw.emit("gemm_rows", x, packed, bias, out, lw.work(4 * rows * n), rows, n, k)
+    lw.emit("gemm_rows", x, packed, bias, out, rows, n, k)
     return out
 
 

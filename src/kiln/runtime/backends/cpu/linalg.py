@@ -30,8 +30,7 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.nda
     """x @ W^T + b. Few rows: the compiled helper, whose sums do not depend on the batch (a sequence decodes the
     same alone and batched). Many rows: (W x^T)^T by the GEMM with W packed once (gemm.c: 8-20% faster than
     OpenBLAS's W @ x^T on SmolLM2's and MiniLM's layers at 32-128 rows, which packs W on every call; OpenBLAS's
-    x @ W^T is 10-60% slower still); the compiled helper brings the result back to row-major with the bias added
-    in the same pass."""
+    x @ W^T is 10-60% slower still), writing x's rows of outputs with the bias added from its registers."""
     dtype = x.dtype
     x, weight, bias = upcast(x, weight, bias)
     lead = x.shape[:-1]
@@ -45,11 +44,9 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.nda
         lib.kiln_linear_rows_f32(x2.ctypes.data, weight.ctypes.data, native.address(bias), out.ctypes.data, rows,
                                  cols, x2.shape[1], native.threads())
     elif compiled and rows > 1:
-        transposed = np.empty((cols, rows), dtype=np.float32)
         x2 = x2 if x2.strides[-1] == 4 else np.ascontiguousarray(x2)
-        native.gemm_packed(forms.packed_gemm_weight(weight), cols, x2, transposed, b_rows=True)
         out = np.empty((rows, cols), dtype=np.float32)
-        lib.kiln_transpose_bias_f32(transposed.ctypes.data, native.address(bias), out.ctypes.data, rows, cols)
+        native.gemm_packed(forms.packed_gemm_weight(weight), cols, x2, out, bias, b_rows=True, out_rows=True)
     else:
         out = np.matmul(x2, weight.T)
         if bias is not None:

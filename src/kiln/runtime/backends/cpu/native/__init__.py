@@ -55,7 +55,6 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_clamp_f32": (_ptr, _ptr, _i64, ctypes.c_float, ctypes.c_float),
     "kiln_bias_activate_f32": (_ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float),
     "kiln_im2col2d_f32": (_ptr, _ptr) + (_i64,) * 14,
-    "kiln_transpose_bias_f32": (_ptr, _ptr, _ptr, _i64, _i64),
     "kiln_linear_rows_f32": (_ptr,) * 4 + (_i64,) * 4,
     "kiln_qlinear_f32": (_ptr,) * 7 + (_i64,) * 6,
     "kiln_dequantize_f32": (_ptr,) * 4 + (_i64,) * 4,
@@ -269,16 +268,18 @@ def pack_gemm_weight(weight: np.ndarray) -> np.ndarray | None:
 
 def gemm_packed(packed: np.ndarray, m: int, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None,
                 activation: str = "none", lo: float | None = None, hi: float | None = None,
-                b_rows: bool = False) -> None:
+                b_rows: bool = False, out_rows: bool = False) -> None:
     """out[m, n] = A b (+ bias per row, then the activation), A packed by pack_gemm_weight; b a float32 [k, n]
     matrix whose rows may be strided (its last axis contiguous), or with b_rows its transpose [n, k] (x's rows
-    for x @ A^T); out float32 [m, n], rows may be strided."""
+    for x @ A^T); out float32 [m, n], rows may be strided, or with out_rows its transpose [n, m] (the rows of
+    x @ A^T + bias)."""
     n, k = b.shape if b_rows else b.shape[::-1]
-    assert out.shape == (m, n) and float32_contiguous(bias) and b.dtype == out.dtype == np.float32
+    assert out.shape == ((n, m) if out_rows else (m, n)) and float32_contiguous(bias)
+    assert b.dtype == out.dtype == np.float32
     assert (b.size == 0 or b.strides[1] == 4) and (out.size == 0 or out.strides[1] == 4)
     library().kiln_gemm_packed_f32(packed.ctypes.data, b.ctypes.data, address(bias), out.ctypes.data, m, n, k,
-                                   b.strides[0] // 4 if b.size else b.shape[1], int(b_rows),
-                                   out.strides[0] // 4 if out.size else n, ACTIVATION_CODES[activation],
+                                   b.strides[0] // 4 if b.size else b.shape[1], int(b_rows) | 2 * int(out_rows),
+                                   out.strides[0] // 4 if out.size else out.shape[1], ACTIVATION_CODES[activation],
                                    *bounds(lo, hi), threads())
 
 def unary(name: str, x: np.ndarray) -> np.ndarray | None:

@@ -22,7 +22,7 @@ void kiln_conv2d_direct_f32(const float *x, const float *w, const float *bias, f
                             i64 o, i64 kh, i64 kw, i64 sh, i64 sw, i64 pt, i64 pl, i64 dh, i64 dw, i64 oh, i64 ow,
                             i64 act, float lo, float hi, i64 threads);
 void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias, float *c, i64 m, i64 n, i64 k,
-                          i64 ldb, i64 b_rows, i64 ldc, i64 act, float lo, float hi, i64 threads);
+                          i64 ldb, i64 layout, i64 ldc, i64 act, float lo, float hi, i64 threads);
 void kiln_linear_rows_f32(const float *x, const float *w, const float *bias, float *out, i64 m, i64 n, i64 k,
                           i64 threads);
 i64 kiln_gemm_packed_size(i64 m, i64 k);

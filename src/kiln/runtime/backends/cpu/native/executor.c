@@ -134,8 +134,7 @@ void kiln_clamp_f32(const float *x, float *y, i64 n, float lo, float hi);
 i64 kiln_conv2d_f32(i64 route, const float *x, const float *w, const float *bias, float *y, float *work,
                     const i64 *g, i64 band, i64 act, float lo, float hi, i64 threads);
 void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias, float *c, i64 m, i64 n, i64 k,
-                          i64 ldb, i64 b_rows, i64 ldc, i64 act, float lo, float hi, i64 threads);
-void kiln_transpose_bias_f32(const float *src, const float *bias, float *dst, i64 rows, i64 cols);
+                          i64 ldb, i64 layout, i64 ldc, i64 act, float lo, float hi, i64 threads);
 void kiln_sum_rows_f32(const float *x, float *out, i64 rows, i64 n, float divisor);
 void kiln_maxpool2d_f32(const float *x, float *y, i64 planes, i64 h, i64 w, i64 kh, i64 kw, i64 sh, i64 sw, i64 pt,
                         i64 pl, i64 dh, i64 dw, i64 oh, i64 ow, i64 threads);
@@ -319,10 +318,9 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             kiln_maxpool2d_f32(PTR(1), PTR(3), a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
                                a[16], a[17], threads);
             return 1;
-        case OP_GEMM_ROWS: /* (W x^T) into work [n][m], then transposed back with the bias */
-            kiln_gemm_packed_f32(PTR(3), PTR(1), 0, PTR(9), a[12], a[11], a[13], a[13], 1, a[11], 0, -__builtin_inff(),
-                                 __builtin_inff(), threads);
-            kiln_transpose_bias_f32(PTR(9), PTR(5), PTR(7), a[11], a[12]);
+        case OP_GEMM_ROWS: /* W x^T + bias, x's rows in and the output's rows out (layout B_ROWS | C_ROWS) */
+            kiln_gemm_packed_f32(PTR(3), PTR(1), PTR(5), PTR(7), a[10], a[9], a[11], a[11], 3, a[10], 0,
+                                 -__builtin_inff(), __builtin_inff(), threads);
             return 1;
         case OP_CLAMP:
             kiln_clamp_f32(PTR(1), PTR(3), a[5], as_float(a[6]), as_float(a[7]));

@@ -27,6 +27,10 @@
 
 enum { MR = 12, NR = 32, PANELS_PER_TASK = 8, TAIL_COLUMNS = 4 };
 
+/* kiln_gemm_packed_f32's layout bits: B given transposed, as [n][k] rows ldb apart (a linear layer's input rows);
+ * C written transposed, as [n][m] rows ldc apart (the linear layer's output rows, so no transpose pass after). */
+enum { B_ROWS = 1, C_ROWS = 2 };
+
 /* Floats the packed form of an [m][k] matrix takes: whole panels of MR rows, and slack for the column kernel's
  * last vector load. */
 i64 kiln_gemm_packed_size(i64 m, i64 k) { return (m + MR - 1) / MR * MR * k + 16; }
@@ -91,16 +95,29 @@ typedef struct {
     const float *packed, *b, *bias;
     float *c;
     const float *b_packed; /* B packed whole (by_panels), or NULL */
-    i64 m, n, k, ldb, ldc, act, b_rows; /* b_rows: B given transposed, as [n][k] rows ldb apart */
+    i64 m, n, k, ldb, ldc, act, layout; /* B_ROWS and C_ROWS bits, below */
     float lo, hi;
     i64 col_blocks, panel_groups;
     i64 span; /* column blocks a by_columns task packs and covers */
 } gemm_args;
 
 /* A tile's rows (its first `vecs` vectors of columns, `width` of them kept) plus bias, activated, into out (the
- * tile's first output; rows g->ldc apart). */
+ * tile's first output; rows g->ldc apart, or with C_ROWS columns g->ldc apart: output (i, j) at out[j * ldc + i]). */
 static inline void store(const gemm_args *g, v16 acc[MR][2], int vecs, i64 row0, i64 rows, float *out,
                          i64 width, v16 lo, v16 hi) {
+    if (g->layout & C_ROWS) { /* 16 columns at a time: the tile's rows as lanes, by one register transpose */
+        for (int v = 0; v < vecs && 16 * v < width; v++) {
+            v16 t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = i < rows ? activate16(acc[i][v] + splat16(g->bias ? g->bias[row0 + i] : 0.0f), (int)g->act,
+                                             lo, hi)
+                                : splat16(0.0f);
+            transpose16(t);
+            const i64 count = width - 16 * v < 16 ? width - 16 * v : 16;
+            for (i64 j = 0; j < count; j++) store16_first(out + (16 * v + j) * g->ldc, t[j], (int)rows);
+        }
+        return;
+    }
     for (i64 i = 0; i < rows; i++) {
         const v16 bias = splat16(g->bias ? g->bias[row0 + i] : 0.0f);
         float *dst = out + i * g->ldc;
@@ -118,7 +135,7 @@ static inline void store(const gemm_args *g, v16 acc[MR][2], int vecs, i64 row0,
 /* B's columns [c0, c0 + cols) as a contiguous k x NR panel, zero past them */
 static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel) {
     const i64 k = g->k;
-    if (g->b_rows) { /* panel[p][j] = B[c0 + j][p]: 16 rows x 16 of their elements at a time, transposed */
+    if (g->layout & B_ROWS) { /* panel[p][j] = B[c0 + j][p]: 16 rows x 16 of their elements at a time, transposed */
         for (i64 j0 = 0; j0 < NR; j0 += 16)
             for (i64 p0 = 0; p0 < k; p0 += 16) {
                 const int count = k - p0 < 16 ? (int)(k - p0) : 16;
@@ -151,7 +168,7 @@ static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *pane
     const i64 k = g->k, c0 = block * NR, cols = g->n - c0 < NR ? g->n - c0 : NR;
     const float *a = g->packed + pi * MR * k;
     const i64 rows = g->m - pi * MR < MR ? g->m - pi * MR : MR;
-    float *out = g->c + pi * MR * g->ldc + c0;
+    float *out = g->layout & C_ROWS ? g->c + c0 * g->ldc + pi * MR : g->c + pi * MR * g->ldc + c0;
     v16 acc[MR][2];
     i64 done = 0;
     if (cols == NR) {
@@ -164,9 +181,10 @@ static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *pane
         done = cols < 16 ? cols : 16;
         store(g, acc, 1, pi * MR, rows, out, done, lo, hi);
     }
+    float *rest = out + (g->layout & C_ROWS ? done * g->ldc : done);
     if (cols - done > TAIL_COLUMNS) {
         tile1(a, panel + done, k, acc);
-        store(g, acc, 1, pi * MR, rows, out + done, cols - done, lo, hi);
+        store(g, acc, 1, pi * MR, rows, rest, cols - done, lo, hi);
         return;
     }
     if (cols > done) {
@@ -175,7 +193,12 @@ static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *pane
         for (i64 i = 0; i < rows; i++) bias[i] = g->bias ? g->bias[pi * MR + i] : 0.0f;
         columns(a, panel + done, k, cols - done, sums);
         for (i64 j = done; j < cols; j++) {
-            *(v16u *)line = activate16(sums[j - done] + *(const v16u *)bias, (int)g->act, lo, hi);
+            const v16 o = activate16(sums[j - done] + *(const v16u *)bias, (int)g->act, lo, hi);
+            if (g->layout & C_ROWS) {
+                store16_first(rest + (j - done) * g->ldc, o, (int)rows);
+                continue;
+            }
+            *(v16u *)line = o;
             for (i64 i = 0; i < rows; i++) out[i * g->ldc + j] = line[i];
         }
     }
@@ -222,12 +245,12 @@ static void by_panels(const void *ctx, i64 begin, i64 end) {
 enum { WHOLE_B_BYTES = 512 << 10, BIG_A_BYTES = 512 << 10, SPAN_BYTES = 256 << 10, SPAN_BLOCKS = 8 };
 
 /* C = A B (+ bias[row], then act: 0 none, 1 clamp to [lo, hi], 2 hardswish), A packed by kiln_gemm_pack_f32; B
- * [k][n] with rows ldb apart, or (b_rows) given as its transpose [n][k] (a linear layer's input rows). */
+ * [k][n] with rows ldb apart and C [m][n] with rows ldc apart, or either transposed (layout: B_ROWS, C_ROWS). */
 void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias, float *c, i64 m, i64 n, i64 k,
-                          i64 ldb, i64 b_rows, i64 ldc, i64 act, float lo, float hi, i64 threads) {
+                          i64 ldb, i64 layout, i64 ldc, i64 act, float lo, float hi, i64 threads) {
     if (m <= 0 || n <= 0) return;
     const i64 panels = (m + MR - 1) / MR;
-    gemm_args g = {packed, b, bias, c, NULL, m, n, k, ldb, ldc, act, b_rows, lo, hi, (n + NR - 1) / NR,
+    gemm_args g = {packed, b, bias, c, NULL, m, n, k, ldb, ldc, act, layout, lo, hi, (n + NR - 1) / NR,
                    (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 0};
     const i64 work = m * n * (k > 0 ? k : 1);
     const i64 most = work / (1 << 18); /* a part worth at least ~0.25M multiply-adds */

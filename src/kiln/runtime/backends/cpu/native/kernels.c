@@ -149,26 +149,6 @@ void kiln_im2col2d_f32(const float *restrict x, float *restrict cols, i64 c, i64
     }
 }
 
-/* ---------------------------------------------------------------------------------------------------------
- * dst[r][c] = src[c][r] (+ bias[c]): src is [cols, rows], dst [rows, cols], both row-major. The linear kernel
- * multiplies W @ x^T (which OpenBLAS runs at MKL's speed for any batch, unlike x @ W^T) and comes back to
- * row-major here, adding the bias on the way. Tiles of 32x32 keep both sides' cache lines in use.
- */
-void kiln_transpose_bias_f32(const float *restrict src, const float *restrict bias, float *restrict dst, i64 rows,
-                             i64 cols) {
-    enum { TILE = 32 };
-    for (i64 c0 = 0; c0 < cols; c0 += TILE) {
-        const i64 c1 = c0 + TILE < cols ? c0 + TILE : cols;
-        for (i64 r0 = 0; r0 < rows; r0 += TILE) {
-            const i64 r1 = r0 + TILE < rows ? r0 + TILE : rows;
-            for (i64 r = r0; r < r1; r++) {
-                float *d = dst + r * cols;
-                for (i64 c = c0; c < c1; c++) d[c] = src[c * rows + r] + (bias ? bias[c] : 0.0f);
-            }
-        }
-    }
-}
-
 typedef unsigned char v16u8u __attribute__((vector_size(16), aligned(1))); /* 16 uint8, unaligned */
 /* unsigned bytes to floats through 32-bit integers (GCC 12 scalarizes a direct char-to-float conversion, and
  * any signed one: int8 weights are read as q + 128, unsigned, and 128 is subtracted in float) */
