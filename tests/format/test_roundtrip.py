@@ -18,6 +18,7 @@ from kiln.ir import ops
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Method, Node, Program, Value, ValueKind
 from kiln.ir.ops import AttrDef, AttrType, InputDef, OpDef
+from kiln.ir.rules import RULES, Spec
 from kiln.ir.symbolic import Symbol
 from tests.format import small_models
 
@@ -94,6 +95,7 @@ def test_every_attribute_kind_round_trips(tmp_path, monkeypatch):
         AttrDef("ff", AttrType.FLOATS), AttrDef("si", AttrType.SYMINT), AttrDef("sis", AttrType.SYMINTS),
         AttrDef("empty", AttrType.INTS, ())), 1, "test op")
     monkeypatch.setitem(ops.OPS, "probe", probe)
+    monkeypatch.setitem(RULES, "probe", lambda ins, attrs: [Spec(DType.bfloat16, (attrs["si"], 4))])
     attrs = {"i": -(2**40), "f": -1.0e-300, "s": "h\u00e9llo \u2713", "b": True, "d": DType.bfloat16,
              "ii": (-3, 0, 2**62), "ff": (0.1, -2.5, 1e30), "si": "n*2", "sis": (4, "n", "max(n, 3) - 1"),
              "empty": ()}

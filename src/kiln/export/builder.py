@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections import Counter
 from pathlib import Path
@@ -16,6 +17,7 @@ from kiln.format import ALIGNMENT
 from kiln.format.writer import layout_blobs, write_program
 from kiln.ir import ops
 from kiln.ir.graph import Blob, Constant, Method, Program, StateBuffer, ValueKind
+from kiln.ir.verify import TRACED_MIN, tighten_traced_bounds
 
 if TYPE_CHECKING:
     from kiln.runtime.program import Program as LoadedProgram
@@ -25,6 +27,9 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a tensor as a uint8 NumPy array sharing its memory (works for bfloat16 and bool too)."""
     t = t.detach().contiguous().cpu()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
+
+
+log = logging.getLogger("kiln.export")
 
 
 class ProgramBuilder:
@@ -98,7 +103,13 @@ class ProgramBuilder:
             methods[name] = Method(m.name, values, m.inputs, m.outputs, m.nodes, m.symbols, m.state_updates)
         blobs = [Blob(off, d.nbytes) for off, d in zip(offsets, data)]
         assert all(b.offset % ALIGNMENT == 0 for b in blobs)
-        return Program(ops.OPSET_VERSION, methods, constants, blobs, states, dict(self.metadata)), data
+        program = Program(ops.OPSET_VERSION, methods, constants, blobs, states, dict(self.metadata))
+        raised = tighten_traced_bounds(program)
+        if raised:
+            log.warning("torch.export traced %s for sizes of at least %d (the graph is wrong below that, though "
+                        "torch's range starts lower); the program accepts sizes from %d", ", ".join(raised),
+                        TRACED_MIN, TRACED_MIN)
+        return program, data
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the .kiln file (atomically) and return its path."""

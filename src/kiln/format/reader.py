@@ -21,6 +21,7 @@ from kiln.ir.dtypes import DType
 from kiln.ir.graph import NO_VALUE, Blob, Constant, Method, Node, Program, StateBuffer, StateUpdate, Value, ValueKind
 from kiln.ir.ops import REQUIRED, AttrType
 from kiln.ir.symbolic import UNBOUNDED, ExprError, Symbol, parse
+from kiln.ir.verify import verify_program
 
 _IDENT_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
@@ -85,6 +86,7 @@ def read_program(buf: Any, verify_checksums: bool = True) -> tuple[Program, Head
         raise ProgramFormatError(f"op set version in the header ({h.opset_version}) and the metadata "
                                  f"({program.opset_version}) disagree")
     _check_program(program, h)
+    verify_program(program)
     return program, h
 
 
@@ -318,6 +320,8 @@ def _check_method(p: Program, m: Method) -> None:
         opdef = ops.OPS[n.op]
         if len(n.inputs) < opdef.min_inputs or (opdef.max_inputs is not None and len(n.inputs) > opdef.max_inputs):
             _fail(nw, f"has {len(n.inputs)} inputs; {opdef.signature()}")
+        if opdef.max_inputs is not None:  # trailing optional inputs left out are absent: every kernel sees them all
+            n.inputs = list(n.inputs) + [NO_VALUE] * (opdef.max_inputs - len(n.inputs))
         for k, i in enumerate(n.inputs):
             optional = k < len(opdef.inputs) and opdef.inputs[k].optional
             if i == NO_VALUE and optional:

@@ -10,6 +10,7 @@ from typing import Any
 import flatbuffers
 import numpy as np
 
+from kiln.errors import ProgramFormatError
 from kiln.format import ALIGNMENT, FORMAT_VERSION
 from kiln.format.generated import Attribute as fbAttribute
 from kiln.format.generated import Blob as fbBlob
@@ -26,8 +27,9 @@ from kiln.format.generated import Value as fbValue
 from kiln.format.header import HEADER_SIZE, Header
 from kiln.ir import ops
 from kiln.ir.dtypes import DType
-from kiln.ir.graph import Method, Program
+from kiln.ir.graph import Method, Node, Program
 from kiln.ir.ops import AttrType
+from kiln.ir.verify import verify_program
 
 
 def _align(n: int) -> int:
@@ -67,6 +69,10 @@ class _Encoder:
 
     def dims(self, shape: Sequence[int | str]) -> int:
         return self.tables([self.dim(d) for d in shape])
+
+    def attr_kind(self, node: Node, name: str) -> AttrType:
+        """The type an attribute is written as: the op table's (a fuzzer's encoder may say otherwise)."""
+        return ops.get(node.op).attr_map[name].type
 
     def attribute(self, name: str, kind: AttrType, value: Any) -> int:
         name_off, payload = self.string(name), None
@@ -111,8 +117,7 @@ class _Encoder:
             values.append(fbValue.End(b))
         nodes = []
         for n in m.nodes:
-            opdef = ops.get(n.op)
-            attrs = [self.attribute(k, opdef.attr_map[k].type, v) for k, v in n.attrs.items() if v is not None]
+            attrs = [self.attribute(k, self.attr_kind(n, k), v) for k, v in n.attrs.items() if v is not None]
             op, ins, outs = self.string(n.op), self.ints(n.inputs, np.int32), self.ints(n.outputs, np.int32)
             attr_vec, frees = self.tables(attrs), self.ints(n.free_after, np.int32)
             source = self.string(n.source) if n.source else None
@@ -212,10 +217,11 @@ def layout_blobs(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def write_program(program: Program, blob_data: Sequence[Any], path: str | os.PathLike) -> int:
+def write_program(program: Program, blob_data: Sequence[Any], path: str | os.PathLike, verify: bool = True) -> int:
     """Write `program` and the bytes of its blobs (buffer objects, in blob order) to `path`; returns the size.
 
-    Writes to a temporary file beside `path` and renames it, so a failed export never leaves a half file.
+    Writes to a temporary file beside `path` and renames it, so a failed export never leaves a half file. verify
+    runs the loader's verifier first (tests that write broken programs on purpose turn it off).
     """
     if len(blob_data) != len(program.blobs):
         raise ValueError(f"{len(program.blobs)} blobs declared but {len(blob_data)} given")
@@ -228,6 +234,12 @@ def write_program(program: Program, blob_data: Sequence[Any], path: str | os.Pat
     for c in program.constants:
         if c.dtype not in DType.__members__.values():
             raise ValueError(f"constant {c.name} has no kiln dtype")
+    try:  # the loader runs the same verifier: never write a file it would refuse
+        if verify:
+            verify_program(program)
+    except ProgramFormatError as e:
+        raise ProgramFormatError(f"kiln would write a program its loader refuses (a bug in the exporter or in the "
+                                 f"op's rule; please report it): {e}") from None
     meta = encode_metadata(program)
     const_offset = _align(HEADER_SIZE + len(meta))
     const_size = _align(program.blobs[-1].offset + program.blobs[-1].nbytes) if program.blobs else 0
