@@ -25,6 +25,7 @@ from kiln.errors import (  # noqa: E402 - after the environment above, before Nu
     KernelError,
     KilnError,
     ProgramFormatError,
+    TorchExportError,
     UnsupportedOpsError,
 )
 from kiln.runtime import Program, Session, load  # noqa: E402
@@ -40,5 +41,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 
-__all__ = ["BackendUnavailableError", "InputError", "KernelError", "KilnError", "Program", "ProgramFormatError",
-           "Session", "UnsupportedOpsError", "export", "load"]
+__all__ = ["BackendUnavailableError", "TorchExportError", "InputError", "KernelError", "KilnError", "Program",
+           "ProgramFormatError", "Session", "UnsupportedOpsError", "export", "load"]

@@ -56,6 +56,9 @@ def test_every_unsupported_op_is_reported_once_with_count_reason_and_source(tmp_
     assert fft.reason == "no lowering for this op yet"
     assert fft.source.startswith(f"{this_file}:{line_of(forward, 'marker:fft-1')} in forward:")
     assert "torch.fft.rfft(h)" in fft.source
+    # both places are kept, in order: the message names each line to change
+    assert [place.split(" in ")[0] for place in fft.sources] == [
+        f"{this_file}:{line_of(forward, 'marker:fft-1')}", f"{this_file}:{line_of(forward, 'marker:fft-2')}"]
 
     det = by_target["aten._linalg_det.default"]
     assert det.count == 1
@@ -72,6 +75,7 @@ def test_every_unsupported_op_is_reported_once_with_count_reason_and_source(tmp_
     assert message.startswith(f"cannot export: {len(error.ops)} unsupported op(s); nothing was written.")
     assert "aten._fft_r2c.default (x2): no lowering for this op yet" in message
     assert f"at {this_file}:{line_of(forward, 'marker:fft-1')} in forward" in message
+    assert f"at {this_file}:{line_of(forward, 'marker:fft-2')} in forward" in message
     assert "aten._linalg_det.default (x1)" in message
     assert "add a lowering" in message
     assert not target.exists()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -11,33 +9,10 @@ import torch
 import kiln
 from tests.conftest import to_numpy
 from tests.format import small_models
+from tests.runtime.threads import run_threads
 
 THREADS = 8
 RUNS = 50
-
-
-def run_threads(work) -> list:
-    """Run work(k) on THREADS threads started together; re-raise the first failure; results by thread."""
-    barrier = threading.Barrier(THREADS)
-    results: list = [None] * THREADS
-    errors: list[BaseException] = []
-
-    def target(k: int) -> None:
-        try:
-            barrier.wait()
-            results[k] = work(k)
-        except BaseException as e:  # noqa: BLE001 - reported in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=target, args=(k,)) for k in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +39,7 @@ def test_threads_with_own_sessions_match_serial_runs(dynamic_program, backend):
         session = dynamic_program.session(backend)
         return [to_numpy(session.run("forward", x)[0]) for x in thread_inputs(k)]
 
-    results = run_threads(work)
+    results = run_threads(THREADS, work)
     for k in range(THREADS):
         for r in range(RUNS):
             np.testing.assert_array_equal(results[k][r], expected[k][r], err_msg=f"thread {k} run {r}")
@@ -79,7 +54,7 @@ def test_threads_share_the_constants(dynamic_program, backend):
         session = dynamic_program.session(backend)
         return [id(session.backend.constant(i)) for i in range(len(dynamic_program.ir.constants))]
 
-    ids = run_threads(work)
+    ids = run_threads(THREADS, work)
     assert all(i == ids[0] for i in ids)  # one wrapped view per constant, whichever thread asked first
 
 
@@ -94,7 +69,7 @@ def test_each_thread_has_its_own_state(stateful_program, backend):
         outs = [to_numpy(session.run("forward", x)[0]) for x in stateful_inputs(k)]
         return outs, to_numpy(session.state[0])
 
-    results = run_threads(work)
+    results = run_threads(THREADS, work)
     for k, (outs, state) in enumerate(results):
         replay = stateful_program.session(backend)  # the same sequence, alone
         want = [to_numpy(replay.run("forward", x)[0]) for x in stateful_inputs(k)]

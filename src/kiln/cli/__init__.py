@@ -34,16 +34,19 @@ from kiln.cli import (
 from kiln.cli.common import CliError, error
 from kiln.errors import (
     BackendUnavailableError,
+    FileFormatError,
     InputError,
     KilnError,
     ProgramFormatError,
+    TorchExportError,
     UnsupportedOpsError,
 )
 
 COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, export_parakeet_cmd, inspect_cmd, run_cmd, bench_cmd,
             ops_cmd, classify_cmd, detect_cmd, generate_cmd, chat_cmd, transcribe_cmd, serve_cmd)
 
-USER_ERRORS = (CliError, UnsupportedOpsError, InputError, ProgramFormatError, BackendUnavailableError)
+USER_ERRORS = (CliError, UnsupportedOpsError, TorchExportError, InputError, ProgramFormatError, FileFormatError,
+               BackendUnavailableError)
 """Errors the user can fix from the message alone: printed without a traceback, exit status 2."""
 
 

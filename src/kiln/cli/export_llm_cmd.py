@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         builder = export_llm(args.source, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                              dtype=args.dtype, quantize=quantize, tokenizer=args.tokenizer, slots=args.slots,
                              progress=lambda message: print(f"  {message}", flush=True))
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, OSError, NotImplementedError) as e:  # (GGUFFormatError is a ValueError)
         raise CliError(str(e)) from None
     write_program(builder, args.output, args.verbose, start)
     return 0

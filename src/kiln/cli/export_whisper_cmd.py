@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             builder = export_whisper(source, max_tokens=args.max_tokens,
                                      metadata={NAME_KEY: str(args.source)} if packaged else None,
                                      progress=lambda message: print(f"  {message}", flush=True))
-    except (ValueError, FileNotFoundError, ModelFileError) as e:
+    except (ValueError, OSError, ModelFileError) as e:  # (OSError: transformers on a folder it cannot read)
         raise CliError(str(e)) from None
     write_program(builder, args.output, args.verbose, start)
     return 0

@@ -8,21 +8,27 @@ import os
 from collections import Counter
 from typing import Any
 
-from kiln.cli.common import compact_json, human_bytes, load_program, shape_text
+from kiln.cli.common import CliError, compact_json, human_bytes, load_program, shape_text
 from kiln.ir.graph import PASS_STATS_KEY, Value
 from kiln.ir.symbolic import UNBOUNDED
 from kiln.runtime import Program
+
+PREVIEW_CHARS = 200
+"""Characters of a long metadata value the text view shows."""
 
 HELP = "show the methods, shapes, ops, constants and state buffers of a .kiln file"
 DESCRIPTION = """\
 Show what a .kiln file holds: its size and format/op set versions, metadata, each method's inputs and outputs
 with their symbolic shapes and the bounds of every symbol, a histogram of the ops each method runs, the constants
 (and how many distinct blobs store them after deduplication), and the state buffers shared by the methods.
-The file is fully validated on the way (checksums included), so `kiln inspect` also checks a file is intact."""
+Metadata values longer than 200 characters are shown cut short, with their size; --metadata KEY prints one in
+full, and --json prints them all in full. The file is fully validated on the way (checksums included), so
+`kiln inspect` also checks a file is intact."""
 EPILOG = """\
 examples:
   kiln inspect model.kiln
   kiln inspect model.kiln --passes      # what each export graph pass removed or fused
+  kiln inspect llm.kiln --metadata kiln.llm.tokenizer_json > tokenizer.json   # one value, in full
   kiln inspect model.kiln --json | python -c "import json,sys; print(json.load(sys.stdin)['methods'][0]['ops'])"
 """
 
@@ -32,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="the .kiln file")
     p.add_argument("--json", action="store_true", help="print the same information as one JSON object")
+    p.add_argument("--metadata", metavar="KEY",
+                   help="print the metadata value KEY in full, as stored, and nothing else (the summary shows long "
+                        f"values, such as an LLM's tokenizer JSON, cut to their first {PREVIEW_CHARS} characters)")
     p.add_argument("--passes", action="store_true",
                    help="print, per method, each graph pass of the export with how many nodes it rewrote and the "
                         "node count after it (from the file's metadata)")
@@ -40,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     program = load_program(args.model)
+    if args.metadata is not None:
+        print(metadata_value(program, args.metadata))
+        return 0
     if args.passes:
         raw = program.ir.metadata.get(PASS_STATS_KEY)
         if raw is None:
@@ -51,6 +63,24 @@ def run(args: argparse.Namespace) -> int:
     info = describe(program)
     print(compact_json(info) if args.json else render(info))
     return 0
+
+
+def metadata_value(program: Program, key: str) -> str:
+    """One metadata value in full; a missing key is a user error that lists the keys there are."""
+    metadata = program.ir.metadata
+    if key not in metadata:
+        keys = ", ".join(sorted(metadata)) or "none"
+        raise CliError(f"{program.path or 'the program'} has no metadata key {key!r}; its keys: {keys}")
+    return metadata[key]
+
+
+def preview(key: str, value: str, limit: int = PREVIEW_CHARS) -> str:
+    """A metadata value as the summary shows it: whole when short, else its start on one line (line breaks shown
+    as \\n) and its size, so a 1.4 MB tokenizer does not flood the terminal."""
+    if len(value) <= limit:
+        return value
+    start = value[:limit].replace("\n", "\\n").replace("\r", "\\r")
+    return f"{start}... ({len(value.encode())} bytes; --metadata {key} prints it)"
 
 
 def render_passes(stats: dict[str, dict]) -> str:
@@ -121,7 +151,7 @@ def render(info: dict[str, Any]) -> str:
     shown = {k: v for k, v in info["metadata"].items() if k != PASS_STATS_KEY}
     if shown:
         lines.append("metadata:")
-        lines += [f"  {k}: {v}" for k, v in shown.items()]
+        lines += [f"  {k}: {preview(k, v)}" for k, v in shown.items()]
     for m in info["methods"]:
         lines.append(f"method {m['name']}: {m['nodes']} nodes")
         lines.append("  inputs:")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import io
+import math
+import os
 import statistics
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +64,47 @@ def pick_method(program: Program, name: str | None) -> str:
     return program.methods[0]
 
 
+NPY_MAGIC = b"\x93NUMPY"
+NPY_VERSIONS = ((1, 0), (2, 0), (3, 0))
+
+
+def check_npy_size(path: str) -> None:
+    """Refuse a .npy file whose header does not parse, or declares more data than the file holds, before np.load
+    allocates what it declares: np.load reads a header of the length the file states and then an array of the
+    shape it states, each allocated whole first (a 100-byte file can declare 8 TiB). The header is parsed here
+    from a buffer of the file's first bytes, whose reads never allocate more than is there. Other files (.npz) are
+    left to np.load."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = io.BytesIO(f.read(min(size, 1 << 20)))  # (numpy refuses headers over 10,000 bytes anyway)
+    if not head.getvalue().startswith(NPY_MAGIC):
+        return
+    try:
+        version = np.lib.format.read_magic(head)
+        if version not in NPY_VERSIONS:
+            raise ValueError(f"its format version is {version}; .npy versions are {NPY_VERSIONS}")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(head)
+    except ValueError:
+        raise
+    except Exception as e:  # numpy parses the header with ast and tokenize: SyntaxError, TokenError, TypeError...
+        raise ValueError(f"its header does not parse ({type(e).__name__}: {e})") from None
+    declared = math.prod(shape) * dtype.itemsize
+    held = size - head.tell()
+    if declared > held:
+        raise ValueError(f"its header declares {dtype}{list(shape)} ({declared} bytes) but it holds {held} bytes")
+
+
 def load_inputs(paths: list[str]) -> list[np.ndarray]:
     arrays = []
     for path in paths:
         try:
+            check_npy_size(path)
             arr = np.load(path, allow_pickle=False)  # never unpickle: a .npy of objects is refused
         except FileNotFoundError:
             raise CliError(f"input file {path!r} does not exist") from None
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
             raise CliError(f"input file {path!r} is not a readable .npy array: {e}") from None
         if not isinstance(arr, np.ndarray):
             raise CliError(f"input file {path!r} is an .npz archive; give one .npy file per input")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+import numpy as np
 
 from kiln.cli.common import CliError, add_backend_argument, load_program
-from kiln.runtime.audio import AudioFormatError
+from kiln.runtime.audio import SAMPLE_RATE, AudioFormatError, load_audio
 
 HELP = "transcribe a WAV file with a speech .kiln program (Whisper or Parakeet TDT)"
 DESCRIPTION = """\
@@ -40,11 +43,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def read_audio(path: str) -> np.ndarray:
+    """The WAV file's samples at the speech models' 16 kHz, or a one-line CliError saying what is wrong with it."""
+    try:
+        return load_audio(path, SAMPLE_RATE)
+    except FileNotFoundError:
+        raise CliError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CliError(f"{path}: a folder, not a WAV file") from None
+    except OSError as e:
+        raise CliError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except AudioFormatError as e:
+        raise CliError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.runtime.speech import WhisperTranscriber, transcriber
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    started = time.perf_counter()
+    samples = read_audio(args.audio)  # first: a bad WAV is refused before a large model is loaded
+    reading = time.perf_counter() - started
     model = transcriber(load_program(args.model), args.backend)  # InputError when it is not a speech program
     options = {"language": args.language or "en", "task": args.task or "transcribe",
                "max_new_tokens": args.max_new_tokens}
@@ -59,12 +79,9 @@ def run(args: argparse.Namespace) -> int:
         if count > 1:
             print(f"  window {index + 1}/{count}: {text}", file=sys.stderr, flush=True)
 
-    try:
-        result = model.transcribe(args.audio, on_window=progress, **options)
-    except FileNotFoundError:
-        raise CliError(f"{args.audio}: no such file") from None
-    except AudioFormatError as e:
-        raise CliError(str(e)) from None
+    result = model.transcribe(samples, on_window=progress, **options)
+    result.seconds += reading  # (reading and resampling the WAV is part of the features' time, as before)
+    result.timings["features"] = result.timings.get("features", 0.0) + reading
     print(result.text)
     print(f"{result.audio_seconds:.1f} s of audio in {result.seconds:.2f} s: real-time factor "
           f"{result.real_time_factor:.3f} ({args.backend}; features {result.timings['features']:.2f} s, encoder "

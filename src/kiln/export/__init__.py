@@ -23,6 +23,7 @@ import torch
 from kiln.errors import UnsupportedOpsError
 from kiln.export.builder import ProgramBuilder
 from kiln.export.capture import bound, capture, user_dim_names
+from kiln.export.data_dependent import check_bindable
 from kiln.export.method import Failures, lower_method, mutated_buffers
 from kiln.export.passes import PIPELINE, PassOptions, encode_stats, run_passes
 from kiln.export.plan import plan_memory
@@ -72,7 +73,9 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     quantize: store linear and embedding weights quantized: a `kiln.export.Quantize("int4", group_size=64,
     symmetric=True)` or just its mode ("int8", "int4", "bf16", "fp16"); see kiln.export.quantize.
 
-    Raises UnsupportedOpsError listing every op that cannot be lowered, before anything is written.
+    Raises UnsupportedOpsError listing every op that cannot be lowered, and every op whose result size depends on
+    tensor values (`.item()`, nonzero) rather than on input shapes, before anything is written. Where torch.export's
+    non-strict capture fails, strict capture is tried (with a logged warning); TorchExportError if both fail.
     """
     if isinstance(quantize, str):
         quantize = Quantize(quantize)
@@ -112,12 +115,14 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(ep.graph_signature.user_inputs):] \
             if ep.graph_signature.user_inputs else []
         names = user_dim_names(spec.dynamic_shapes, placeholders)
-        method = lower_method(name, ep, builder, state_names, names, failures)
-        if method is not None:
+        lowered = lower_method(name, ep, builder, state_names, names, failures)
+        method = lowered.method
+        if lowered.complete:
             stats = pass_stats[name] = run_passes(method, builder, skip_passes, PassOptions(quantize))
             plan_memory(method)
             builder.add_method(method)
             say(f"lowered {name}: {stats['nodes']} nodes, {len(method.nodes)} after passes")
+        check_bindable(lowered, failures)  # after the passes: what the file would hold, judged as load will
     if failures.groups:
         raise UnsupportedOpsError(failures.ops())
     from kiln import __version__

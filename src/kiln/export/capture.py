@@ -1,13 +1,18 @@
-"""Capture: torch.export (non-strict) and decomposition to Core ATen, keeping the ops backends run whole."""
+"""Capture: torch.export (non-strict; strict where that fails) and decomposition to Core ATen, keeping the ops
+backends run whole."""
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
 
+from kiln.errors import KilnError, TorchExportError, brief
+
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 KEEP_WHOLE = (
     aten.linear.default, aten.scaled_dot_product_attention.default, aten.layer_norm.default,
@@ -62,8 +67,34 @@ def bound(module: torch.nn.Module, function: str) -> torch.nn.Module:
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
+    """torch.export, decomposed to Core ATen (but KEEP_WHOLE).
+
+    Non-strict export first: it runs the model's Python as Python, which traces most models. Where it fails inside
+    torch (transformers' static cache under run_decompositions, a construct its tracing cannot follow), strict
+    export (TorchDynamo) sometimes succeeds, so it is tried next and a warning says so; if it fails too,
+    TorchExportError shows both errors. kiln's own errors are never retried: they are about the model, not the tracer.
+    """
+    try:
+        return _export(module, args, kwargs, dynamic_shapes, strict=False)
+    except KilnError:
+        raise
+    except Exception as non_strict:
+        log.warning("non-strict torch.export of %s failed (%s); trying strict export", type(module).__name__,
+                    brief(non_strict, lines=1, chars=200))
+        try:
+            ep = _export(module, args, kwargs, dynamic_shapes, strict=True)
+        except KilnError:
+            raise
+        except Exception as strict:
+            raise TorchExportError(type(module).__name__, non_strict, strict) from strict
+        log.warning("strict torch.export of %s succeeded after non-strict export failed", type(module).__name__)
+        return ep
+
+
+def _export(module: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes: Any,
+            strict: bool) -> torch.export.ExportedProgram:
     ep = torch.export.export(module, _distinct(args), kwargs=kwargs or None, dynamic_shapes=dynamic_shapes,
-                             strict=False)
+                             strict=strict)
     return ep.run_decompositions(decomposition_table())
 
 

@@ -116,6 +116,13 @@ def integral(spec: Spec, what: str = "input") -> None:
     need(not spec.dtype.is_float, f"{what} is {spec.dtype.name}, not an integer or bool dtype")
 
 
+def indices(*specs: Spec | None) -> None:
+    """Index tensors are integers (not floats, not bools)."""
+    for spec in specs:
+        need(spec is None or (not spec.dtype.is_float and spec.dtype != DType.bool),
+             f"an index is {spec.dtype.name if spec else ''}, not an integer dtype")
+
+
 def numeric(spec: Spec, what: str = "input") -> None:
     need(spec.dtype != DType.bool, f"{what} is bool, not a number")
 
@@ -489,6 +496,7 @@ def _index_put(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
 def _index_copy(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     x, index, source = present(ins, 3)
     dim = axis(attrs["dim"], len(x.shape))
+    indices(index)
     need(len(index.shape) <= 1, f"index {index} is not 1-d")
     expected = x.shape[:dim] + (numel(index.shape),) + x.shape[dim + 1:]
     need(source.shape == expected or (not x.shape and numel(source.shape) == numel(index.shape)),
@@ -500,6 +508,7 @@ def _index_copy(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
 def _gather(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     x, index = present(ins, 2)
     axis(attrs["dim"], len(x.shape))
+    indices(index)
     need(len(index.shape) == len(x.shape), f"index rank {len(index.shape)} is not x's {len(x.shape)}")
     return [Spec(x.dtype, index.shape)]
 
@@ -508,6 +517,7 @@ def _gather(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
 def _scatter(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     x, index, source = present(ins, 3)
     axis(attrs["dim"], len(x.shape))
+    indices(index)
     need(len(index.shape) == len(x.shape), f"index rank {len(index.shape)} is not x's {len(x.shape)}")
     return [Spec(same_dtype(x, source), x.shape)]
 
@@ -535,14 +545,16 @@ def _searchsorted(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
 
 @rule("embedding")
 def _embedding(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    weight, indices = present(ins, 2)
+    weight, ids = present(ins, 2)
+    indices(ids)
     need(len(weight.shape) == 2, f"weight {weight} is not 2-d")
-    return [Spec(weight.dtype, indices.shape + weight.shape[1:])]
+    return [Spec(weight.dtype, ids.shape + weight.shape[1:])]
 
 
 @rule("embedding_bag")
 def _embedding_bag(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    weight, indices, offsets = present(ins, 3)[:3]
+    weight, ids, offsets = present(ins, 3)[:3]
+    indices(ids, offsets)
     need(len(weight.shape) == 2 and len(offsets.shape) == 1, "weight is not 2-d or offsets not 1-d")
     bags = offsets.shape[0] - (1 if attrs["include_last_offset"] else 0)
     need(bags >= 0, "no bags")
@@ -618,10 +630,11 @@ def _quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spe
 
 @rule("quantized_embedding")
 def _quantized_embedding(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    q, scale, zero, indices = ins + [None] * (4 - len(ins))
-    need(q is not None and scale is not None and indices is not None, "a required input is absent")
+    q, scale, zero, ids = ins + [None] * (4 - len(ins))
+    need(q is not None and scale is not None and ids is not None, "a required input is absent")
+    indices(ids)
     _, d = quantized_weight(q, scale, zero, attrs["bits"], attrs["group_size"])
-    return [Spec(scale.dtype, indices.shape + (d,))]
+    return [Spec(scale.dtype, ids.shape + (d,))]
 
 
 # ---- normalization ----
@@ -803,8 +816,11 @@ def _sdpa(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
         need(lead_k[-1] >= 1 and lead_q[-1] % lead_k[-1] == 0, f"{lead_q[-1]} query heads over {lead_k[-1]}")
         broadcast(lead_q[:-1], lead_k[:-1])
     need(lead_k == v.shape[:-2], f"k {list(k.shape)} and v {list(v.shape)} differ")
-    if mask is not None:
-        broadcast(mask.shape, q.shape[:-1] + (k.shape[-2],))
+    if mask is not None:  # [..., L, S] or broadcast to it, bool (keep) or q's float dtype (added)
+        need(len(mask.shape) >= 2 and mask.dtype in (DType.bool, q.dtype), f"mask {mask} is not a [..., L, S] bool "
+                                                                           f"or {q.dtype.name} mask")
+        need(broadcast(mask.shape, q.shape[:-1] + (k.shape[-2],)) == q.shape[:-1] + (k.shape[-2],),
+             f"mask {mask} does not broadcast to the scores' {list(q.shape[:-1] + (k.shape[-2],))}")
     return [Spec(same_dtype(q, k, v), q.shape[:-1] + (v.shape[-1],))]
 
 
@@ -818,15 +834,14 @@ def _rope(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
 
 @rule("rope_cache_update")
 def _rope_cache_update(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    q, k, v, cos, sin, k_cache, v_cache, *indices = present(ins, len(ins))
-    need(len(attrs["dims"]) == len(indices) and len(indices) >= 1,
-         f"dims {list(attrs['dims'])} for {len(indices)} indices")
+    q, k, v, cos, sin, k_cache, v_cache, *where = present(ins, len(ins))
+    need(len(attrs["dims"]) == len(where) and len(where) >= 1, f"dims {list(attrs['dims'])} for {len(where)} indices")
     for x in (q, k):
         need(x.shape and x.shape[-1] % 2 == 0 and broadcast(x.shape, cos.shape, sin.shape) == x.shape,
              f"cos {cos} and sin {sin} do not rotate {x}")
     for value, cache in ((k, k_cache), (v, v_cache)):
-        (written,) = _index([cache, *indices], {"dims": attrs["dims"]})
-        need(value.shape == written.shape, f"{value} does not fill the cache's {written}")
+        (written,) = _index([cache, *where], {"dims": attrs["dims"]})
+        need(broadcast(value.shape, written.shape) == written.shape, f"{value} does not fill the cache's {written}")
     same_dtype(q, k, v, k_cache, v_cache)
     return [q, k_cache, v_cache]
 

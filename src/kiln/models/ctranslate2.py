@@ -10,11 +10,17 @@ counts, activation, pre-norm).
 converter stacked each self-attention's q/k/v projections into one `linear_0` (k without a bias: the stacked bias
 holds zeros there) and each cross-attention's k/v into `linear_1`; the output projection is an alias of the token
 embedding. The folder's tokenizer.json and config.json (suppressed tokens, language ids) come along.
+
+The file is untrusted: every count, rank, size and dtype is checked before use (a variable's bytes must be in the
+file, so nothing allocated is larger than the file), a variable's shape is checked before it is indexed, and the
+Whisper rebuilt from one is first built on the meta device and compared against the mapped weights, so sizes
+that lie are refused before a real model is allocated. Anything wrong raises ModelFileError.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -25,14 +31,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import FileFormatError
+from kiln.models.state_fit import misfit
 
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.int8), 2: np.dtype(np.int16), 3: np.dtype(np.int32),
           4: np.dtype(np.float16), 5: np.dtype(ml_dtypes.bfloat16)}
 SUPPORTED_VERSIONS = range(5, 7)
+MAX_RANK = 8
+"""Most dimensions a variable may have (CTranslate2's own tensors have at most 4)."""
 
 
-class ModelFileError(KilnError, ValueError):
+class ModelFileError(FileFormatError):
     """A CTranslate2 model.bin that is truncated, of an unknown version, or not the spec expected."""
 
 
@@ -51,7 +60,20 @@ class CTranslate2Model:
         return self.variables[name]
 
     def scalar(self, name: str) -> int:
-        return int(self.get(name).reshape(-1)[0])
+        value = self.get(name)
+        number = float(value.reshape(-1)[0]) if value.size == 1 else math.nan
+        if not number.is_integer():
+            raise ModelFileError(f"the {self.spec} model.bin's {name!r} is {value.dtype}{list(value.shape)} "
+                                 f"{value.reshape(-1)[:4].tolist()}, not one whole number")
+        return int(number)
+
+    def array(self, name: str, rank: int) -> np.ndarray:
+        """A variable that must have `rank` dimensions (checked before any of its dimensions is read)."""
+        value = self.get(name)
+        if value.ndim != rank:
+            raise ModelFileError(f"the {self.spec} model.bin's {name!r} has shape {list(value.shape)}; "
+                                 f"{rank} dimensions expected")
+        return value
 
 
 class _Reader:
@@ -69,7 +91,12 @@ class _Reader:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def text(self) -> str:
-        return bytes(self.take(self.u("<H"))).rstrip(b"\0").decode("utf-8")
+        at = self.at
+        raw = bytes(self.take(self.u("<H"))).rstrip(b"\0")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelFileError(f"{self.where}: the string at byte {at} is not UTF-8: {raw[:40]!r}") from None
 
 
 def read_model_bin(path: str | os.PathLike) -> CTranslate2Model:
@@ -81,24 +108,36 @@ def read_model_bin(path: str | os.PathLike) -> CTranslate2Model:
         raise ModelFileError(f"{path}: CTranslate2 format version {version}; kiln reads versions "
                              f"{SUPPORTED_VERSIONS.start}-{SUPPORTED_VERSIONS.stop - 1}")
     spec, revision, count = reader.text(), reader.u("<I"), reader.u("<I")
-    variables = {}
-    for _ in range(count):
-        name = reader.text()
-        rank = reader.u("<B")
-        dims = struct.unpack(f"<{rank}I", reader.take(4 * rank))
-        code, nbytes = reader.u("<B"), reader.u("<I")
-        if code not in DTYPES:
-            raise ModelFileError(f"{path}: variable {name!r} has unknown dtype code {code}")
-        dtype = DTYPES[code]
-        if nbytes != dtype.itemsize * int(np.prod(dims, dtype=np.int64)):
-            raise ModelFileError(f"{path}: variable {name!r} {dims} {dtype} holds {nbytes} bytes")
-        variables[name] = np.frombuffer(reader.take(nbytes), dtype=dtype).reshape(dims)
+    variables: dict[str, np.ndarray] = {}
+    for _ in range(count):  # (each variable takes at least 8 bytes: a lying count ends in a 'truncated' error)
+        name, value = _variable(reader, path)
+        if name in variables:
+            raise ModelFileError(f"{path}: variable {name!r} appears twice")
+        variables[name] = value
     aliases = {}
     if reader.at < len(reader.data):
         for _ in range(reader.u("<I")):
             alias = reader.text()
             aliases[alias] = reader.text()
     return CTranslate2Model(spec, revision, variables, aliases)
+
+
+def _variable(reader: _Reader, path: Path) -> tuple[str, np.ndarray]:
+    """One `str name; u8 rank; u32 dims[rank]; u8 dtype; u32 nbytes; data` record, its size checked against its
+    shape in exact integers (a NumPy product of u32 dimensions could wrap around to match)."""
+    name = reader.text()
+    rank = reader.u("<B")
+    if rank > MAX_RANK:
+        raise ModelFileError(f"{path}: variable {name!r} has {rank} dimensions; at most {MAX_RANK} expected")
+    dims = struct.unpack(f"<{rank}I", reader.take(4 * rank))
+    code, nbytes = reader.u("<B"), reader.u("<I")
+    if code not in DTYPES:
+        raise ModelFileError(f"{path}: variable {name!r} has unknown dtype code {code}")
+    dtype = DTYPES[code]
+    if nbytes != dtype.itemsize * math.prod(dims):
+        raise ModelFileError(f"{path}: variable {name!r} {list(dims)} {dtype} holds {nbytes} bytes; "
+                             f"{dtype.itemsize * math.prod(dims)} expected")
+    return name, np.frombuffer(reader.take(nbytes), dtype=dtype).reshape(dims)
 
 
 def _layers(model: CTranslate2Model, prefix: str) -> int:
@@ -116,7 +155,7 @@ def whisper_state_dict(model: CTranslate2Model) -> tuple[dict[str, np.ndarray], 
     for name, want in (("encoder/pre_norm", 1), ("decoder/pre_norm", 1), ("decoder/scale_embeddings", 0)):
         if name in model.variables and model.scalar(name) != want:
             raise ModelFileError(f"{name} is {model.scalar(name)}: not Whisper's layout")
-    d = model.get("decoder/embeddings/weight").shape[1]
+    d = model.array("decoder/embeddings/weight", 2).shape[1]
     state: dict[str, np.ndarray] = {}
 
     def put(target: str, source: str) -> None:
@@ -132,8 +171,8 @@ def whisper_state_dict(model: CTranslate2Model) -> tuple[dict[str, np.ndarray], 
 
     def stacked(target: str, source: str, parts: tuple[str, ...]) -> None:
         """A CTranslate2 linear of stacked projections split into transformers' q/k/v (k has no bias there)."""
-        weight = np.asarray(model.get(f"{source}/weight"), dtype=np.float32)
-        bias = np.asarray(model.get(f"{source}/bias"), dtype=np.float32)
+        weight = np.asarray(model.array(f"{source}/weight", 2), dtype=np.float32)
+        bias = np.asarray(model.array(f"{source}/bias", 1), dtype=np.float32)
         for i, part in enumerate(parts):
             state[f"{target}.{part}_proj.weight"] = weight[i * d:(i + 1) * d]
             if part != "k":
@@ -166,17 +205,31 @@ def whisper_state_dict(model: CTranslate2Model) -> tuple[dict[str, np.ndarray], 
         stacked(f"{ours}.encoder_attn", f"{theirs}/attention/linear_1", ("k", "v"))
         linear(f"{ours}.encoder_attn.out_proj", f"{theirs}/attention/linear_2")
         norm(f"{ours}.encoder_attn_layer_norm", f"{theirs}/attention/layer_norm")
+    if not encoder_layers or not decoder_layers:
+        raise ModelFileError(f"the model.bin has {encoder_layers} encoder and {decoder_layers} decoder layers")
+
+    def dim(target: str, rank: int, axis: int) -> int:
+        if state[target].ndim != rank:
+            raise ModelFileError(f"the model.bin's weight for {target} has shape {list(state[target].shape)}; "
+                                 f"{rank} dimensions expected")
+        return int(state[target].shape[axis])
+
     sizes = {
-        "d_model": d, "vocab_size": state["model.decoder.embed_tokens.weight"].shape[0],
+        "d_model": d, "vocab_size": dim("model.decoder.embed_tokens.weight", 2, 0),
         "encoder_layers": encoder_layers, "decoder_layers": decoder_layers,
         "encoder_attention_heads": model.scalar("encoder/num_heads"),
         "decoder_attention_heads": model.scalar("decoder/num_heads"),
-        "encoder_ffn_dim": state["model.encoder.layers.0.fc1.weight"].shape[0],
-        "decoder_ffn_dim": state["model.decoder.layers.0.fc1.weight"].shape[0],
-        "num_mel_bins": state["model.encoder.conv1.weight"].shape[1],
-        "max_source_positions": state["model.encoder.embed_positions.weight"].shape[0],
-        "max_target_positions": state["model.decoder.embed_positions.weight"].shape[0],
+        "encoder_ffn_dim": dim("model.encoder.layers.0.fc1.weight", 2, 0),
+        "decoder_ffn_dim": dim("model.decoder.layers.0.fc1.weight", 2, 0),
+        "num_mel_bins": dim("model.encoder.conv1.weight", 3, 1),
+        "max_source_positions": dim("model.encoder.embed_positions.weight", 2, 0),
+        "max_target_positions": dim("model.decoder.embed_positions.weight", 2, 0),
     }
+    for side in ("encoder", "decoder"):
+        heads = sizes[f"{side}_attention_heads"]
+        if heads < 1 or d % heads or min(sizes.values()) < 1:
+            raise ModelFileError(f"the model.bin's sizes do not make a Whisper: {side}/num_heads {heads} for "
+                                 f"d_model {d}; {sizes}")
     return state, sizes
 
 
@@ -190,26 +243,67 @@ def whisper_from_ctranslate2(folder: str | os.PathLike) -> tuple[Any, dict[str, 
     folder = Path(folder)
     model_bin = folder / "model.bin" if folder.is_dir() else folder
     folder = model_bin.parent
-    tokenizer_path = folder / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise ModelFileError(f"{folder} has no tokenizer.json beside model.bin; kiln stores it in the program")
-    tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
-    special = {token["content"]: token["id"] for token in json.loads(tokenizer_json)["added_tokens"]}
-    extra = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    tokenizer_json, special = _tokenizer(folder / "tokenizer.json")
+    extra = _extra_config(folder / "config.json")
     state, sizes = whisper_state_dict(read_model_bin(model_bin))
     eot = special["<|endoftext|>"]
     config = WhisperConfig(**sizes, activation_function="gelu", decoder_start_token_id=special["<|startoftranscript|>"],
                            eos_token_id=eot, pad_token_id=eot, bos_token_id=eot,
                            suppress_tokens=extra.get("suppress_ids"),
                            begin_suppress_tokens=extra.get("suppress_ids_begin"))
+    with torch.device("meta"):  # shapes only: a size that lies is refused before real weights are allocated
+        skeleton = WhisperForConditionalGeneration(config)
+    _check_shapes({k: tuple(v.shape) for k, v in skeleton.state_dict().items()}, state, model_bin)
     model = WhisperForConditionalGeneration(config).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()},
-                                                strict=False)
-    missing = [m for m in missing if m not in ("proj_out.weight",)]  # tied to the token embedding
-    if missing or unexpected:
-        raise ModelFileError(f"{model_bin}: the mapped weights do not fit transformers' Whisper: missing {missing}, "
-                             f"unexpected {unexpected}")
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()}, strict=False)
     model.tie_weights()
     extras = {"tokenizer_json": tokenizer_json, "suppress_tokens": extra.get("suppress_ids", []),
               "begin_suppress_tokens": extra.get("suppress_ids_begin", []), "lang_ids": extra.get("lang_ids", [])}
     return model, extras
+
+
+def _check_shapes(expected: dict[str, tuple[int, ...]], state: dict[str, np.ndarray], model_bin: Path) -> None:
+    """Every weight transformers' Whisper has (but the LM head, tied to the token embedding) mapped, nothing else,
+    each of the shape the model has: what load_state_dict would refuse, refused as the file's fault."""
+    problem = misfit(expected, state, optional=("proj_out.weight",))
+    if problem:
+        raise ModelFileError(f"{model_bin}: the mapped weights do not fit transformers' Whisper: {problem}")
+
+
+def _json(path: Path) -> Any:
+    """A JSON file's contents, or a ModelFileError naming the file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{path} is not valid JSON: {e}") from None
+
+
+def _extra_config(path: Path) -> dict[str, list[int]]:
+    """faster-whisper's config.json (absent: {}): suppress_ids, suppress_ids_begin and lang_ids, lists of ids."""
+    if not path.is_file():
+        return {}
+    data = _json(path)
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: a JSON object expected, found {type(data).__name__}")
+    for key in ("suppress_ids", "suppress_ids_begin", "lang_ids"):
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ModelFileError(f"{path}: {key} must be a list of token ids, found {str(value)[:80]}")
+    return data
+
+
+def _tokenizer(path: Path) -> tuple[str, dict[str, int]]:
+    """(tokenizer.json's text, its added tokens' ids by content), with the two special tokens Whisper's decoding
+    starts and stops on."""
+    if not path.is_file():
+        raise ModelFileError(f"{path.parent} has no tokenizer.json beside model.bin; kiln stores it in the program")
+    data = _json(path)
+    added = data.get("added_tokens") if isinstance(data, dict) else None
+    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str)
+                                              and isinstance(t.get("id"), int) for t in added):
+        raise ModelFileError(f"{path}: no 'added_tokens' list of {{content, id}} entries")
+    special = {token["content"]: token["id"] for token in added}
+    for name in ("<|endoftext|>", "<|startoftranscript|>"):
+        if name not in special:
+            raise ModelFileError(f"{path}: no {name} among its added tokens: not a Whisper tokenizer")
+    return path.read_text(encoding="utf-8"), special

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from kiln.models.gguf_file import GGUFFormatError, check_gguf
 from kiln.runtime.llm import info as keys
 
 log = logging.getLogger("kiln.models.llm")
@@ -50,16 +51,31 @@ def load_causal_lm(source: PreTrainedModel | str | os.PathLike, tokenizer: Any =
         else:
             raise ValueError(f"{path} is neither a .gguf file nor a checkpoint folder with a config.json")
         log.info("loading %s", path)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype or torch.float32, **options)
+        model = _from_pretrained(path, where, torch_dtype or torch.float32, options)
         tokenizer_from = (where, options)
     if tokenizer is None and tokenizer_from is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_from[0], **tokenizer_from[1])
-        except (OSError, ValueError) as e:
-            log.warning("no tokenizer found beside the model (%s); the program will take token ids only", e)
+        except Exception as e:  # a GGUF vocabulary transformers cannot rebuild fails in many ways; ids still work
+            log.warning("no tokenizer found beside the model (%s: %s); the program will take token ids only",
+                        type(e).__name__, e)
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return model.eval(), tokenizer
+
+
+def _from_pretrained(path: Path, where: Path, dtype: torch.dtype, options: dict[str, Any]) -> PreTrainedModel:
+    """transformers' from_pretrained; for a GGUF file, after check_gguf has held its layout and sizes to what the
+    file holds, with whatever transformers still raises on it (an architecture it does not know, metadata it
+    cannot map) reported as a GGUFFormatError naming the file, not as transformers' own traceback."""
+    if "gguf_file" not in options:
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **options)
+    check_gguf(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **options)
+    except Exception as e:  # transformers' GGUF mapping raises KeyError, ValueError, RuntimeError, ... on odd files
+        cause = " ".join(str(e).split())[:500]  # (one line: the command line prints it as its error)
+        raise GGUFFormatError(f"{path}: transformers cannot load this GGUF file: {type(e).__name__}: {cause}") from e
 
 
 def smollm2_gguf() -> Path:

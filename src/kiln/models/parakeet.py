@@ -21,22 +21,32 @@ convolutions' zero padding already is.
 
 from __future__ import annotations
 
+import bz2
+import contextlib
+import gzip
 import io
 import json
+import lzma
 import math
 import os
+import reprlib
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.errors import FileFormatError
+from kiln.models.state_fit import misfit
 
-class NemoArchiveError(ValueError):
-    """A .nemo archive kiln cannot use: missing members, or a model other than the Parakeet TDT it implements."""
+
+class NemoArchiveError(FileFormatError):
+    """A .nemo archive kiln cannot use: not a tar, missing or malformed members, or a model other than the Parakeet
+    TDT it implements."""
 
 
 @dataclass(frozen=True)
@@ -68,39 +78,95 @@ class ParakeetConfig:
 
     @classmethod
     def from_nemo(cls, cfg: dict[str, Any]) -> ParakeetConfig:
-        """From a parsed model_config.yaml; what this implementation does not cover is refused, by name."""
-        enc, dec, joint = cfg.get("encoder", {}), cfg.get("decoder", {}), cfg.get("joint", {})
+        """From a parsed model_config.yaml; what this implementation does not cover is refused, by name, and so is
+        a missing or malformed setting, by its key."""
+        if not isinstance(cfg, dict):
+            raise NemoArchiveError(f"the model config is a {type(cfg).__name__}, not a mapping of settings")
         unsupported = {
-            "encoder.subsampling": (enc.get("subsampling", "dw_striding"), "dw_striding"),
-            "encoder.self_attention_model": (enc.get("self_attention_model", "rel_pos"), "rel_pos"),
-            "encoder.conv_norm_type": (enc.get("conv_norm_type", "batch_norm"), "batch_norm"),
-            "encoder.untie_biases": (enc.get("untie_biases", True), True),
-            "encoder.causal_downsampling": (enc.get("causal_downsampling", False), False),
-            "joint.jointnet.activation": (joint.get("jointnet", {}).get("activation", "relu"), "relu"),
+            "encoder.subsampling": (_setting(cfg, "encoder.subsampling", str, "dw_striding"), "dw_striding"),
+            "encoder.self_attention_model": (_setting(cfg, "encoder.self_attention_model", str, "rel_pos"),
+                                             "rel_pos"),
+            "encoder.conv_norm_type": (_setting(cfg, "encoder.conv_norm_type", str, "batch_norm"), "batch_norm"),
+            "encoder.untie_biases": (_setting(cfg, "encoder.untie_biases", bool, True), True),
+            "encoder.causal_downsampling": (_setting(cfg, "encoder.causal_downsampling", bool, False), False),
+            "joint.jointnet.activation": (_setting(cfg, "joint.jointnet.activation", str, "relu"), "relu"),
         }
         wrong = {k: v for k, (v, want) in unsupported.items() if v != want}
         if wrong:
             raise NemoArchiveError(f"kiln implements the Parakeet TDT architecture; this model has {wrong}")
-        durations = (cfg.get("model_defaults", {}).get("tdt_durations")
-                     or cfg.get("loss", {}).get("tdt_kwargs", {}).get("durations")
-                     or cfg.get("decoding", {}).get("durations"))
+        durations = (_setting(cfg, "model_defaults.tdt_durations", list, None)
+                     or _setting(cfg, "loss.tdt_kwargs.durations", list, None)
+                     or _setting(cfg, "decoding.durations", list, None))
         if not durations:
             raise NemoArchiveError("the model config names no TDT durations (model_defaults.tdt_durations): "
                                    "not a TDT model")
-        prednet, jointnet = dec.get("prednet", {}), joint.get("jointnet", {})
-        return cls(
-            n_mels=int(enc.get("feat_in", cfg.get("preprocessor", {}).get("features", 128))),
-            d_model=int(enc["d_model"]), n_layers=int(enc["n_layers"]), n_heads=int(enc["n_heads"]),
-            ff_expansion=int(enc.get("ff_expansion_factor", 4)), conv_kernel=int(enc.get("conv_kernel_size", 31)),
-            subsampling_channels=int(enc.get("subsampling_conv_channels", 256)),
-            subsampling_factor=int(enc.get("subsampling_factor", 8)), xscaling=bool(enc.get("xscaling", True)),
-            use_bias=bool(enc.get("use_bias", True)), vocab_size=int(dec["vocab_size"]),
-            pred_hidden=int(prednet["pred_hidden"]), pred_layers=int(prednet.get("pred_rnn_layers", 1)),
-            joint_hidden=int(jointnet["joint_hidden"]), joint_dropout=float(jointnet.get("dropout", 0.0)),
-            durations=tuple(int(d) for d in durations),
-            max_symbols=int(cfg.get("decoding", {}).get("greedy", {}).get("max_symbols", 10) or 10),
-            labels=tuple(cfg.get("labels") or ()),
+        labels = _setting(cfg, "labels", list, None) or []
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1000 for d in durations) or \
+                not all(isinstance(label, str) for label in labels):
+            raise NemoArchiveError(f"the model config's durations must be whole numbers of frames and its labels "
+                                   f"strings; found durations {reprlib.repr(durations)}")
+        n_mels = _setting(cfg, "encoder.feat_in", int, None) or _setting(cfg, "preprocessor.features", int, 128)
+        config = cls(
+            n_mels=n_mels, d_model=_setting(cfg, "encoder.d_model", int),
+            n_layers=_setting(cfg, "encoder.n_layers", int), n_heads=_setting(cfg, "encoder.n_heads", int),
+            ff_expansion=_setting(cfg, "encoder.ff_expansion_factor", int, 4),
+            conv_kernel=_setting(cfg, "encoder.conv_kernel_size", int, 31),
+            subsampling_channels=_setting(cfg, "encoder.subsampling_conv_channels", int, 256),
+            subsampling_factor=_setting(cfg, "encoder.subsampling_factor", int, 8),
+            xscaling=_setting(cfg, "encoder.xscaling", bool, True),
+            use_bias=_setting(cfg, "encoder.use_bias", bool, True),
+            vocab_size=_setting(cfg, "decoder.vocab_size", int),
+            pred_hidden=_setting(cfg, "decoder.prednet.pred_hidden", int),
+            pred_layers=_setting(cfg, "decoder.prednet.pred_rnn_layers", int, 1),
+            joint_hidden=_setting(cfg, "joint.jointnet.joint_hidden", int),
+            joint_dropout=_setting(cfg, "joint.jointnet.dropout", float, 0.0),
+            durations=tuple(durations),
+            max_symbols=_setting(cfg, "decoding.greedy.max_symbols", int, 10) or 10,
+            labels=tuple(labels),
         )
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """Refuse sizes that cannot build the model (or would build one far larger than any checkpoint): every
+        size positive and bounded, heads dividing d_model, subsampling a power of two."""
+        bounds = {"n_mels": 4096, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024, "ff_expansion": 64,
+                  "conv_kernel": 1024, "subsampling_channels": 1 << 16, "subsampling_factor": 64,
+                  "vocab_size": 1 << 20, "pred_hidden": 1 << 16, "pred_layers": 64, "joint_hidden": 1 << 16,
+                  "max_symbols": 1000}
+        bad = {name: getattr(self, name) for name, most in bounds.items() if not 1 <= getattr(self, name) <= most}
+        if bad:
+            raise NemoArchiveError(f"the model config has sizes out of range: {bad} (bounds: {bounds})")
+        factor = self.subsampling_factor
+        if self.d_model % self.n_heads or factor < 2 or factor & (factor - 1):
+            raise NemoArchiveError(f"the model config has d_model {self.d_model}, n_heads {self.n_heads} and "
+                                   f"subsampling_factor {factor}: heads must divide d_model and the factor be a "
+                                   "power of two")
+        if not 0.0 <= self.joint_dropout < 1.0:
+            raise NemoArchiveError(f"the model config's joint.jointnet.dropout is {self.joint_dropout}")
+
+
+_MISSING = object()
+
+
+def _setting(cfg: dict[str, Any], key: str, kind: type, default: Any = _MISSING) -> Any:
+    """The model config's value at the dotted `key`, of type `kind` (an int may stand for a float; a whole float
+    for an int), `default` when absent (or null); a NemoArchiveError naming the key when it is required and
+    absent, or of another type."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is None:
+        if default is _MISSING:
+            raise NemoArchiveError(f"the model config has no {key}")
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise NemoArchiveError(f"the model config's {key} is {reprlib.repr(value)}: a {kind.__name__} expected")
+    return value
 
 
 class ConvSubsampling(nn.Module):
@@ -282,44 +348,152 @@ class ParakeetTDT(nn.Module):
 
 
 NEMO_CONFIG, NEMO_WEIGHTS = "model_config.yaml", "model_weights.ckpt"
+MAX_CONFIG_BYTES = 16 << 20
+"""Largest model_config.yaml read (NeMo's are tens of KB)."""
+MIN_MEMBER_LIMIT = 64 << 20
+"""Every member may hold this much, or 32 times the archive's size if more (gzip packs float weights by less than
+2x; a member that unpacks to far more is a decompression bomb)."""
 
 
 def read_nemo(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, bytes]]:
     """(the parsed model_config.yaml, the state dict, the other members by name) of a .nemo archive: a tar, plain
-    or gzip'd, whose members may sit under './'. The weights are read with torch.load(weights_only=True)."""
-    import yaml
+    or gzip'd, whose members may sit under './'. The weights are read with torch.load(weights_only=True).
 
+    The archive is untrusted, and nothing of it is ever written to disk: its regular files are read into memory,
+    a member named with '..' or an absolute path is refused, links and devices are skipped, and sizes are bounded
+    (see MIN_MEMBER_LIMIT)."""
     path = Path(path)
-    try:
-        archive = tarfile.open(path, "r:*")
-    except (tarfile.ReadError, OSError) as e:
-        raise NemoArchiveError(f"{path} is not a .nemo archive (a tar file): {e}") from None
-    members: dict[str, bytes] = {}
-    with archive:
-        for member in archive.getmembers():
-            if member.isfile():
-                members[PurePosixPath(member.name).name] = archive.extractfile(member).read()
+    members = _nemo_members(path)
     for needed in (NEMO_CONFIG, NEMO_WEIGHTS):
         if needed not in members:
-            raise NemoArchiveError(f"{path} has no {needed}; its members: {sorted(members)}")
-    config = yaml.safe_load(members.pop(NEMO_CONFIG).decode("utf-8"))
-    state = torch.load(io.BytesIO(members.pop(NEMO_WEIGHTS)), map_location="cpu", weights_only=True)
+            raise NemoArchiveError(f"{path} has no {needed}; its members: {sorted(members)[:20]}")
+    config = _nemo_config(members.pop(NEMO_CONFIG), path)
+    state = _nemo_weights(members.pop(NEMO_WEIGHTS), path)
     return config, state, members
+
+
+def _nemo_members(path: Path) -> dict[str, bytes]:
+    """The archive's regular files by base name, read into memory; a NemoArchiveError for anything malformed."""
+    try:
+        budget = max(MIN_MEMBER_LIMIT, 32 * path.stat().st_size)
+        members: dict[str, bytes] = {}
+        with open(path, "rb") as raw, _decompressed(raw) as stream, \
+                tarfile.open(fileobj=_Budget(stream, budget, path), mode="r:") as archive:
+            for member in archive:  # (streamed: one header at a time, no list of every member kept)
+                name = PurePosixPath(member.name)
+                if name.is_absolute() or ".." in name.parts:
+                    raise NemoArchiveError(f"{path}: member {member.name!r} points outside the archive; a .nemo "
+                                           "archive made by NeMo has none")
+                if not member.isfile():  # links, folders, devices: a NeMo archive's members are plain files
+                    continue
+                if member.size > (MAX_CONFIG_BYTES if name.name == NEMO_CONFIG else budget):
+                    raise NemoArchiveError(f"{path}: member {member.name!r} declares {member.size} bytes, more than "
+                                           f"kiln reads from an archive of {path.stat().st_size} bytes")
+                if name.name in members:
+                    raise NemoArchiveError(f"{path}: two members named {name.name!r}")
+                members[name.name] = archive.extractfile(member).read()
+        return members
+    except (NemoArchiveError, FileNotFoundError):
+        raise
+    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError, UnicodeError) as e:
+        raise NemoArchiveError(f"{path} is not a .nemo archive (a tar file), or a damaged one: {e}") from None
+
+
+def _decompressed(raw: BinaryIO) -> Any:
+    """The tar stream inside a plain, gzip'd, bzip2'd or xz'd archive (told apart by their magic bytes)."""
+    magic = raw.read(6)
+    raw.seek(0)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(raw, "rb")
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(raw, "rb")
+    return contextlib.nullcontext(raw)
+
+
+class _Budget:
+    """The file object tarfile reads through. tarfile reads what a header declares in one read(n) (a GNU long
+    name or a pax header of 8 GB in a 5 KB archive), and a file object allocates n bytes up front; here every read
+    is taken in pieces of at most 1 MiB, so memory follows the bytes actually there, and all reads together may not
+    pass `budget` (a decompression bomb)."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, stream: Any, budget: int, path: Path):
+        self.stream, self.budget, self.path, self.total = stream, budget, path, 0
+
+    def read(self, n: int = -1) -> bytes:
+        left = self.budget - self.total + 1 if n is None or n < 0 else n
+        pieces = []
+        while left > 0:
+            piece = self.stream.read(min(left, self.PIECE))
+            if not piece:
+                break
+            pieces.append(piece)
+            left -= len(piece)
+            self.total += len(piece)
+            if self.total > self.budget:
+                raise NemoArchiveError(f"{self.path} unpacks to more than {self.budget} bytes: a decompression bomb, "
+                                       "or not a .nemo archive")
+        return b"".join(pieces)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.stream.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+
+def _nemo_config(data: bytes, path: Path) -> dict[str, Any]:
+    """The parsed model_config.yaml (safe YAML: plain data, no objects); a mapping, or a NemoArchiveError."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(data.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise NemoArchiveError(f"{path}: {NEMO_CONFIG} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise NemoArchiveError(f"{path}: {NEMO_CONFIG} nests too deeply") from None
+    if not isinstance(config, dict):
+        raise NemoArchiveError(f"{path}: {NEMO_CONFIG} holds a {type(config).__name__}, not a mapping of settings")
+    return config
+
+
+def _nemo_weights(data: bytes, path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in model_weights.ckpt, loaded with weights_only=True (tensors and plain containers only, no
+    code), and checked to be a mapping of names to tensors."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # the unpickler and the zip reader fail in many ways on a damaged file
+        cause = " ".join(str(e).split())[:300]  # (torch's messages run over several lines)
+        raise NemoArchiveError(f"{path}: {NEMO_WEIGHTS} is not a state dict torch.load(weights_only=True) reads: "
+                               f"{type(e).__name__}: {cause}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise NemoArchiveError(f"{path}: {NEMO_WEIGHTS} holds a {type(state).__name__}, not a mapping of parameter "
+                               "names to tensors")
+    return state
 
 
 def load_nemo(path: str | os.PathLike) -> tuple[ParakeetTDT, dict[str, bytes]]:
     """A Parakeet TDT model from a .nemo archive (in eval mode, float32), and the archive's other members (the
-    tokenizer's files, named as NeMo stores them: '<hex>_tokenizer.model' and so on)."""
+    tokenizer's files, named as NeMo stores them: '<hex>_tokenizer.model' and so on).
+
+    The model is first built on the meta device and its parameter shapes compared with the weights', so a config
+    that lies about sizes is refused before anything of its size is allocated."""
     config, state, members = read_nemo(path)
-    model = ParakeetTDT(ParakeetConfig.from_nemo(config)).eval()
+    parakeet = ParakeetConfig.from_nemo(config)
     state = {k: v for k, v in state.items() if not k.startswith("preprocessor.")}  # kiln computes the features
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise NemoArchiveError(f"{path}: the weights do not fit the Parakeet TDT built from its config: missing "
-                               f"{missing[:8]}, unexpected {unexpected[:8]}")
+    with torch.device("meta"):
+        skeleton = ParakeetTDT(parakeet)
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    problem = misfit(expected, state)
+    if problem:
+        raise NemoArchiveError(f"{path}: the weights do not fit the Parakeet TDT built from its config: {problem}")
+    model = ParakeetTDT(parakeet).eval()
+    model.load_state_dict(state)
     return model.float(), members
-
-
 
 
 class _Methods(nn.Module):

@@ -12,12 +12,17 @@ the program's metadata under `kiln.vision.*` (see `classifier_metadata`, `detect
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from kiln.errors import FileFormatError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -105,16 +110,65 @@ def load_labels(name_or_path: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class ImageFormatError(FileFormatError):
+    """An image file kiln cannot read: not an image, truncated or corrupt, of a format it does not open, or larger
+    than MAX_PIXELS."""
+
+
+IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "DIB", "TIFF", "WEBP", "PPM", "TGA", "ICO", "JPEG2000", "AVIF")
+"""The Pillow formats load_image opens (JPEG includes the MPO files phones write). Formats Pillow decodes by running
+other programs (EPS, through Ghostscript) or rarely meant as photos are left out: the file is untrusted."""
+MAX_PIXELS = 89_478_485
+"""Largest image (width x height) load_image decodes: Pillow's own decompression-bomb limit (a 1 KB PNG can
+declare 50000 x 50000 pixels), here an error rather than Pillow's warning."""
+
+
 def load_image(path: str | os.PathLike) -> Image:
-    """The image at `path` as an RGB Pillow image (grayscale, palette and RGBA images are converted)."""
+    """The image at `path` as an RGB Pillow image (grayscale, palette and RGBA images are converted).
+
+    Raises FileNotFoundError for a missing file and ImageFormatError for anything else that goes wrong: Pillow's
+    decoders raise a wide, undocumented range of exceptions on corrupt input (OSError, SyntaxError, struct.error,
+    ValueError, zlib.error, ...), so every one of them is reported as the file's fault, with Pillow's message.
+
+    Pillow reads from the file's bytes in memory rather than from the file: its PNG reader calls read(n) with the
+    length a chunk declares, and a file object allocates n bytes up front (a 200-byte PNG whose IDAT claims 4 GB
+    made Pillow 13 allocate 4 GB); an in-memory buffer returns what is there."""
     image_mod = pillow()
+    name = os.fspath(path)
     try:
-        with image_mod.open(path) as image:
-            return image.convert("RGB")
+        if Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file():
+            raise ImageFormatError(f"{name} is not a regular file (a device or a pipe?)")
+        data = io.BytesIO(Path(path).read_bytes())
+        with warnings.catch_warnings():  # the size is checked here, before decoding; Pillow need not warn too
+            warnings.simplefilter("ignore", image_mod.DecompressionBombWarning)
+            with image_mod.open(data, formats=IMAGE_FORMATS) as image:
+                _check_size(image.size, name)
+                return image.convert("RGB")
+    except ImageFormatError:
+        raise
     except FileNotFoundError:
-        raise FileNotFoundError(f"{os.fspath(path)}: no such image file") from None
-    except (image_mod.UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"{os.fspath(path)}: not an image Pillow can read ({e})") from None
+        raise FileNotFoundError(f"{name}: no such image file") from None
+    except IsADirectoryError:
+        raise ImageFormatError(f"{name}: a folder, not an image file") from None
+    except image_mod.DecompressionBombError:  # (Pillow's own check, at twice its limit, comes first)
+        raise ImageFormatError(f"{name}: over kiln's limit of {MAX_PIXELS:,} pixels (a decompression bomb, or a "
+                               "photo to scale down first)") from None
+    except image_mod.UnidentifiedImageError:
+        raise ImageFormatError(f"{name}: not an image Pillow can read in the formats kiln opens "
+                               f"({', '.join(IMAGE_FORMATS)})") from None
+    except Exception as e:  # a corrupt file may make any decoder fail in any way (see above)
+        cause = " ".join(str(e).split())[:200]
+        raise ImageFormatError(f"{name}: a corrupt or truncated image ({type(e).__name__}: {cause})") from None
+
+
+def _check_size(size: tuple[int, int], name: str) -> None:
+    """Refuse an empty image or one over MAX_PIXELS before its pixels are decoded (the header alone says)."""
+    width, height = size
+    if width < 1 or height < 1:
+        raise ImageFormatError(f"{name}: an image of {width}x{height} pixels")
+    if width * height > MAX_PIXELS:
+        raise ImageFormatError(f"{name}: {width}x{height} pixels is over kiln's limit of {MAX_PIXELS:,} "
+                               "(a decompression bomb, or a photo to scale down first)")
 
 
 def _resample(interpolation: str) -> Any:
@@ -339,7 +393,8 @@ def draw_detections(image: Image, found: list[Detection], path: str | os.PathLik
     canvas.save(path)
 
 
-__all__ = ["Detection", "Placement", "batched_nms", "center_crop", "classifier_input", "classifier_metadata",
+__all__ = ["IMAGE_FORMATS", "MAX_PIXELS", "Detection", "ImageFormatError", "Placement", "batched_nms", "center_crop",
+           "classifier_input", "classifier_metadata",
            "cxcywh_to_xyxy", "detections", "detector_input", "detector_metadata", "draw_detections", "letterbox",
            "load_image", "load_labels", "nms", "parse_floats", "resize_short_side", "softmax", "stretch", "to_nchw",
            "to_original", "top_k"]

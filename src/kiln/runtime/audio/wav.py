@@ -4,6 +4,10 @@ The RIFF container is read by hand: Python's `wave` module takes integer PCM onl
 WAVs too. Every sample format a recorder or a synthesizer writes is read: unsigned 8-bit, signed 16-, 24- and
 32-bit PCM, 32- and 64-bit IEEE float, plain or in WAVE_FORMAT_EXTENSIBLE. Integer samples are scaled to [-1, 1)
 and channels are mixed down by their mean, as the speech models' own loaders do.
+
+The file is untrusted: every size is checked against the bytes actually present (a chunk that claims more than the
+file holds gets what is there), the sample rate must lie in RATES (a rate of 1 Hz or 4 GHz would make resampling
+to 16 kHz allocate without bound), and anything malformed raises AudioFormatError, never a struct or NumPy error.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import FileFormatError
 
 PCM, IEEE_FLOAT, EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
 """WAVE format tags (an extensible file names PCM or float in the first two bytes of its subformat GUID)."""
+RATES = range(1000, 1_000_001)
+"""Sample rates kiln reads (1 kHz to 1 MHz): beyond them resampling to a speech model's 16 kHz would grow the audio
+by more than 16x or need filters of thousands of taps, which no real recording asks for."""
 
 
-class AudioFormatError(KilnError, ValueError):
+class AudioFormatError(FileFormatError):
     """An audio file kiln cannot read: not a WAV, truncated, or a sample format it does not decode."""
 
 
@@ -42,34 +49,52 @@ class Audio:
 
 def read_wav(source: str | os.PathLike | bytes) -> Audio:
     """The samples of a WAV file (a path or the file's bytes), mixed down to mono."""
-    data = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else Path(source).read_bytes()
+    data = memoryview(bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) else _file_bytes(source))
     where = "" if isinstance(source, (bytes, bytearray, memoryview)) else f" ({source})"
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise AudioFormatError(f"not a WAV file{where}: it does not start with RIFF....WAVE")
-    fmt, samples = None, None
-    at = 12
-    while at + 8 <= len(data):
-        chunk, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
-        body = data[at + 8:at + 8 + size]
-        if chunk == b"fmt ":
-            fmt = _format(body, where)
-        elif chunk == b"data":
-            samples = body  # (a writer that streamed may leave the size wrong: the rest of the file is taken)
-            break
-        at += 8 + size + (size & 1)  # chunks are padded to an even size
-    if fmt is None:
-        raise AudioFormatError(f"WAV file{where} has no 'fmt ' chunk before its samples")
-    if samples is None:
-        raise AudioFormatError(f"WAV file{where} has no 'data' chunk")
+    fmt, samples = _chunks(data, where)
     tag, channels, rate, bits = fmt
-    width = bits // 8
-    frames = len(samples) // (width * channels)
-    values = _DECODERS[(tag, bits)](samples[:frames * width * channels])
+    frame = bits // 8 * channels
+    frames = len(samples) // frame
+    with np.errstate(over="ignore"):  # float64 samples past float32's range become inf, refused just below
+        values = _DECODERS[(tag, bits)](samples[:frames * frame])
+    if tag == IEEE_FLOAT and not np.isfinite(values).all():
+        raise AudioFormatError(f"WAV file{where} has NaN or infinite samples")
     mono = values.reshape(frames, channels).mean(axis=1, dtype=np.float64).astype(np.float32)
     return Audio(mono, rate, channels)
 
 
-def _format(body: bytes, where: str) -> tuple[int, int, int, int]:
+def _file_bytes(path: str | os.PathLike) -> bytes:
+    """A regular file's bytes: a device or a pipe (/dev/zero, /dev/stdin) could be read forever. A missing file
+    stays FileNotFoundError, a folder IsADirectoryError."""
+    path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise AudioFormatError(f"{path} is not a regular file (a device or a pipe?): kiln reads WAV files")
+    return path.read_bytes()
+
+
+def _chunks(data: memoryview, where: str) -> tuple[tuple[int, int, int, int], memoryview]:
+    """(the checked fmt chunk, the data chunk's bytes) of a RIFF/WAVE file. A size that runs past the file's end is
+    cut to what is there (a writer that streamed may leave the data size wrong), so no size read from the file
+    ever decides how much is allocated."""
+    fmt, at = None, 12
+    while at + 8 <= len(data):
+        chunk, size = bytes(data[at:at + 4]), struct.unpack_from("<I", data, at + 4)[0]
+        body = data[at + 8:at + 8 + size]
+        if chunk == b"fmt ":
+            fmt = _format(body, where)
+        elif chunk == b"data":
+            if fmt is None:
+                raise AudioFormatError(f"WAV file{where} has no 'fmt ' chunk before its samples")
+            return fmt, body
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    if fmt is None:
+        raise AudioFormatError(f"WAV file{where} has no 'fmt ' chunk before its samples")
+    raise AudioFormatError(f"WAV file{where} has no 'data' chunk")
+
+
+def _format(body: memoryview, where: str) -> tuple[int, int, int, int]:
     """(format tag, channels, rate, bits per sample) of a fmt chunk, checked."""
     if len(body) < 16:
         raise AudioFormatError(f"WAV file{where}: its 'fmt ' chunk is {len(body)} bytes, at least 16 expected")
@@ -80,6 +105,9 @@ def _format(body: bytes, where: str) -> tuple[int, int, int, int]:
         tag = struct.unpack_from("<H", body, 24)[0]
     if channels == 0 or rate == 0:
         raise AudioFormatError(f"WAV file{where}: {channels} channels at {rate} Hz")
+    if rate not in RATES:
+        raise AudioFormatError(f"WAV file{where}: a sample rate of {rate} Hz; kiln reads {RATES.start} Hz to "
+                               f"{RATES.stop - 1} Hz (resample it with ffmpeg or sox)")
     if (tag, bits) not in _DECODERS:
         kind = {PCM: "integer PCM", IEEE_FLOAT: "float"}.get(tag, f"format tag 0x{tag:04x} (compressed)")
         raise AudioFormatError(f"WAV file{where}: {kind} with {bits}-bit samples is not supported; kiln reads "
