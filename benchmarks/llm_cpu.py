@@ -81,6 +81,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="most tokens one prefill call takes; longer prompts go in chunks (default: 128)")
     parser.add_argument("--long", action="store_true",
                         help="also measure a 512-token prompt and decoding at context 512 (about 3 more minutes)")
+    parser.add_argument("--contexts", default="",
+                        help="comma-separated prompt lengths to measure prefill of and decode after (default: 128, "
+                             "or 128,512 with --long); each must be below --max-context")
     parser.add_argument("--skip-ort", action="store_true", help="leave ONNX Runtime out (saves its ~1 min export)")
     parser.add_argument("--settle-ms", type=float, default=20.0,
                         help="idle time before each timed call, so the threads another runtime leaves spinning after "
@@ -93,7 +96,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"kiln programs to time, comma-separated, from {','.join(QUANTIZE_MODES)}; none = float32 "
                              "(default: none,int8)")
     args = parser.parse_args(argv)
-    args.contexts = [128, 512] if args.long else [128]
+    try:
+        args.contexts = [int(n) for n in args.contexts.split(",") if n.strip()] or ([128, 512] if args.long else [128])
+    except ValueError:
+        parser.error(f"--contexts {args.contexts!r}: give comma-separated integers")
+    if min(args.contexts) < 1:
+        parser.error("--contexts must be positive")
     args.modes = [m.strip() for m in args.quantize_modes.split(",") if m.strip()]
     if not args.modes or set(args.modes) - set(QUANTIZE_MODES):
         parser.error(f"--quantize-modes {args.quantize_modes!r}: give a comma-separated subset of "
