@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.ir.dtypes import DType
+from kiln.registry import register_once
 
 Shape = tuple[int, ...]
 
@@ -43,13 +44,7 @@ RULES: dict[str, Rule] = {}
 
 
 def rule(*names: str) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for name in names:
-            if name in RULES:
-                raise ValueError(f"op {name!r} has two rules")
-            RULES[name] = fn
-        return fn
-    return register
+    return register_once(RULES, "shape rule", names)
 
 
 CHOICES: dict[tuple[str, str], frozenset[str]] = {
@@ -240,29 +235,20 @@ def accumulated(dtype: DType) -> DType:
     return dtype if dtype.is_float else DType.int64
 
 
-@rule("amax", "amin")
-def _reduce(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    (x,) = present(ins, 1)
-    return [Spec(x.dtype, reduced(x, attrs["dims"], attrs["keepdim"]))]
+def reduction(dtype_of: Callable[[DType], DType], float_only: bool = False) -> Rule:
+    """The rule of a reduction over `dims` (all when empty), the output's dtype from the input's."""
+    def fn(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+        (x,) = present(ins, 1)
+        if float_only:
+            floating(x)
+        return [Spec(dtype_of(x.dtype), reduced(x, attrs["dims"], attrs["keepdim"]))]
+    return fn
 
 
-@rule("mean", "var")
-def _reduce_float(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    (x,) = present(ins, 1)
-    floating(x)
-    return [Spec(x.dtype, reduced(x, attrs["dims"], attrs["keepdim"]))]
-
-
-@rule("sum", "prod")
-def _reduce_accumulated(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    (x,) = present(ins, 1)
-    return [Spec(accumulated(x.dtype), reduced(x, attrs["dims"], attrs["keepdim"]))]
-
-
-@rule("all", "any")
-def _reduce_bool(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    (x,) = present(ins, 1)
-    return [Spec(DType.bool, reduced(x, attrs["dims"], attrs["keepdim"]))]
+rule("amax", "amin")(reduction(lambda d: d))
+rule("mean", "var")(reduction(lambda d: d, float_only=True))
+rule("sum", "prod")(reduction(accumulated))
+rule("all", "any")(reduction(lambda d: DType.bool))
 
 
 @rule("argmax", "argmin")
