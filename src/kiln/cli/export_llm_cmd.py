@@ -21,11 +21,14 @@ torch: `prefill` and `decode` methods sharing a static KV cache (state buffers; 
 layers), and the tokenizer, chat template and stop tokens in the file's metadata.
 
 SOURCE is a checkpoint folder (config.json + weights + tokenizer files) or a .gguf file, both read by
-transformers' own loaders (GGUF weights are dequantized to float; use --quantize to store them small again).
+transformers' own loaders. A GGUF file's quantized weights are stored as the file holds them, bit for bit (Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K; types kiln has no exact format for, such as the IQ family, are
+re-quantized to int4/int8 with a warning); --dequantize stores floats instead, --quantize re-quantizes all.
 Tested families: Llama, Qwen2, Qwen3, Gemma 1/2/3, Mistral, Phi-3, GPT-2."""
 EPILOG = """\
 examples:
-  kiln export-llm SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.kiln
+  kiln export-llm SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.kiln    # keeps the file's Q4_1 and Q8_0
+  kiln export-llm SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2-f32.kiln --dequantize
   kiln export-llm ./Qwen2.5-0.5B-Instruct -o qwen.kiln --max-context 4096 --quantize int8
   kiln export-llm model.gguf -o model-int4.kiln --quantize int4 --group-size 32
   kiln generate smollm2.kiln --chat --prompt "What is the capital of France?"
@@ -52,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "serve` needs to serve N streams concurrently (cache memory grows N times); default: one "
                         "sequence")
     add_quantize_arguments(p)
+    p.add_argument("--dequantize", action="store_true",
+                   help="for a .gguf SOURCE: store its weights as float (--dtype) instead of keeping the file's "
+                        "quantization")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print what each graph pass rewrote and the node counts")
     p.set_defaults(handler=run)
@@ -66,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-context and --prefill-chunk must be positive")
     if args.slots is not None and args.slots < 1:
         raise CliError(f"--slots must be at least 1, got {args.slots}")
+    if args.dequantize and (quantize is not None or args.source.suffix != ".gguf"):
+        raise CliError("--dequantize applies to a .gguf SOURCE without --quantize (which re-quantizes every weight "
+                       "from the file's dequantized values)")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     logging.basicConfig(format="  %(message)s")
     logging.getLogger("kiln.models.llm").setLevel(logging.INFO)
@@ -75,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         builder = export_llm(args.source, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                              dtype=args.dtype, quantize=quantize, tokenizer=args.tokenizer, slots=args.slots,
+                             dequantize=args.dequantize,
                              progress=lambda message: print(f"  {message}", flush=True))
     except (ValueError, OSError, NotImplementedError) as e:  # (GGUFFormatError is a ValueError)
         raise CliError(str(e)) from None

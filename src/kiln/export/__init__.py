@@ -27,7 +27,7 @@ from kiln.export.data_dependent import check_bindable
 from kiln.export.method import Failures, lower_method, mutated_buffers
 from kiln.export.passes import PIPELINE, PassOptions, encode_stats, run_passes
 from kiln.export.plan import plan_memory
-from kiln.export.quantize import Quantize
+from kiln.export.quantize import KnownQuantization, Quantize
 from kiln.ir.graph import PASS_STATS_KEY
 
 
@@ -60,7 +60,8 @@ def _normalize(methods: dict[str, Any]) -> dict[str, Method]:
 def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_shapes: Any = None,
            methods: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
            progress: Callable[[str], None] | None = None, skip_passes: Collection[str] = (),
-           quantize: Quantize | str | None = None) -> ProgramBuilder:
+           quantize: Quantize | str | None = None,
+           known_quantization: KnownQuantization | None = None) -> ProgramBuilder:
     """Export `module` to a kiln program (call `.save(path)` on the result).
 
     example_args: inputs for `forward` (a tuple). dynamic_shapes: as torch.export takes it (torch.export.Dim per
@@ -72,6 +73,9 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     every op in the graph for a backend's op tests.
     quantize: store linear and embedding weights quantized: a `kiln.export.Quantize("int4", group_size=64,
     symmetric=True)` or just its mode ("int8", "int4", "bf16", "fp16"); see kiln.export.quantize.
+    known_quantization: weights whose quantized form is known already (e.g. kiln.models.gguf_quant's
+    GGUFQuantization of the file the model was loaded from), stored in that form exactly; quantize then applies
+    to the other weights only.
 
     Raises UnsupportedOpsError listing every op that cannot be lowered, and every op whose result size depends on
     tensor values (`.item()`, nonzero) rather than on input shapes, before anything is written. Where torch.export's
@@ -118,7 +122,8 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         lowered = lower_method(name, ep, builder, state_names, names, failures)
         method = lowered.method
         if lowered.complete:
-            stats = pass_stats[name] = run_passes(method, builder, skip_passes, PassOptions(quantize))
+            options = PassOptions(quantize, known_quantization)
+            stats = pass_stats[name] = run_passes(method, builder, skip_passes, options)
             plan_memory(method)
             builder.add_method(method)
             say(f"lowered {name}: {stats['nodes']} nodes, {len(method.nodes)} after passes")

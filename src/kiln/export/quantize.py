@@ -17,7 +17,9 @@ the file; the arithmetic stays in the activations' dtype).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -26,7 +28,43 @@ from kiln.export.passes.usage import add_constant, constant_value
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 
+log = logging.getLogger("kiln.export.quantize")
+
 MODES = ("int8", "int4", "bf16", "fp16")
+
+
+@dataclass
+class QuantizedWeight:
+    """One weight [N, K] already in the op set's layout: q, scale, zero (zero points; with `offset`, additive
+    offsets; or None), bits, group size. `source` says where the quantization came from (e.g. "GGUF Q4_K")."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+    bits: int
+    group: int
+    offset: bool
+    source: str
+
+    @property
+    def layout(self) -> tuple:
+        """What two weights must share to be stacked into one quantized weight."""
+        return self.bits, self.group, self.offset, self.zero is None, self.source
+
+    def rows(self, index: np.ndarray | slice) -> QuantizedWeight:
+        return QuantizedWeight(self.q[index], self.scale[index], None if self.zero is None else self.zero[index],
+                               self.bits, self.group, self.offset, self.source)
+
+
+class KnownQuantization(Protocol):
+    """Weights whose quantized form is known already (a GGUF file's), found by their float values: the export keeps
+    that form instead of quantizing again (kiln.models.gguf_quant.GGUFQuantization)."""
+
+    def lookup(self, weight: np.ndarray) -> QuantizedWeight | None:
+        """The quantized form whose dequantization is `weight` ([N, K], as the model holds it), or None."""
+
+    def layout_of(self, weight: np.ndarray) -> tuple | None:
+        """lookup(weight).layout without building it (None when unknown): linears stack only when equal."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +126,12 @@ def quantize_rows(w: np.ndarray, bits: int, group_size: int, symmetric: bool) ->
     return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8), scale, zero
 
 
-def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize) -> int:
-    """Rewrite every linear / embedding with a constant float weight; returns how many nodes were rewritten."""
-    done: dict[int, tuple[int, ...]] = {}  # weight constant ref -> its quantized constants' values (tied weights)
+def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize | None,
+                     known: KnownQuantization | None = None) -> int:
+    """Rewrite every linear / embedding with a constant float weight: in its known quantized form where `known`
+    has one, else as `config` asks (None: left float); returns how many nodes were rewritten."""
+    done: dict[int, tuple[tuple[int, ...], dict] | None] = {}  # weight ref -> (constants, attrs) (tied weights)
+    halves: dict[int, int] = {}  # weight ref -> its bf16/fp16 constant's value
     count = 0
     for node in list(method.nodes):  # (bf16/fp16 insert cast nodes)
         slot = {"linear": 1, "embedding": 0}.get(node.op)
@@ -99,41 +140,66 @@ def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize) 
         weight = method.values[node.inputs[slot]]
         if weight.kind != ValueKind.CONSTANT or not weight.dtype.is_float or len(weight.shape) != 2:
             continue
-        if config.bits == 16:
-            count += _store_half(method, builder, node, slot, weight, config, done)
+        if weight.ref not in done:
+            done[weight.ref] = _quantized_parts(method, builder, node.inputs[slot], config, known)
+        if done[weight.ref] is None:
+            if config is not None and config.bits == 16 and known is None:
+                count += _store_half(method, builder, node, slot, weight, config, halves)
             continue
-        group = config.group_for(weight.shape[1])
-        if group is None:
-            continue
-        parts = done.get(weight.ref)
-        if parts is None:
-            q, scale, zero = quantize_rows(constant_value(method, builder, node.inputs[slot]), config.bits, group,
-                                           config.symmetric)
-            tag = f"{weight.name}.{config.mode}"
-            parts = done[weight.ref] = (
-                add_constant(method, builder, q, DType.from_numpy(q.dtype), f"{tag}.q"),
-                add_constant(method, builder, scale, weight.dtype, f"{tag}.scale"),
-                NO_VALUE if zero is None else add_constant(method, builder, zero, weight.dtype, f"{tag}.zero"))
-        attrs = {"bits": config.bits, "group_size": group}
+        parts, attrs = done[weight.ref]
         if node.op == "linear":
             bias = node.inputs[2] if len(node.inputs) > 2 else NO_VALUE
-            node.op, node.inputs, node.attrs = "quantized_linear", [node.inputs[0], *parts, bias], attrs
+            node.op, node.inputs, node.attrs = "quantized_linear", [node.inputs[0], *parts, bias], dict(attrs)
         else:
-            node.op, node.inputs, node.attrs = "quantized_embedding", [*parts, node.inputs[1]], attrs
+            node.op, node.inputs, node.attrs = "quantized_embedding", [*parts, node.inputs[1]], dict(attrs)
         count += 1
     return count
 
 
+def _quantized_parts(method: Method, builder: ProgramBuilder, value: int, config: Quantize | None,
+                     known: KnownQuantization | None) -> tuple[tuple[int, ...], dict] | None:
+    """The constants (q, scale, zero) and attributes a weight is stored as, or None to leave it as it is."""
+    weight = method.values[value]
+    data = None
+    if known is not None:
+        data = constant_value(method, builder, value)
+        stored = known.lookup(data)
+        if stored is not None:
+            return _add_parts(method, builder, weight, stored, stored.source.replace(" ", "_").lower())
+    if config is None or config.bits == 16:
+        return None
+    group = config.group_for(weight.shape[1])
+    if group is None:
+        return None
+    q, scale, zero = quantize_rows(constant_value(method, builder, value) if data is None else data, config.bits,
+                                   group, config.symmetric)
+    return _add_parts(method, builder, weight, QuantizedWeight(q, scale, zero, config.bits, group, False, ""),
+                      config.mode)
+
+
+def _add_parts(method: Method, builder: ProgramBuilder, weight: Value, stored: QuantizedWeight,
+               tag: str) -> tuple[tuple[int, ...], dict]:
+    name = f"{weight.name}.{tag}"
+    parts = (add_constant(method, builder, stored.q, DType.from_numpy(stored.q.dtype), f"{name}.q"),
+             add_constant(method, builder, stored.scale, weight.dtype, f"{name}.scale"),
+             NO_VALUE if stored.zero is None else add_constant(method, builder, stored.zero, weight.dtype,
+                                                               f"{name}.zero"))
+    attrs = {"bits": stored.bits, "group_size": stored.group}
+    if stored.offset:
+        attrs["offset"] = True
+    return parts, attrs
+
+
 def _store_half(method: Method, builder: ProgramBuilder, node: Node, slot: int, weight: Value, config: Quantize,
-                done: dict) -> int:
+                halves: dict[int, int]) -> int:
     """Store the weight in bf16/fp16 and cast it back to its dtype in front of the node."""
     half = DType.bfloat16 if config.mode == "bf16" else DType.float16
     if weight.dtype == half:
         return 0
-    stored = done.get(weight.ref)
+    stored = halves.get(weight.ref)
     if stored is None:
         data = constant_value(method, builder, node.inputs[slot]).astype(np.float64)
-        stored = done[weight.ref] = add_constant(method, builder, data, half, f"{weight.name}.{config.mode}")
+        stored = halves[weight.ref] = add_constant(method, builder, data, half, f"{weight.name}.{config.mode}")
     method.values.append(Value(f"{weight.name}.{config.mode}.cast", weight.dtype, weight.shape))
     cast = Node("cast", [stored], [len(method.values) - 1], {"dtype": weight.dtype}, source=node.source)
     method.nodes.insert(method.nodes.index(node), cast)

@@ -19,12 +19,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 7
+OPSET_VERSION = 8
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
 4 add_rms_norm was added; 5 rope_cache_update was added; 6 gated_linear and add_rms_norm_linear were added;
-7 slot_attention was added."""
+7 slot_attention was added; 8 quantized_linear and quantized_embedding gained offset (GGUF's and MLX's
+additive per-group term, so files quantized elsewhere are stored exactly)."""
 
 
 class AttrType(enum.IntEnum):
@@ -169,8 +170,11 @@ _QUANT_DOC = ("The weight W [N, K] is stored weight-only quantized in groups of 
               "row (group_size == K: one group per row, i.e. per output channel): W[n, k] = (q[n, k] - zero[n, g]) "
               "* scale[n, g] with g = k // group_size; scale (float) and zero (float, optional) are [N, K / "
               "group_size]. bits 8: q is int8 [N, K], an absent zero means 0. bits 4: q is uint8 [N, K / 2], "
-              "element 2j in the low nibble and 2j + 1 in the high one, values 0..15; an absent zero means 8.")
-define("quantized_linear", "x q scale zero? bias?", A("bits", T.INT), A("group_size", T.INT),
+              "element 2j in the low nibble and 2j + 1 in the high one, values 0..15; an absent zero means 8. "
+              "offset: zero holds an additive term per group instead, W[n, k] = q[n, k] * scale[n, g] + zero[n, g] "
+              "(GGUF's Q4_1/K-quant min, MLX's bias; q as stored, no implicit 8), an absent zero meaning 0.")
+_OFFSET = A("offset", T.BOOL, False)
+define("quantized_linear", "x q scale zero? bias?", A("bits", T.INT), A("group_size", T.INT), _OFFSET,
        doc="linear (x @ W.T + bias) with a quantized weight. " + _QUANT_DOC + " Output dtype: scale's.")
 
 # ---- convolution and pooling (N spatial dims, channels first) ----
@@ -247,7 +251,7 @@ define("triu", "x", A("diagonal", T.INT, 0), doc="Zero elements below the diagon
 define("index_select", "x index", A("dim", T.INT), doc="x gathered along dim at the 1-d int index.")
 define("gather", "x index", A("dim", T.INT), doc="out[i][j][k] = x[i][index[i][j][k]][k] for dim 1, and so on.")
 define("embedding", "weight indices", doc="weight[indices]: rows of a [V, D] table, out shape indices.shape + [D].")
-define("quantized_embedding", "q scale zero? indices", A("bits", T.INT), A("group_size", T.INT),
+define("quantized_embedding", "q scale zero? indices", A("bits", T.INT), A("group_size", T.INT), _OFFSET,
        doc="embedding of the rows of a quantized [V, D] table W (quantized as in quantized_linear, N = V, K = D): "
            "W[indices], dequantized, in scale's dtype.")
 define("index", "x *indices", A("dims", T.INTS),

@@ -305,14 +305,19 @@ def export_llama(model: PreTrainedModel | StaticCacheLM, max_context: int, prefi
 
 def export_llm(model_or_path: PreTrainedModel | str | os.PathLike, max_context: int | None = None,
                prefill_chunk: int = 128, dtype: str | None = None, quantize: Quantize | str | None = None,
-               tokenizer: Any = None, slots: int | None = None, **export_options) -> ProgramBuilder:
+               tokenizer: Any = None, slots: int | None = None, dequantize: bool = False,
+               **export_options) -> ProgramBuilder:
     """Export a transformers decoder-only LM as a program that `kiln generate` / `kiln.llm.Generator` can run alone.
 
     model_or_path: a transformers causal LM, a checkpoint folder, or a .gguf file (loaded by transformers).
     max_context: KV-cache length in tokens (default: the model's max_position_embeddings, at most 2048).
     prefill_chunk: the most prompt tokens one `prefill` call takes (longer prompts go in chunks).
     dtype: "float32" (default), "bfloat16" or "float16" for the whole model (weights, activations, cache).
-    quantize: weight-only quantization of linear and embedding weights (see kiln.export.Quantize).
+    quantize: weight-only quantization of linear and embedding weights (see kiln.export.Quantize); for a GGUF
+    file, this re-quantizes every weight from its dequantized values instead of keeping the file's quantization.
+    dequantize: for a GGUF file, store its weights as float (dtype) instead of keeping the file's quantization. By
+    default a GGUF file's quantized weights are stored exactly as the file holds them (kiln.models.gguf_quant:
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q2_K..Q6_K bit for bit; other types re-quantized with a warning).
     tokenizer: a transformers tokenizer or its path; by default the one beside the model. Its tokenizer.json, chat
     template, special tokens and the stop tokens go into the program's metadata (kiln.runtime.llm.info).
     slots: a KV cache for that many sequences at once, decoded as one batch (what `kiln serve` batches over);
@@ -330,8 +335,25 @@ def export_llm(model_or_path: PreTrainedModel | str | os.PathLike, max_context: 
     if not isinstance(model_or_path, PreTrainedModel):
         metadata[NAME_KEY] = Path(model_or_path).stem if Path(model_or_path).is_file() else Path(model_or_path).name
     metadata.update(export_options.pop("metadata", None) or {})
-    return export_llama(model, max_context, prefill_chunk, slots=slots, quantize=quantize, metadata=metadata,
-                        **export_options)
+    known = None
+    if quantize is None and not dequantize and _is_gguf(model_or_path):
+        from kiln.models.gguf_quant import GGUFQuantization
+
+        known = GGUFQuantization(model_or_path)
+        if dtype not in (None, "float32") and known.tensors:
+            log.warning("the GGUF's scales are stored in %s, rounded: the quantized weights are exact in float32 "
+                        "programs only", dtype)
+    builder = export_llama(model, max_context, prefill_chunk, slots=slots, quantize=quantize, metadata=metadata,
+                           known_quantization=known, **export_options)
+    for line in known.summary() if known is not None else ():
+        log.info("%s", line)
+    if known is not None and known.requantized:
+        log.warning("%d GGUF tensors were re-quantized, not kept (see above)", len(known.requantized))
+    return builder
+
+
+def _is_gguf(source: Any) -> bool:
+    return isinstance(source, (str, os.PathLike)) and Path(source).suffix == ".gguf" and Path(source).is_file()
 
 
 __all__ = ["FAMILIES", "MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "export_llama", "export_llm"]

@@ -33,14 +33,16 @@ from kiln.export.passes.simplify import collapse_chains, remove_noops
 from kiln.ir.graph import Method
 
 if TYPE_CHECKING:
-    from kiln.export.quantize import Quantize
+    from kiln.export.quantize import KnownQuantization, Quantize
 
 
 @dataclass(frozen=True)
 class PassOptions:
-    """What the user asked of the export that passes act on."""
+    """What the user asked of the export that passes act on: quantization, and weights whose quantized form is
+    known already (a GGUF file's), kept as they are."""
 
     quantize: Quantize | None = None
+    known_quantization: KnownQuantization | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,9 @@ def _with_builder(fn: Callable[[Method, ProgramBuilder], int]) -> Callable[[Meth
 def _quantize(method: Method, builder: ProgramBuilder, options: PassOptions) -> int:
     from kiln.export.quantize import quantize_weights  # (quantize imports passes.usage: no import cycle)
 
-    return 0 if options.quantize is None else quantize_weights(method, builder, options.quantize)
+    if options.quantize is None and options.known_quantization is None:
+        return 0
+    return quantize_weights(method, builder, options.quantize, options.known_quantization)
 
 
 PIPELINE: tuple[Pass, ...] = (
@@ -73,7 +77,9 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fold_constants", _with_builder(fold_constants), "weight-only subgraphs computed at export"),
     Pass("cse", _method_only(eliminate_common_subexpressions), "repeated computations merged"),
     Pass("canonicalize_linear", _with_builder(canonicalize_linear), "matmul by a constant weight (+ bias) as linear"),
-    Pass("fuse_projections", _with_builder(fuse_projections), "linears on one input stacked into one (q/k/v, gate/up)"),
+    Pass("fuse_projections", lambda method, builder, options: fuse_projections(method, builder,
+                                                                                options.known_quantization),
+         "linears on one input stacked into one (q/k/v, gate/up)"),
     Pass("fold_batch_norm", _with_builder(fold_batch_norm), "inference batch norm folded into the conv before it"),
     Pass("fuse_conv", _method_only(fuse_conv), "zero pads and activations fused into convolutions"),
     Pass("absorb_repeat_kv", _method_only(absorb_repeat_kv), "GQA key/value repetition absorbed by sdpa"),

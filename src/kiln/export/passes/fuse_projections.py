@@ -5,10 +5,14 @@ Why: at decode every linear is a matrix-vector product that streams its weight f
 a larger weight streams closer to the bandwidth than three small launches with a gap between each (on the GPU a
 decode step had 7 linears per layer). The slices are views, and the kernels that read them (RoPE, the gated
 activation, attention) take strided rows, so nothing is copied back apart. The stacked weight is stored instead of
-its parts, and weight quantization, which runs later, quantizes it row by row as it would have the parts.
+its parts, and weight quantization, which runs later, quantizes it row by row as it would have the parts. Weights
+whose quantized form is known already (a GGUF file's) stack only with weights of the same form, so each stacked
+weight is kept exactly (a Q4_K_M file's Q6_K value projection stays apart from its Q4_K query and key).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,14 +20,19 @@ from kiln.export.builder import ProgramBuilder
 from kiln.export.passes.usage import Usage, add_constant, constant_value
 from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 
+if TYPE_CHECKING:
+    from kiln.export.quantize import KnownQuantization
 
-def fuse_projections(method: Method, builder: ProgramBuilder) -> int:
-    """Stack each group of >= 2 linears on one input (constant weights and biases read by nothing else); returns
-    how many linears were stacked."""
+
+def fuse_projections(method: Method, builder: ProgramBuilder, known: KnownQuantization | None = None) -> int:
+    """Stack each group of >= 2 linears on one input (constant weights and biases read by nothing else, of one
+    known quantized layout or none); returns how many linears were stacked."""
     usage = Usage.of(method)
     groups: dict[tuple, list[Node]] = {}
     for node in method.nodes:
         key = _group_key(method, usage, node)
+        if key is not None and known is not None:
+            key += (known.layout_of(constant_value(method, builder, node.inputs[1])),)
         if key is not None:
             groups.setdefault(key, []).append(node)
     fused: dict[int, Node] = {}  # id of a group's first linear -> the stacked linear to put before it

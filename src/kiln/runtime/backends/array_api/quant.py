@@ -25,18 +25,24 @@ def unpack(xp: Any, q: Any, bits: int) -> Any:
     return out
 
 
-def dequantize(xp: Any, q: Any, scale: Any, zero: Any, bits: int, group_size: int) -> Any:
-    """W = (q - zero) * scale per group, as float32 ([N, K]); int4 without zeros is centred on 8."""
+def dequantize(xp: Any, q: Any, scale: Any, zero: Any, bits: int, group_size: int, offset: bool = False) -> Any:
+    """W = (q - zero) * scale per group, as float32 ([N, K]); int4 without zeros is centred on 8. offset: W = q *
+    scale + zero, each element rounded once, as GGUF's own dequantization does (so its weights come back bit for
+    bit)."""
     values = unpack(xp, q, bits).astype(np.float32)
     rows, k = values.shape
-    z = np.float32(8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float32)[..., None]
     grouped = values.reshape(rows, k // group_size, group_size)
-    return ((grouped - z) * scale.astype(np.float32)[..., None]).reshape(rows, k)
+    s = scale.astype(np.float32)[..., None]
+    if offset:
+        return (grouped * s if zero is None else grouped * s + zero.astype(np.float32)[..., None]).reshape(rows, k)
+    z = np.float32(8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float32)[..., None]
+    return ((grouped - z) * s).reshape(rows, k)
 
 
 @portable("quantized_embedding")
-def quantized_embedding(xp: Any, q: Any, scale: Any, zero: Any, indices: Any, bits: int, group_size: int) -> Any:
+def quantized_embedding(xp: Any, q: Any, scale: Any, zero: Any, indices: Any, bits: int, group_size: int,
+                        offset: bool = False) -> Any:
     """Only the looked-up rows are dequantized."""
     flat = indices.reshape(-1)
-    rows = dequantize(xp, q[flat], scale[flat], None if zero is None else zero[flat], bits, group_size)
+    rows = dequantize(xp, q[flat], scale[flat], None if zero is None else zero[flat], bits, group_size, offset)
     return rows.reshape(indices.shape + rows.shape[-1:]).astype(scale.dtype, copy=False)

@@ -305,7 +305,8 @@ def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     zero, bias = (None if a is None else lw.contiguous(a) for a in (zero, bias))
     out = lw.new(x.shape[:-1] + (n,), F32)
     work = lw.work(quant.FEW_ROWS * (k + k // group) * 4)
-    lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, bits, group, int(native.integer_dot()))
+    lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k,
+            native.quant_format(bits, attrs.get("offset", False)), group, int(native.integer_dot()))
     lw.output(node, out)
 
 
@@ -606,7 +607,8 @@ def _quantized_embedding(lw: Lowering, node: Node, attrs: dict[str, Any]) -> Non
     q, scale, ids = lw.contiguous(q), lw.contiguous(scale), lw.contiguous(ids)
     zero = None if zero is None else lw.contiguous(zero)
     out = lw.new(ids.shape + (k,), F32)
-    lw.emit("qembed", q, scale, zero, ids, out, ids.size, vocab, k, bits, group)
+    form = native.quant_format(bits, attrs.get("offset", False))
+    lw.emit("qembed", q, scale, zero, ids, out, ids.size, vocab, k, form, group)
     lw.output(node, out)
 
 

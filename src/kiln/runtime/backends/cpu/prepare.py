@@ -25,5 +25,6 @@ def quantized_linear(program: Program, method: Method, node: Node, env: dict[str
     if refs[0] is None or refs[1] is None or any(r is None and not absent(node, i + 1) for i, r in enumerate(refs)):
         return None
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
-    kernel = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]))
+    kernel = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
+                          bool(node.attrs.get("offset", False)))
     return None if kernel is None else (kernel, tuple(node.inputs))

@@ -35,7 +35,7 @@ def _few_rows(lib, args: tuple) -> None:
 
 
 def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias: np.ndarray | None, bits: int,
-                 group_size: int) -> Callable[..., np.ndarray] | None:
+                 group_size: int, offset: bool = False) -> Callable[..., np.ndarray] | None:
     """quantized_linear for one node whose weights are program constants (prepare.py): their addresses are taken
     once and the few-row path's scratch is kept, so a decode step's call costs the compiled work and about 3 us,
     not the ~15 us of checks, conversions and allocations the general kernel repeats; other inputs (many rows,
@@ -48,12 +48,15 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
     work = np.empty(FEW_ROWS * (k + k // group_size), dtype=np.float32)
     scratch = work.ctypes.data
 
-    def run(x: np.ndarray, *constants: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+    form = native.quant_format(bits, offset)
+
+    def run(x: np.ndarray, *constants: np.ndarray | None, bits: int, group_size: int,
+            offset: bool = False) -> np.ndarray:
         rows = x.size // k if x.shape[-1:] == (k,) else FEW_ROWS + 1
         if x.dtype is not _F32 or rows > FEW_ROWS or not x.flags.c_contiguous:
-            return quantized_linear(x, *constants, bits=bits, group_size=group_size)
+            return quantized_linear(x, *constants, bits=bits, group_size=group_size, offset=offset)
         out = np.empty(x.shape[:-1] + (n,), dtype=np.float32)
-        _few_rows(lib, (x.ctypes.data, *weights, out.ctypes.data, scratch, rows, n, k, bits, group_size,
+        _few_rows(lib, (x.ctypes.data, *weights, out.ctypes.data, scratch, rows, n, k, form, group_size,
                         native.threads()))
         return out
 
@@ -63,7 +66,7 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
 
 @kernel("quantized_linear")
 def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
-                     bias: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+                     bias: np.ndarray | None, bits: int, group_size: int, offset: bool = False) -> np.ndarray:
     dtype = scale.dtype
     x, scale, zero, bias = upcast(x, scale, zero, bias)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -72,10 +75,11 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     lib = native.library()
     compiled = lib is not None and native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous
     out = np.empty((rows, n), dtype=np.float32)
+    form = native.quant_format(bits, offset)
     if compiled and rows <= FEW_ROWS:
         work = np.empty(rows * (k + k // group_size), dtype=np.float32)
         _few_rows(lib, (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
-                        out.ctypes.data, work.ctypes.data, rows, n, k, bits, group_size, native.threads()))
+                        out.ctypes.data, work.ctypes.data, rows, n, k, form, group_size, native.threads()))
     else:
         band = max(1, _BAND_BYTES // (4 * k))
         weight = np.empty((min(band, n), k), dtype=np.float32)
@@ -85,10 +89,10 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
             if compiled:
                 lib.kiln_dequantize_f32(q[n0:n1].ctypes.data, scale[n0:n1].ctypes.data,
                                         native.address(None if zero is None else zero[n0:n1]), w.ctypes.data,
-                                        n1 - n0, k, bits, group_size)
+                                        n1 - n0, k, form, group_size)
             else:
                 w[...] = dequantize(np, q[n0:n1], scale[n0:n1], None if zero is None else zero[n0:n1], bits,
-                                    group_size)
+                                    group_size, offset)
             np.matmul(x2, w.T, out=out[:, n0:n1])
         if bias is not None:
             out += bias

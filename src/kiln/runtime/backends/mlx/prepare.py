@@ -55,8 +55,9 @@ def quantized(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, 
     if q is None or scale is None or (zero is None and not absent(node, first + 2)):
         return None
     bits, group_size = int(node.attrs["bits"]), int(node.attrs["group_size"])
-    weight = arrays.derived(("quantized", q, scale, zero, bits, group_size),
-                            lambda: formats.to_mlx_format(arrays.program, q, scale, zero, bits, group_size))
+    offset = bool(node.attrs.get("offset", False))
+    weight = arrays.derived(("quantized", q, scale, zero, bits, group_size, offset),
+                            lambda: formats.to_mlx_format(arrays.program, q, scale, zero, bits, group_size, offset))
     if weight is None:
         return None
     kernel = formats.linear_kernel(weight) if node.op == "quantized_linear" else formats.embedding_kernel(weight)

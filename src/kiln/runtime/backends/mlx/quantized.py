@@ -8,7 +8,8 @@ w = q_u * scale + bias with unsigned q_u packed into uint32 words, low bits firs
   are MLX's words: the weight is used as it is, viewed as uint32;
 - int8 becomes unsigned by flipping the sign bit (q + 128), and the zero point moves by 128 with it;
 - bias = -zero * scale, computed in float64 and rounded once to the scale's type, so MLX's q_u * scale + bias
-  differs from kiln's (q - zero) * scale only by the rounding of that product (tested);
+  differs from kiln's (q - zero) * scale only by the rounding of that product (tested); a weight stored with
+  offsets (the op's offset: W = q * scale + zero, GGUF's form) is already MLX's: bias = zero (int4: exactly);
 - a group of kiln's that MLX has no size for (int8 per channel is one group per row) is split into MLX groups of
   128, 64 or 32 that repeat its scale and bias. Weights whose rows fit none of those keep kiln's own kernels.
 """
@@ -45,8 +46,8 @@ def mlx_group_size(k: int, group_size: int) -> int | None:
     return None
 
 
-def convert(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int,
-            group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+def convert(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int, group_size: int,
+            offset: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """(packed uint32 weight, scales, biases, MLX group size) in NumPy, or None where MLX has no group size for
     these rows or the machine is big-endian."""
     k = q.shape[-1] * (2 if bits == 4 else 1)
@@ -54,21 +55,27 @@ def convert(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int
     if size is None or sys.byteorder != "little" or bits not in (4, 8):
         return None
     if bits == 8:
-        unsigned, offset = q.view(np.uint8) ^ np.uint8(0x80), 128.0
+        unsigned, shift = q.view(np.uint8) ^ np.uint8(0x80), 128.0
     else:
-        unsigned, offset = q, 0.0
-    z = (8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float64)
-    bias = (-(z + offset) * scale.astype(np.float64)).astype(scale.dtype)
+        unsigned, shift = q, 0.0
+    s = scale.astype(np.float64)
+    if offset:  # W = q * s + o = (q + shift) * s + (o - shift * s)
+        o = 0.0 if zero is None else zero.astype(np.float64)
+        bias = (o - shift * s) * np.ones_like(s)
+    else:
+        z = (8.0 if bits == 4 else 0.0) if zero is None else zero.astype(np.float64)
+        bias = -(z + shift) * s
+    bias = bias.astype(scale.dtype)
     repeat = group_size // size
     packed = np.ascontiguousarray(unsigned).view(np.uint32)
     return packed, np.repeat(scale, repeat, axis=-1), np.repeat(bias, repeat, axis=-1), size
 
 
-def to_mlx_format(program: Program, q: int, scale: int, zero: int | None, bits: int,
-                  group_size: int) -> MLXQuantized | None:
+def to_mlx_format(program: Program, q: int, scale: int, zero: int | None, bits: int, group_size: int,
+                  offset: bool = False) -> MLXQuantized | None:
     """The program's quantized weight (constants q, scale, zero) in MLX's format, or None (see convert)."""
     converted = convert(program.constant(q), program.constant(scale),
-                        None if zero is None else program.constant(zero), bits, group_size)
+                        None if zero is None else program.constant(zero), bits, group_size, offset)
     if converted is None:
         return None
     packed, scales, biases, size = converted
@@ -77,7 +84,8 @@ def to_mlx_format(program: Program, q: int, scale: int, zero: int | None, bits: 
 
 def linear_kernel(w: MLXQuantized) -> Callable[..., mx.array]:
     def quantized_linear(x: mx.array, q: mx.array, scale: mx.array, zero: mx.array | None = None,
-                         bias: mx.array | None = None, *, bits: int, group_size: int) -> mx.array:
+                         bias: mx.array | None = None, *, bits: int, group_size: int,
+                         offset: bool = False) -> mx.array:
         out = mx.quantized_matmul(x.astype(w.scales.dtype), w.weight, w.scales, w.biases, transpose=True,
                                   group_size=w.group_size, bits=w.bits)
         return (out if bias is None else out + bias).astype(scale.dtype)
@@ -86,7 +94,7 @@ def linear_kernel(w: MLXQuantized) -> Callable[..., mx.array]:
 
 def embedding_kernel(w: MLXQuantized) -> Callable[..., mx.array]:
     def quantized_embedding(q: mx.array, scale: mx.array, zero: mx.array | None, indices: mx.array, *, bits: int,
-                            group_size: int) -> mx.array:
+                            group_size: int, offset: bool = False) -> mx.array:
         rows = (mx.take(a, indices, axis=0) for a in (w.weight, w.scales, w.biases))
         return mx.dequantize(*rows, group_size=w.group_size, bits=w.bits).astype(scale.dtype)
     return quantized_embedding

@@ -35,7 +35,7 @@ log = logging.getLogger("kiln.native")
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c",
                                                               "gemm.c", "depthwise.c", "direct.c", "conv.c"))
 """Compiled together into one library; HEADERS are what they include (the build key reads them all)."""
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h", "vec16.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h", "vec16.h", "quant.h"))
 FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-pthread")
 """gnu99 for the vector extensions; FMA contraction allowed; no -ffast-math, so NaN and inf keep their meaning;
@@ -206,6 +206,15 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+QUANT_OFFSET = 256
+"""quant.h's flag: the zero array holds additive offsets (the op's offset attribute)."""
+
+
+def quant_format(bits: int, offset: bool) -> int:
+    """The format code the quantized helpers take in place of bits (quant.h)."""
+    return int(bits) | (QUANT_OFFSET if offset else 0)
 
 
 def integer_dot() -> bool:

@@ -17,17 +17,18 @@
 #include <time.h>
 
 #include "pool.h"
+#include "quant.h"
 
 enum { WORDS = 48 };
 
 enum {
-    OP_QLINEAR = 1,   /* x q scale zero bias out work | m n k bits group dot */
+    OP_QLINEAR = 1,   /* x q scale zero bias out work | m n k format group dot (format: quant.h) */
     OP_LINEAR = 2,    /* x w bias out | m n k */
     OP_RMS_NORM = 3,  /* x residual weight total out | rows n eps(float bits) */
     OP_ROPE_CACHE = 4,/* q k v cos sin k_cache v_cache positions q_out | 18 sizes and strides (attention.c) */
     OP_ATTENTION = 5, /* q k v mask out work | 18 sizes and strides, scale(float bits) */
     OP_GATED = 6,     /* gate up out | n activation (0 silu, 1 gelu_tanh, 2 gelu_erf) */
-    OP_QEMBED = 7,    /* q scale zero ids out | count vocab k bits group */
+    OP_QEMBED = 7,    /* q scale zero ids out | count vocab k format group */
     OP_GATHER = 8,    /* table ids out | count rows row_bytes */
     OP_COMPARE = 9,   /* a b out | kind dtype(0 int64, 1 float32) shape[4] a_strides[4] b_strides[4] (elements) */
     OP_COPY = 10,     /* src dst | item shape[4] src_strides[4] (bytes); dst contiguous */
@@ -99,9 +100,9 @@ static void binary_row_f32(i64 kind, const float *restrict x, i64 xs, const floa
 #undef BINARY_ROW
 
 i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, const float *zero, const float *bias,
-                         float *out, void *work, i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads);
+                         float *out, void *work, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
 void kiln_qlinear_f32(const float *x, const void *qv, const float *scale, const float *zero, const float *bias,
-                      float *out, float *xs, i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads);
+                      float *out, float *xs, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
 void kiln_linear_rows_f32(const float *x, const float *w, const float *bias, float *out, i64 m, i64 n, i64 k,
                           i64 threads);
 void kiln_add_rms_norm_f32(const float *x, const float *r, const float *w, float *total, float *out, i64 rows, i64 n,
@@ -120,7 +121,7 @@ i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, co
                               float *k_cache, float *v_cache, const i64 *slots, const i64 *positions, float *q_out,
                               i64 B, i64 Hq, i64 Hkv, i64 D, i64 S, i64 slot_count, i64 qsb, i64 qsh, i64 ksb,
                               i64 ksh, i64 vsb, i64 vsh, i64 csb, i64 interleaved);
-void kiln_dequantize_f32(const void *qv, const float *scale, const float *zero, float *w, i64 rows, i64 k, i64 bits,
+void kiln_dequantize_f32(const void *qv, const float *scale, const float *zero, float *w, i64 rows, i64 k, i64 format,
                          i64 group);
 void kiln_layer_norm_f32(const float *x, const float *w, const float *b, float *out, i64 rows, i64 n, float eps);
 void kiln_sigmoid_f32(const float *x, float *y, i64 n);
@@ -204,7 +205,8 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
         }
         case OP_QEMBED: {
             const i64 *ids = PTR(7);
-            const i64 count = a[11], vocab = a[12], k = a[13], bits = a[14], group = a[15];
+            const i64 count = a[11], vocab = a[12], k = a[13], format = a[14], group = a[15];
+            const i64 bits = QUANT_BITS(format);
             const char *q = PTR(1);
             const float *scale = PTR(3), *zero = PTR(5);
             float *out = PTR(9);
@@ -213,7 +215,7 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             for (i64 i = 0; i < count; i++) {
                 const i64 r = row_index(ids[i], vocab), ngroups = k / group;
                 kiln_dequantize_f32(q + r * (k * bits / 8), scale + r * ngroups, zero ? zero + r * ngroups : 0,
-                                    out + i * k, 1, k, bits, group);
+                                    out + i * k, 1, k, format, group);
             }
             return 1;
         }

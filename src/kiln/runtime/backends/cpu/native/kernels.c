@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "pool.h"
+#include "quant.h"
 
 #include "vec16.h"
 #include "vmath.h"
@@ -604,10 +605,11 @@ static inline void finish_rows(const v16 *total, const float *tail, const float 
 }
 
 /* int8 rows o..o+QROWS-1 of kiln_qlinear_f32 for one x row. The bytes are read unsigned (q ^ 128 = q + 128, see
- * to_float16u), and the 128 is folded into the zero point: sum x (q - z) = sum x (q + 128) - (z + 128) sum x. */
+ * to_float16u), and the 128 is folded into the group's additive term b (quant.h): sum x (q s + b) =
+ * s sum x (q + 128) + (b - 128 s) sum x. */
 static void qlinear8_rows(const float *restrict xr, const unsigned char *restrict q, const float *restrict scale,
                           const float *restrict zero, const float *restrict bias, float *restrict out,
-                          const float *restrict xsum, i64 k, i64 group) {
+                          const float *restrict xsum, i64 k, i64 group, i64 format) {
     const i64 ngroups = k / group;
     const v16u8u flip = (v16u8u){128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128};
     v16 total[QROWS];
@@ -627,9 +629,9 @@ static void qlinear8_rows(const float *restrict xr, const unsigned char *restric
         for (; j < group; j++)
             for (int i = 0; i < QROWS; i++) rest[i] += xg[j] * (float)(q[i * k + g * group + j] ^ 128);
         for (int i = 0; i < QROWS; i++) {
-            const float s = scale[i * ngroups + g], z = (zero ? zero[i * ngroups + g] : 0.0f) + 128.0f;
+            const float s = scale[i * ngroups + g], b = quant_term(zero ? zero + i * ngroups : 0, g, s, format);
             total[i] += splat16(s) * dot[i];
-            tail[i] += s * (rest[i] - z * xsum[g]);
+            tail[i] += s * rest[i] + (b - 128.0f * s) * xsum[g];
         }
     }
     finish_rows(total, tail, bias, out);
@@ -639,7 +641,7 @@ static void qlinear8_rows(const float *restrict xr, const unsigned char *restric
  * nibble of byte j is weight 2j, the high nibble weight 2j + 1. */
 static void qlinear4_rows(const float *restrict xe, const float *restrict xo, const unsigned char *restrict q,
                           const float *restrict scale, const float *restrict zero, const float *restrict bias,
-                          float *restrict out, const float *restrict xsum, i64 k, i64 group) {
+                          float *restrict out, const float *restrict xsum, i64 k, i64 group, i64 format) {
     const i64 ngroups = k / group, half = group / 2;
     v16 total[QROWS];
     float tail[QROWS];
@@ -663,9 +665,9 @@ static void qlinear4_rows(const float *restrict xe, const float *restrict xo, co
                 rest[i] += eg[j] * (float)(b & 15) + og[j] * (float)(b >> 4);
             }
         for (int i = 0; i < QROWS; i++) {
-            const float s = scale[i * ngroups + g], z = zero ? zero[i * ngroups + g] : 8.0f;
+            const float s = scale[i * ngroups + g], b = quant_term(zero ? zero + i * ngroups : 0, g, s, format);
             total[i] += splat16(s) * dot[i];
-            tail[i] += s * (rest[i] - z * xsum[g]);
+            tail[i] += s * rest[i] + b * xsum[g];
         }
     }
     finish_rows(total, tail, bias, out);
@@ -677,7 +679,7 @@ typedef struct {
     const float *scale, *zero, *bias;
     float *out;
     const float *xs;
-    i64 m, n, k, bits, group;
+    i64 m, n, k, format, group;
 } qlinear_args;
 
 /* outputs [begin * QROWS, end * QROWS) of kiln_qlinear_f32, in blocks of QROWS weight rows, the last part's
@@ -689,8 +691,8 @@ static void qlinear_part(const void *ctx, i64 begin, i64 end) {
     const float *restrict xs = a->xs;
     const void *restrict qv = a->qv;
     float *restrict out = a->out;
-    const i64 m = a->m, n = a->n, k = a->k, bits = a->bits, group = a->group, ngroups = k / group;
-    const float zdefault = bits == 4 ? 8.0f : 0.0f;
+    const i64 m = a->m, n = a->n, k = a->k, format = a->format, bits = QUANT_BITS(format), group = a->group;
+    const i64 ngroups = k / group;
     const i64 stop = end * QROWS < n ? end * QROWS : n;
     i64 o = begin * QROWS;
     /* four weight rows per pass: each x vector loaded once feeds four FMA chains */
@@ -700,10 +702,10 @@ static void qlinear_part(const void *ctx, i64 begin, i64 end) {
             const float *zo = zero ? zero + o * ngroups : 0, *bo = bias ? bias + o : 0;
             if (bits == 8)
                 qlinear8_rows(x + r * k, (const unsigned char *)qv + o * k, scale + o * ngroups, zo, bo,
-                              out + r * n + o, xe + k, k, group);
+                              out + r * n + o, xe + k, k, group, format);
             else
                 qlinear4_rows(xe, xe + k / 2, (const unsigned char *)qv + o * (k / 2), scale + o * ngroups, zo, bo,
-                              out + r * n + o, xe + k, k, group);
+                              out + r * n + o, xe + k, k, group, format);
         }
     for (; o < stop; o++) {
         const float *so = scale + o * ngroups;
@@ -716,7 +718,6 @@ static void qlinear_part(const void *ctx, i64 begin, i64 end) {
             for (i64 g = 0; g < ngroups; g++) {
                 v16 dot = splat16(0.0f);
                 float rest = 0.0f;
-                float z = zo ? zo[g] : zdefault;
                 if (bits == 8) {
                     const unsigned char *qg = (const unsigned char *)qv + o * k + g * group;
                     const float *xg = xr + g * group;
@@ -747,7 +748,7 @@ static void qlinear_part(const void *ctx, i64 begin, i64 end) {
                     for (; j < group / 2; j++) rest += eg[j] * (float)(qg[j] & 15) + og[j] * (float)(qg[j] >> 4);
                 }
                 total += splat16(so[g]) * dot;
-                tail += so[g] * (rest - z * xsum[g]);
+                tail += so[g] * rest + quant_term(zo, g, so[g], format) * xsum[g];
             }
             float acc = tail;
             for (int lane = 0; lane < 16; lane++) acc += total[lane];
@@ -758,8 +759,8 @@ static void qlinear_part(const void *ctx, i64 begin, i64 end) {
 
 void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const float *restrict scale,
                       const float *restrict zero, const float *restrict bias, float *restrict out, float *restrict xs,
-                      i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads) {
-    const i64 ngroups = k / group;
+                      i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads) {
+    const i64 ngroups = k / group, bits = QUANT_BITS(format);
     for (i64 r = 0; r < m; r++) {
         const float *xr = x + r * k;
         float *xe = xs + r * (k + ngroups), *xo = xe + k / 2, *xsum = xe + k;
@@ -774,7 +775,7 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
             xsum[g] = s;
         }
     }
-    const qlinear_args args = {x, qv, scale, zero, bias, out, xs, m, n, k, bits, group};
+    const qlinear_args args = {x, qv, scale, zero, bias, out, xs, m, n, k, format, group};
     const i64 blocks = (n + QROWS - 1) / QROWS, most = n * k / LINEAR_MIN_PART;
     parallel_for(qlinear_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
 }
@@ -782,21 +783,28 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
 /* Dequantize rows [0, rows) of a quantized weight into float32 w [rows, k] (for many-row inputs, which then use
  * BLAS on a band of dequantized rows at a time). q, scale and zero point at the band's first row. */
 void kiln_dequantize_f32(const void *restrict qv, const float *restrict scale, const float *restrict zero,
-                         float *restrict w, i64 rows, i64 k, i64 bits, i64 group) {
-    const i64 ngroups = k / group;
-    const float zdefault = bits == 4 ? 8.0f : 0.0f;
+                         float *restrict w, i64 rows, i64 k, i64 format, i64 group) {
+    const i64 ngroups = k / group, bits = QUANT_BITS(format);
+    /* each form rounded as it is defined (quant.h's quant_value): q * s + o is GGUF's own rounding */
+    const int offset = (format & QUANT_OFFSET) != 0;
     for (i64 o = 0; o < rows; o++)
         for (i64 g = 0; g < ngroups; g++) {
-            const float s = scale[o * ngroups + g], z = zero ? zero[o * ngroups + g] : zdefault;
+            const float *zo = zero ? zero + o * ngroups : 0;
+            const float s = scale[o * ngroups + g];
+            const float z = zo ? zo[g] : (bits == 4 ? 8.0f : 0.0f), b = zo ? zo[g] : 0.0f; /* (b: offsets) */
             float *wg = w + o * k + g * group;
             if (bits == 8) {
                 const signed char *qg = (const signed char *)qv + o * k + g * group;
-                for (i64 j = 0; j < group; j++) wg[j] = ((float)qg[j] - z) * s;
+                if (offset)
+                    for (i64 j = 0; j < group; j++) wg[j] = (float)qg[j] * s + b;
+                else
+                    for (i64 j = 0; j < group; j++) wg[j] = ((float)qg[j] - z) * s;
             } else {
                 const unsigned char *qg = (const unsigned char *)qv + o * (k / 2) + g * (group / 2);
                 for (i64 j = 0; j < group / 2; j++) {
-                    wg[2 * j] = ((float)(qg[j] & 15) - z) * s;
-                    wg[2 * j + 1] = ((float)(qg[j] >> 4) - z) * s;
+                    const float lo = (float)(qg[j] & 15), hi = (float)(qg[j] >> 4);
+                    wg[2 * j] = offset ? lo * s + b : (lo - z) * s;
+                    wg[2 * j + 1] = offset ? hi * s + b : (hi - z) * s;
                 }
             }
         }

@@ -18,6 +18,7 @@
  * whatever the batch, the row's place in it or the thread count, so results do not depend on any of them.
  */
 #include "pool.h"
+#include "quant.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -104,12 +105,12 @@ static inline void prefetch_rows(const float *p, i64 count) {
     for (i64 byte = 0; byte < 4 * count; byte += 64) _mm_prefetch((const char *)p + byte, _MM_HINT_T0);
 }
 
-/* out = the lanes of total, less the zero points' term, plus the bias */
-static inline float finish(__m256 total, const float *restrict s, const float *restrict z, float zdefault,
+/* out = the lanes of total, plus the groups' additive terms (quant.h) times their input sums, plus the bias */
+static inline float finish(__m256 total, const float *restrict s, const float *restrict z, i64 format,
                            const float *restrict xz, i64 ngroups, const float *restrict bias) {
-    float zero_term = 0.0f;
-    for (i64 g = 0; g < ngroups; g++) zero_term += s[g] * (z ? z[g] : zdefault) * xz[g];
-    return hsum8(total) - zero_term + (bias ? *bias : 0.0f);
+    float terms = 0.0f;
+    for (i64 g = 0; g < ngroups; g++) terms += quant_term(z, g, s[g], format) * xz[g];
+    return hsum8(total) + terms + (bias ? *bias : 0.0f);
 }
 
 /* int4 weight rows o..o+R-1 for one input row. Each 64 weights (32 bytes) are unpacked to their low nibbles
@@ -120,7 +121,7 @@ static inline __attribute__((always_inline)) void q4_rows(const signed char *res
                                                           const float *restrict xz, const unsigned char *restrict q,
                                                           const float *restrict scale, const float *restrict zero,
                                                           const float *restrict bias, float *restrict out, i64 k,
-                                                          i64 group, const int R, const int pairs) {
+                                                          i64 group, i64 format, const int R, const int pairs) {
     const i64 ngroups = k / group, per_scale = pairs ? 1 : group / 64; /* 64-weight steps under one scale */
     const __m256i low = _mm256_set1_epi8(15);
     __m256 total[QDOT_ROWS];
@@ -151,7 +152,7 @@ static inline __attribute__((always_inline)) void q4_rows(const signed char *res
         }
     }
     for (int i = 0; i < R; i++)
-        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, 8.0f, xz, ngroups,
+        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, format, xz, ngroups,
                         bias ? bias + i : 0);
 }
 
@@ -161,7 +162,7 @@ static inline __attribute__((always_inline)) void q8_rows(const signed char *res
                                                           const float *restrict xz, const signed char *restrict q,
                                                           const float *restrict scale, const float *restrict zero,
                                                           const float *restrict bias, float *restrict out, i64 k,
-                                                          i64 group, const int R) {
+                                                          i64 group, i64 format, const int R) {
     const i64 ngroups = k / group;
     __m256 total[QDOT_ROWS];
     for (int i = 0; i < R; i++) total[i] = _mm256_setzero_ps();
@@ -186,7 +187,7 @@ static inline __attribute__((always_inline)) void q8_rows(const signed char *res
             total[i] = _mm256_fmadd_ps(sum[i], _mm256_set1_ps(scale[i * ngroups + g]), total[i]);
     }
     for (int i = 0; i < R; i++)
-        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, 0.0f, xz, ngroups,
+        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, format, xz, ngroups,
                         bias ? bias + i : 0);
 }
 
@@ -195,7 +196,7 @@ typedef struct {
     const float *scale, *zero, *bias;
     float *out;
     const char *work;
-    i64 m, n, k, bits, group, stride;
+    i64 m, n, k, format, group, stride;
 } qdot_args;
 
 /* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) for every input row; the last n % QDOT_ROWS rows one by one */
@@ -212,16 +213,17 @@ static void qdot_part(const void *ctx, i64 begin, i64 end) {
             const signed char *xq = (const signed char *)(a->work + r * a->stride);
             const float *d = (const float *)(xq + k), *xz = d + k / 32;
             float *out = a->out + r * n + o;
-            if (a->bits == 4) {
+            const i64 f = a->format;
+            if (QUANT_BITS(f) == 4) {
                 const unsigned char *q = (const unsigned char *)a->q + o * (k / 2);
-                if (R == QDOT_ROWS && pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, QDOT_ROWS, 1);
-                else if (R == QDOT_ROWS) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, QDOT_ROWS, 0);
-                else if (pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, 1, 1);
-                else q4_rows(xq, d, xz, q, s, z, bias, out, k, group, 1, 0);
+                if (R == QDOT_ROWS && pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 1);
+                else if (R == QDOT_ROWS) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 0);
+                else if (pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 1);
+                else q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 0);
             } else {
                 const signed char *q = (const signed char *)a->q + o * k;
-                if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out, k, group, QDOT_ROWS);
-                else q8_rows(xq, d, xz, q, s, z, bias, out, k, group, 1);
+                if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS);
+                else q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1);
             }
         }
         o += R;
@@ -244,8 +246,9 @@ i64 kiln_qdot_level(void) {
  * touching out when it cannot take the shapes, the CPU lacks the instructions or x holds inf or NaN. */
 i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const float *restrict scale,
                          const float *restrict zero, const float *restrict bias, float *restrict out, void *work,
-                         i64 m, i64 n, i64 k, i64 bits, i64 group, i64 threads) {
+                         i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads) {
 #if defined(QDOT_LEVEL)
+    const i64 bits = QUANT_BITS(format);
     const int shapes = bits == 4 ? k % 64 == 0 && (group == 32 || group % 64 == 0)
                                  : bits == 8 && k % 32 == 0 && group % 32 == 0;
     if (!shapes || group <= 0 || k % group != 0) return 0;
@@ -255,13 +258,13 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
         float *d = (float *)(xq + k);
         if (!quantize_row(x + r * k, k, group, bits == 4, xq, d, d + k / 32)) return 0;
     }
-    const qdot_args args = {q, scale, zero, bias, out, (const char *)work, m, n, k, bits, group, stride};
+    const qdot_args args = {q, scale, zero, bias, out, (const char *)work, m, n, k, format, group, stride};
     const i64 blocks = (n + QDOT_ROWS - 1) / QDOT_ROWS, most = n * k / LINEAR_MIN_PART;
     parallel_for(qdot_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
     return 1;
 #else
     (void)x, (void)q, (void)scale, (void)zero, (void)bias, (void)out, (void)work, (void)m, (void)n, (void)k;
-    (void)bits, (void)group, (void)threads;
+    (void)format, (void)group, (void)threads;
     return 0;
 #endif
 }

@@ -183,20 +183,22 @@ QUANT_WARPS = 8  # warps per block of qlinear_rows, as quant.cu's WARPS
 
 
 @kernel("quantized_linear")
-def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int) -> Any:
+def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
+                     offset: bool = False) -> Any:
     dtype = scale.dtype
     lead, k = x.shape[:-1], x.shape[-1]
     n = q.shape[0]
     x2 = x.reshape(-1, k)
     same = (x2, scale) + tuple(a for a in (zero, bias) if a is not None)
     if not (nvrtc.supports(*same) and contiguous(q, scale, *(a for a in (zero, bias) if a is not None))):
-        return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size).reshape(*lead, n)
+        return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size, offset).reshape(*lead, n)
     x2 = cp.ascontiguousarray(x2)
+    zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))  # quant.cu's modes
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
         nvrtc.function("quant", "dequantize", dtype)(
             grid(n * k), (256,), (q, scale, zero if zero is not None else scale, weight, np.int64(n), np.int32(k),
-                                  np.int32(bits), np.int32(group_size), np.int32(zero is not None)))
+                                  np.int32(bits), np.int32(group_size), zero_mode))
         return _linear(x2, weight.T, bias).reshape(*lead, n)
     out = cp.empty((x2.shape[0], n), dtype=dtype)
     if x2.shape[0]:
@@ -204,13 +206,14 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
             (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
              np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(bits), np.int32(group_size),
-             np.int32(zero is not None), np.int32(bias is not None)))
+             zero_mode, np.int32(bias is not None)))
     return out.reshape(*lead, n)
 
 
-def _dequantized_linear(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int) -> Any:
+def _dequantized_linear(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
+                        offset: bool) -> Any:
     """The op's definition in CuPy (mixed dtypes, non-contiguous parts): float32 weight, float32 product."""
     dtype = scale.dtype
     x2, bias = upcast(x2, bias)
-    weight = dequantize(cp, q, scale, zero, bits, group_size)
+    weight = dequantize(cp, q, scale, zero, bits, group_size, offset)
     return _linear(x2.astype(np.float32, copy=False), weight.T, bias).astype(dtype, copy=False)

@@ -1,6 +1,20 @@
 // Weight-only quantized linear layers (the op set's quantized_linear): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g]
 // with g = k / group. int8 weights are signed bytes [N, K]; int4 weights are packed two per byte [N, K/2], low
-// nibble first, with an implicit zero point of 8 when there is no zero array (int8's is 0).
+// nibble first, with an implicit zero point of 8 when there is no zero array (int8's is 0). zero_mode says what the
+// zero array is: 0 absent, 1 zero points, 2 additive offsets (the op's offset: W = q * scale + zero, GGUF's form;
+// absent offsets are mode 3: W = q * scale).
+
+#define ZERO_ABSENT 0
+#define ZERO_POINTS 1
+#define ZERO_OFFSETS 2
+#define ZERO_NO_OFFSETS 3
+
+// W = q * s + b for a group: b from the zero point (-z * s) or the offset
+__device__ __forceinline__ float group_term(const float s, const float z, int zero_mode, int bits) {
+    if (zero_mode == ZERO_OFFSETS) return z;
+    if (zero_mode == ZERO_NO_OFFSETS) return 0.0f;
+    return -s * (zero_mode == ZERO_POINTS ? z : (bits == 4 ? 8.0f : 0.0f));
+}
 
 #define MAX_ROWS 8   // input rows qlinear_rows takes (linalg.py's QUANT_ROWS)
 #define WARPS 8      // warps per block of qlinear_rows (linalg.py's QUANT_WARPS)
@@ -18,7 +32,7 @@ template <class S>
 __global__ void qlinear_rows(const typename S::T* __restrict__ x, const unsigned char* __restrict__ q,
                              const typename S::T* __restrict__ scale, const typename S::T* __restrict__ zero,
                              const typename S::T* __restrict__ bias, typename S::T* __restrict__ out, int rows,
-                             int n, int k, int bits, int group, int has_zero, int has_bias) {
+                             int n, int k, int bits, int group, int zero_mode, int has_bias) {
     grid_dependency_sync();
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -26,7 +40,7 @@ __global__ void qlinear_rows(const typename S::T* __restrict__ x, const unsigned
     const int ngroups = k / group;
     const int row_bytes = bits == 8 ? k : k / 2;
     const unsigned char* qrow = q + (long long)o * row_bytes;
-    const float zdefault = bits == 4 ? 8.0f : 0.0f;
+    const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
     float acc[MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < MAX_ROWS; r++) acc[r] = 0.0f;
@@ -38,14 +52,14 @@ __global__ void qlinear_rows(const typename S::T* __restrict__ x, const unsigned
             const int j0 = w * per_word;
             const int g = j0 / group;
             const float s = S::load(scale[(long long)o * ngroups + g]);
-            const float z = has_zero ? S::load(zero[(long long)o * ngroups + g]) : zdefault;
+            const float b = group_term(s, has_zero ? S::load(zero[(long long)o * ngroups + g]) : 0.0f, zero_mode, bits);
             float wv[8];
             if (bits == 8) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) wv[i] = ((float)(signed char)((word >> (8 * i)) & 255u) - z) * s;
+                for (int i = 0; i < 4; i++) wv[i] = (float)(signed char)((word >> (8 * i)) & 255u) * s + b;
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; i++) wv[i] = ((float)((word >> (4 * i)) & 15u) - z) * s;
+                for (int i = 0; i < 8; i++) wv[i] = (float)((word >> (4 * i)) & 15u) * s + b;
             }
 #pragma unroll
             for (int r = 0; r < MAX_ROWS; r++) {
@@ -61,8 +75,8 @@ __global__ void qlinear_rows(const typename S::T* __restrict__ x, const unsigned
         for (int j = lane; j < k; j += 32) {
             const int g = j / group;
             const float s = S::load(scale[(long long)o * ngroups + g]);
-            const float z = has_zero ? S::load(zero[(long long)o * ngroups + g]) : zdefault;
-            const float wv = (weight_at(qrow, j, bits) - z) * s;
+            const float b = group_term(s, has_zero ? S::load(zero[(long long)o * ngroups + g]) : 0.0f, zero_mode, bits);
+            const float wv = weight_at(qrow, j, bits) * s + b;
 #pragma unroll
             for (int r = 0; r < MAX_ROWS; r++)
                 if (r < rows) acc[r] += S::load(x[(long long)r * k + j]) * wv;
@@ -80,18 +94,21 @@ __global__ void qlinear_rows(const typename S::T* __restrict__ x, const unsigned
 template <class S>
 __global__ void dequantize(const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
                            const typename S::T* __restrict__ zero, typename S::T* __restrict__ w, long long n, int k,
-                           int bits, int group, int has_zero) {
+                           int bits, int group, int zero_mode) {
     grid_dependency_sync();
     const long long total = n * k;
     const int ngroups = k / group;
     const int row_bytes = bits == 8 ? k : k / 2;
     const float zdefault = bits == 4 ? 8.0f : 0.0f;
+    const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long o = i / k;
         const int j = (int)(i - o * k);
         const long long sg = o * ngroups + j / group;
-        const float z = has_zero ? S::load(zero[sg]) : zdefault;
-        w[i] = S::store((weight_at(q + o * row_bytes, j, bits) - z) * S::load(scale[sg]));
+        const float z = has_zero ? S::load(zero[sg]) : zdefault, v = weight_at(q + o * row_bytes, j, bits);
+        // each form rounded as defined: (q - z) * s, or q * s + o (GGUF's own rounding)
+        w[i] = S::store(zero_mode >= ZERO_OFFSETS ? v * S::load(scale[sg]) + (has_zero ? z : 0.0f)
+                                                  : (v - z) * S::load(scale[sg]));
     }
 }

@@ -1,0 +1,25 @@
+/* A quantized weight's format code as the Python side passes it (native.quant_format): its bits (4 or 8), plus
+ * QUANT_OFFSET when the zero array holds additive offsets (W = q * s + o: GGUF's and MLX's form) instead of zero
+ * points (W = (q - z) * s: kiln's own export). Kernels fold either into one additive term per group. */
+#ifndef KILN_QUANT_H
+#define KILN_QUANT_H
+
+#include "pool.h"
+
+#define QUANT_OFFSET 256
+#define QUANT_BITS(format) ((format) & 255)
+
+/* b of W = q * s + b for group g: the offset, or -z * s for a zero point z (absent: 8 for int4, 0 for int8; an
+ * absent offset is 0) */
+static inline float quant_term(const float *zero, i64 g, float s, i64 format) {
+    if (format & QUANT_OFFSET) return zero ? zero[g] : 0.0f;
+    return -s * (zero ? zero[g] : (QUANT_BITS(format) == 4 ? 8.0f : 0.0f));
+}
+
+/* one weight's value, rounded once in either form (the offset form as GGUF's own dequantization rounds it) */
+static inline float quant_value(float q, const float *zero, i64 g, float s, i64 format) {
+    if (format & QUANT_OFFSET) return q * s + (zero ? zero[g] : 0.0f);
+    return (q - (zero ? zero[g] : (QUANT_BITS(format) == 4 ? 8.0f : 0.0f))) * s;
+}
+
+#endif
