@@ -107,3 +107,37 @@ def test_mlx_format_holds_offsets(bits, group):
     eps = float(np.finfo(np.float32).eps)
     np.testing.assert_array_less(np.abs(got - want), 2 * eps * (np.abs(want) + np.abs(np.repeat(biases, size, 1))
                                                                  + 1e-30))
+
+
+@needs_native
+@pytest.mark.parametrize("bits,group,offset", [(4, 32, True), (4, 64, False), (8, 32, False)])
+def test_refined_int8_inputs_for_logits(bits, group, offset, monkeypatch):
+    """A linear that yields a method's output (an LM head) rounds its int8 inputs twice (value and residual):
+    within ~1/100 of what one rounding moves an output, at the same weights read once."""
+    from kiln.runtime.backends.cpu.quant import bound_linear
+
+    if not native.integer_dot():
+        pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
+    monkeypatch.setenv("KILN_QUANT_DOT", "int8")
+    q, scale, offset_or_zero, bias = offset_weight(bits, group, 300, 256, 4)
+    weight = dequantize(np, q, scale, offset_or_zero, bits, group, offset=offset).astype(np.float64)
+    x = (np.random.default_rng(5).standard_normal((3, 256)) * 4).astype(np.float32)
+    want = x.astype(np.float64) @ weight.T + bias
+    once, twice = (bound_linear(q, scale, offset_or_zero, bias, bits, group, offset, refine=refine)
+                   for refine in (False, True))
+    errors = [np.abs(run(x, q, scale, offset_or_zero, bias, bits=bits, group_size=group, offset=offset) - want).max()
+              for run in (once, twice)]
+    assert errors[1] < errors[0] / 30 and errors[1] < 1e-3 * np.abs(want).max()
+
+
+def test_lm_heads_are_the_linears_that_yield_an_output():
+    from kiln.ir.dtypes import DType
+    from kiln.ir.graph import Method, Node, Value, ValueKind
+    from kiln.runtime.backends.cpu.quant import yields_output
+
+    values = [Value(name, DType.float32, (1, 4), ValueKind.INPUT if name == "x" else ValueKind.TEMP)
+              for name in ("x", "hidden", "logits", "out")]
+    body = Node("quantized_linear", [0], [1], {})
+    head = Node("quantized_linear", [1], [2], {})
+    method = Method("decode", values, [0], [3], [body, head, Node("reshape", [2], [3], {})])
+    assert yields_output(method, head) and not yields_output(method, body)

@@ -304,9 +304,9 @@ def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     x, q, scale = lw.contiguous(x), lw.contiguous(q), lw.contiguous(scale)
     zero, bias = (None if a is None else lw.contiguous(a) for a in (zero, bias))
     out = lw.new(x.shape[:-1] + (n,), F32)
-    work = lw.work(quant.FEW_ROWS * (k + k // group) * 4)
-    lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k,
-            native.quant_format(bits, attrs.get("offset", False)), group, int(native.integer_dot()))
+    work = lw.work(2 * quant.FEW_ROWS * (k + k // group) * 4)  # (twice: refined inputs, quant.h)
+    form = native.quant_format(bits, attrs.get("offset", False), quant.yields_output(lw.method, node))
+    lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, form, group, int(native.integer_dot()))
     lw.output(node, out)
 
 

@@ -19,12 +19,12 @@ prepare = PREPARERS.prepare
 
 @preparer("quantized_linear")
 def quantized_linear(program: Program, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
-    from kiln.runtime.backends.cpu.quant import bound_linear
+    from kiln.runtime.backends.cpu.quant import bound_linear, yields_output
 
     refs = [constant_ref(method, node, i) for i in range(1, 5)]  # q, scale, zero, bias
     if refs[0] is None or refs[1] is None or any(r is None and not absent(node, i + 1) for i, r in enumerate(refs)):
         return None
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
     kernel = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
-                          bool(node.attrs.get("offset", False)))
+                          bool(node.attrs.get("offset", False)), refine=yields_output(method, node))
     return None if kernel is None else (kernel, tuple(node.inputs))

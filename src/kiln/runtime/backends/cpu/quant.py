@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kiln.ir.graph import Method, Node
 from kiln.runtime.backends.array_api.quant import dequantize
 from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import kernel, upcast
@@ -28,14 +29,28 @@ _F32 = np.dtype(np.float32)
 
 
 def _few_rows(lib, args: tuple) -> None:
-    """kiln_qlinear_f32's call (x, q, scale, zero, bias, out, work, rows, n, k, bits, group, threads) by integer
-    dot products where the helpers take it (native.integer_dot, qdot.c), else by the float kernel."""
+    """kiln_qlinear_f32's call (x, q, scale, zero, bias, out, work, rows, n, k, format, group, threads) by integer
+    dot products where the helpers take it (native.integer_dot, qdot.c), else by the float kernel. work holds
+    2 * rows * (k + k / group) floats (refined inputs take two quantized rows each)."""
     if not (native.integer_dot() and lib.kiln_qlinear_dot_f32(*args)):
         lib.kiln_qlinear_f32(*args)
 
 
+def yields_output(method: Method, node: Node) -> bool:
+    """Whether the node's result is one of the method's outputs (or reshaped into one): a language model's logits.
+    Their int8 inputs are refined (quant.h's QUANT_REFINE: the rounding's residual rounded again): one rounding to
+    int8 moves a logit by ~0.3%, enough to flip the near ties a greedy answer often starts with (SmolLM2's Q4_1
+    GGUF: "The" 25.33 vs "L" 25.24 for the demo question became 25.31 vs 25.36, and with it the whole answer, as
+    llama.cpp's own answer flips), and refining costs twice the integer work of one linear of ~200."""
+    outputs = set(method.outputs)
+    for later in reversed(method.nodes):  # (through the reshape an LM's logits leave by)
+        if later.op == "reshape" and later.outputs[0] in outputs:
+            outputs.add(later.inputs[0])
+    return any(out in outputs for out in node.outputs)
+
+
 def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias: np.ndarray | None, bits: int,
-                 group_size: int, offset: bool = False) -> Callable[..., np.ndarray] | None:
+                 group_size: int, offset: bool = False, refine: bool = False) -> Callable[..., np.ndarray] | None:
     """quantized_linear for one node whose weights are program constants (prepare.py): their addresses are taken
     once and the few-row path's scratch is kept, so a decode step's call costs the compiled work and about 3 us,
     not the ~15 us of checks, conversions and allocations the general kernel repeats; other inputs (many rows,
@@ -45,10 +60,10 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
         return None
     n, k = q.shape[0], q.shape[1] * 8 // bits
     weights = (q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias))
-    work = np.empty(FEW_ROWS * (k + k // group_size), dtype=np.float32)
+    work = np.empty(2 * FEW_ROWS * (k + k // group_size), dtype=np.float32)
     scratch = work.ctypes.data
 
-    form = native.quant_format(bits, offset)
+    form = native.quant_format(bits, offset, refine)
 
     def run(x: np.ndarray, *constants: np.ndarray | None, bits: int, group_size: int,
             offset: bool = False) -> np.ndarray:
@@ -77,7 +92,7 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     out = np.empty((rows, n), dtype=np.float32)
     form = native.quant_format(bits, offset)
     if compiled and rows <= FEW_ROWS:
-        work = np.empty(rows * (k + k // group_size), dtype=np.float32)
+        work = np.empty(2 * rows * (k + k // group_size), dtype=np.float32)
         _few_rows(lib, (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
                         out.ctypes.data, work.ctypes.data, rows, n, k, form, group_size, native.threads()))
     else:

@@ -210,11 +210,13 @@ def _cores() -> int:
 
 QUANT_OFFSET = 256
 """quant.h's flag: the zero array holds additive offsets (the op's offset attribute)."""
+QUANT_REFINE = 512
+"""quant.h's flag: int8 inputs rounded twice, value and residual (a language model's logits)."""
 
 
-def quant_format(bits: int, offset: bool) -> int:
+def quant_format(bits: int, offset: bool, refine: bool = False) -> int:
     """The format code the quantized helpers take in place of bits (quant.h)."""
-    return int(bits) | (QUANT_OFFSET if offset else 0)
+    return int(bits) | (QUANT_OFFSET if offset else 0) | (QUANT_REFINE if refine else 0)
 
 
 def integer_dot() -> bool:

@@ -22,6 +22,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <stdlib.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QDOT_LEVEL 2
@@ -56,7 +57,7 @@ static inline int hsum8i(__m256i v) {
  * int4 (split) each 64 bytes are reordered to the even elements, then the odd ones: a weight byte's low nibble
  * is element 2j and its high nibble 2j + 1, so the nibbles unpacked side by side meet the inputs in that order. */
 static int quantize_row(const float *restrict x, i64 k, i64 group, int split, signed char *restrict xq,
-                        float *restrict d, float *restrict xz) {
+                        float *restrict d, float *restrict xz, float *restrict residual) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (i64 g = 0; g < k / group; g++) xz[g] = 0.0f;
     for (i64 b = 0; b < k / 32; b++) {
@@ -76,6 +77,10 @@ static int quantize_row(const float *restrict x, i64 k, i64 group, int split, si
         const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
         __m256i i[4];
         for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+        if (residual) /* what the rounding left: x - scale * q (QUANT_REFINE rounds it again) */
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(residual + 32 * b + 8 * j,
+                                 _mm256_sub_ps(v[j], _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(i[j]))));
         const int total = hsum8i(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
         /* packs interleave 128-bit lanes: the permute puts the 32 bytes back in element order */
         const __m256i packed = _mm256_permutevar8x32_epi32(
@@ -199,31 +204,45 @@ typedef struct {
     i64 m, n, k, format, group, stride;
 } qdot_args;
 
-/* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) for every input row; the last n % QDOT_ROWS rows one by one */
+/* out[0..R) = weight rows o.. times input row `r` of the work area (quantize_row's layout) */
+static inline void rows_times(const qdot_args *a, i64 o, int R, i64 r, const float *bias, float *out) {
+    const i64 k = a->k, group = a->group, ngroups = k / group;
+    const float *s = a->scale + o * ngroups, *z = a->zero ? a->zero + o * ngroups : 0;
+    const signed char *xq = (const signed char *)(a->work + r * a->stride);
+    const float *d = (const float *)(xq + k), *xz = d + k / 32;
+    const i64 f = a->format;
+    const int pairs = group == 32;
+    if (QUANT_BITS(f) == 4) {
+        const unsigned char *q = (const unsigned char *)a->q + o * (k / 2);
+        if (R == QDOT_ROWS && pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 1);
+        else if (R == QDOT_ROWS) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 0);
+        else if (pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 1);
+        else q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 0);
+    } else {
+        const signed char *q = (const signed char *)a->q + o * k;
+        if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS);
+        else q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1);
+    }
+}
+
+/* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) for every input row; the last n % QDOT_ROWS rows one by one.
+ * With QUANT_REFINE the work area holds two quantized rows per input row (the value, then its residual): the second
+ * product, without the bias, is added while the weight rows are still in L1. */
 static void qdot_part(const void *ctx, i64 begin, i64 end) {
     const qdot_args *a = ctx;
-    const i64 k = a->k, group = a->group, ngroups = k / group, n = a->n;
+    const i64 n = a->n;
     const i64 stop = end * QDOT_ROWS < n ? end * QDOT_ROWS : n;
-    const int pairs = group == 32;
+    const int refine = (a->format & QUANT_REFINE) != 0;
     for (i64 o = begin * QDOT_ROWS; o < stop;) {
         const int R = o + QDOT_ROWS <= stop ? QDOT_ROWS : 1;
-        const float *s = a->scale + o * ngroups, *z = a->zero ? a->zero + o * ngroups : 0;
         const float *bias = a->bias ? a->bias + o : 0;
         for (i64 r = 0; r < a->m; r++) {
-            const signed char *xq = (const signed char *)(a->work + r * a->stride);
-            const float *d = (const float *)(xq + k), *xz = d + k / 32;
             float *out = a->out + r * n + o;
-            const i64 f = a->format;
-            if (QUANT_BITS(f) == 4) {
-                const unsigned char *q = (const unsigned char *)a->q + o * (k / 2);
-                if (R == QDOT_ROWS && pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 1);
-                else if (R == QDOT_ROWS) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 0);
-                else if (pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 1);
-                else q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 0);
-            } else {
-                const signed char *q = (const signed char *)a->q + o * k;
-                if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS);
-                else q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1);
+            rows_times(a, o, R, refine ? 2 * r : r, bias, out);
+            if (refine) {
+                float extra[QDOT_ROWS];
+                rows_times(a, o, R, 2 * r + 1, 0, extra);
+                for (int i = 0; i < R; i++) out[i] += extra[i];
             }
         }
         o += R;
@@ -242,7 +261,8 @@ i64 kiln_qdot_level(void) {
 }
 
 /* kiln_qlinear_f32's contract (x [m, k] float32, q [n, k * bits / 8], scale and zero [n, k / group], bias [n],
- * out [m, n]; work: at least m * 4 * (k + k / group) bytes) by integer dot products; returns 1, or 0 without
+ * out [m, n]; work: at least m * 4 * (k + k / group) bytes, twice that with QUANT_REFINE) by integer dot products;
+ * returns 1, or 0 without
  * touching out when it cannot take the shapes, the CPU lacks the instructions or x holds inf or NaN. */
 i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const float *restrict scale,
                          const float *restrict zero, const float *restrict bias, float *restrict out, void *work,
@@ -253,11 +273,24 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
                                  : bits == 8 && k % 32 == 0 && group % 32 == 0;
     if (!shapes || group <= 0 || k % group != 0) return 0;
     const i64 stride = 4 * (k + k / group);
+    const int refine = (format & QUANT_REFINE) != 0;
+    float *residual = refine ? malloc(sizeof(float) * k) : 0;
+    if (refine && !residual) return 0;
     for (i64 r = 0; r < m; r++) {
-        signed char *xq = (signed char *)work + r * stride;
+        signed char *xq = (signed char *)work + (refine ? 2 * r : r) * stride;
         float *d = (float *)(xq + k);
-        if (!quantize_row(x + r * k, k, group, bits == 4, xq, d, d + k / 32)) return 0;
+        int ok = quantize_row(x + r * k, k, group, bits == 4, xq, d, d + k / 32, residual);
+        if (ok && refine) {
+            signed char *rq = xq + stride;
+            float *rd = (float *)(rq + k);
+            ok = quantize_row(residual, k, group, bits == 4, rq, rd, rd + k / 32, 0);
+        }
+        if (!ok) {
+            free(residual);
+            return 0;
+        }
     }
+    free(residual);
     const qdot_args args = {q, scale, zero, bias, out, (const char *)work, m, n, k, format, group, stride};
     const i64 blocks = (n + QDOT_ROWS - 1) / QDOT_ROWS, most = n * k / LINEAR_MIN_PART;
     parallel_for(qdot_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));

@@ -1,12 +1,16 @@
 /* A quantized weight's format code as the Python side passes it (native.quant_format): its bits (4 or 8), plus
  * QUANT_OFFSET when the zero array holds additive offsets (W = q * s + o: GGUF's and MLX's form) instead of zero
- * points (W = (q - z) * s: kiln's own export). Kernels fold either into one additive term per group. */
+ * points (W = (q - z) * s: kiln's own export), plus QUANT_REFINE below. Kernels fold either form into one additive
+ * term per group. */
 #ifndef KILN_QUANT_H
 #define KILN_QUANT_H
 
 #include "pool.h"
 
 #define QUANT_OFFSET 256
+/* int8 inputs (qdot.c) rounded twice: the value and what its rounding left, for ~2^-14 of the input instead of
+ * ~2^-8, at twice the integer work on weights read once (a language model's logits: quant.py's yields_output) */
+#define QUANT_REFINE 512
 #define QUANT_BITS(format) ((format) & 255)
 
 /* b of W = q * s + b for group g: the offset, or -z * s for a zero point z (absent: 8 for int4, 0 for int8; an
