@@ -201,13 +201,33 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
                                   np.int32(bits), np.int32(group_size), zero_mode))
         return _linear(x2, weight.T, bias).reshape(*lead, n)
     out = cp.empty((x2.shape[0], n), dtype=dtype)
-    if x2.shape[0]:
+    if x2.shape[0] and QGEMV and _qgemv_applies(x2, q, bits, group_size):
+        nvrtc.function("quant", "qgemv", dtype, bits)(
+            ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
+            (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
+             np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(group_size), zero_mode,
+             np.int32(bias is not None)))
+    elif x2.shape[0]:
         nvrtc.function("quant", "qlinear_rows", dtype)(
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
             (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
              np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(bits), np.int32(group_size),
              zero_mode, np.int32(bias is not None)))
     return out.reshape(*lead, n)
+
+
+QGEMV = True
+"""Few-row quantized linears by quant.cu's qgemv (16-byte weight loads, several in flight) where the layout allows;
+False: qlinear_rows everywhere (benchmarks/gpu_quant_linear.py's A/B)."""
+
+
+def _qgemv_applies(x2: Any, q: Any, bits: int, group_size: int) -> bool:
+    """qgemv's layout: whole 16-byte pieces of 32 (int4) or 16 (int8) weights, each inside one group; q and x rows
+    16-byte aligned."""
+    per = 32 if bits == 4 else 16
+    k = x2.shape[1]
+    return (bits in (4, 8) and k % per == 0 and group_size % per == 0 and q.data.ptr % 16 == 0
+            and x2.data.ptr % 16 == 0 and (k * x2.itemsize) % 16 == 0)
 
 
 def _dequantized_linear(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,

@@ -112,3 +112,116 @@ __global__ void dequantize(const unsigned char* __restrict__ q, const typename S
                                                   : (v - z) * S::load(scale[sg]));
     }
 }
+
+// qgemv<N>: 4 8
+// out[r, n] for r < rows <= MAX_ROWS as qlinear_rows, with the weight streamed as bf16 GEMV streams it (gemv.cu): a
+// warp per output feature, every lane issuing QGEMV_LOADS 16-byte loads (32 int4 or 16 int8 weights each) before it
+// uses the first, so a warp has 2 KB of its row in flight where qlinear_rows had 128 bytes. Codes become floats
+// without a conversion instruction (a quarter-rate op that would bound the stream): an int8 byte, read as q + 128,
+// into the mantissa of 2^23 (then 2^23 + 128 subtracted); an int4 nibble into the top mantissa bits of 1.0 by one
+// byte permute, f = 1 + code / 128, and sum(code x) = 128 (sum(f x) - sum(x)), so a weight costs the permute and
+// one FMA. Per piece (one group, or a part of one): scale * (codes . x) plus the group's additive term times
+// sum(x) (the zero point's -z * scale, or the offset), sums in float32.
+// Needs k a multiple of the piece (32 / 16 weights), the group a multiple of it, and q, x 16-byte aligned (linalg.py).
+#define QGEMV_LOADS 4
+
+// The lane's QGEMV_LOADS pieces of one round of a row, from piece p0 (zeros past the row's end).
+__device__ __forceinline__ void qgemv_loads(U4 (&wv)[QGEMV_LOADS], const U4* row, int p0, int pieces, int lane) {
+#pragma unroll
+    for (int u = 0; u < QGEMV_LOADS; ++u) {
+        const int p = p0 + u * 32 + lane;
+        wv[u] = p < pieces ? load_stream(row + p) : U4{0u, 0u, 0u, 0u};
+    }
+}
+
+// acc[r] += the lane's share of x[r] . (row o's pieces p0.., already in wv)
+template <class S, int BITS>
+__device__ __forceinline__ void qgemv_round(const typename S::T* __restrict__ x, const typename S::T* __restrict__ srow,
+                                            const typename S::T* __restrict__ zrow, const U4 (&wv)[QGEMV_LOADS],
+                                            float (&acc)[MAX_ROWS], int rows, int k, int group, int zero_mode,
+                                            int pieces, int p0, int lane) {
+    constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
+    constexpr int V = S::PER16;
+    const float base = 8388608.0f + 128.0f;  // int8: 2^23 and the read-as-unsigned shift
+    const bool additive = zrow != nullptr;  // a term per group (zero point or offset): needs sum(x)
+#pragma unroll
+    for (int u = 0; u < QGEMV_LOADS; ++u) {
+        const int p = p0 + u * 32 + lane;
+        if (p >= pieces) break;
+        const int j0 = p * PER, g = j0 / group;
+        const float s = S::load(srow[g]);
+        const float b = additive ? (zero_mode == ZERO_OFFSETS ? S::load(zrow[g]) : -s * S::load(zrow[g])) : 0.0f;
+        const unsigned int words[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+        float wf[PER];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (BITS == 4) {  // f = 1 + code / 128: the nibble as the top mantissa bits (one PRMT a weight)
+                const unsigned int lo = (words[i] & 0x0F0F0F0Fu) | 0x80808080u;  // elements 2j: 0x80 | code
+                const unsigned int hi = ((words[i] >> 4) & 0x0F0F0F0Fu) | 0x80808080u;  // elements 2j + 1
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    wf[8 * i + 2 * j] = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | (j << 8)));
+                    wf[8 * i + 2 * j + 1] = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | (j << 8)));
+                }
+            } else {
+                const unsigned int flipped = words[i] ^ 0x80808080u;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    wf[4 * i + e] = __uint_as_float(0x4B000000u | ((flipped >> (8 * e)) & 255u)) - base;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MAX_ROWS; r++) {
+            if (r >= rows) break;
+            const typename S::T* xr = x + (long long)r * k + j0;
+            float dq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sx[2] = {0.0f, 0.0f};  // (independent chains)
+#pragma unroll
+            for (int c = 0; c < PER / V; ++c) {
+                float xf[V];
+                S::unpack(*reinterpret_cast<const U4*>(xr + c * V), xf);
+#pragma unroll
+                for (int i = 0; i < V; ++i) {
+                    dq[i & 3] = fmaf(wf[c * V + i], xf[i], dq[i & 3]);
+                    if (BITS == 4 || additive) sx[i & 1] += xf[i];
+                }
+            }
+            const float sum_x = sx[0] + sx[1], dots = (dq[0] + dq[1]) + (dq[2] + dq[3]);
+            // int4: sum code x = 128 (sum f x - sum x), less the implicit zero point 8 where there is one
+            const float zero8 = zero_mode == ZERO_ABSENT ? 8.0f : 0.0f;
+            const float codes_x = BITS == 4 ? 128.0f * (dots - sum_x) - zero8 * sum_x : dots;
+            acc[r] += s * codes_x + b * sum_x;
+        }
+    }
+}
+
+// A warp per output feature (measured against a warp walking rows with the next row's loads issued before the
+// current one is computed: int4 rows 3-5% faster, int8 rows up to 16% slower, docs/benchmarks.md).
+template <class S, int BITS>
+__global__ void qgemv(const typename S::T* __restrict__ x, const unsigned char* __restrict__ q,
+                      const typename S::T* __restrict__ scale, const typename S::T* __restrict__ zero,
+                      const typename S::T* __restrict__ bias, typename S::T* __restrict__ out, int rows, int n, int k,
+                      int group, int zero_mode, int has_bias) {
+    constexpr int PER = BITS == 4 ? 32 : 16;
+    grid_dependency_sync();
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (o >= n) return;
+    const int pieces = k / PER, ngroups = k / group;
+    const U4* row = reinterpret_cast<const U4*>(q + (long long)o * (BITS == 8 ? k : k / 2));
+    const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
+    float acc[MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int p0 = 0; p0 < pieces; p0 += 32 * QGEMV_LOADS) {  // (a warp-wide bound)
+        U4 wv[QGEMV_LOADS];
+        qgemv_loads(wv, row, p0, pieces, lane);
+        qgemv_round<S, BITS>(x, scale + (long long)o * ngroups, has_zero ? zero + (long long)o * ngroups : nullptr,
+                             wv, acc, rows, k, group, zero_mode, pieces, p0, lane);
+    }
+#pragma unroll
+    for (int r = 0; r < MAX_ROWS; r++) {
+        if (r >= rows) break;
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
+    }
+}
