@@ -75,7 +75,8 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     symmetric=True)` or just its mode ("int8", "int4", "bf16", "fp16"); see kiln.export.quantize.
     known_quantization: weights whose quantized form is known already (e.g. kiln.models.gguf_quant's
     GGUFQuantization of the file the model was loaded from), stored in that form exactly; quantize then applies
-    to the other weights only.
+    to the other weights only. A model quantized with torchao (IntxWeightOnlyConfig, Int8WeightOnlyConfig) is
+    found out by itself (kiln.export.torchao_weights); other torchao weight types raise UnsupportedQuantizationError.
 
     Raises UnsupportedOpsError listing every op that cannot be lowered, and every op whose result size depends on
     tensor values (`.item()`, nonzero) rather than on input shapes, before anything is written. Where torch.export's
@@ -83,6 +84,10 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     """
     if isinstance(quantize, str):
         quantize = Quantize(quantize)
+    if known_quantization is None and "torchao" in sys.modules:  # (a torchao-quantized model has imported it)
+        from kiln.export.torchao_weights import torchao_quantization
+
+        known_quantization = torchao_quantization(module)
     unknown = set(skip_passes) - {p.name for p in PIPELINE}
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)}; the passes are {[p.name for p in PIPELINE]}")
@@ -130,6 +135,8 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         check_bindable(lowered, failures)  # after the passes: what the file would hold, judged as load will
     if failures.groups:
         raise UnsupportedOpsError(failures.ops())
+    for line in getattr(known_quantization, "summary", lambda: [])() if known_quantization is not None else ():
+        say(line)
     from kiln import __version__
 
     builder.metadata.update({"producer": "kiln", "kiln_version": __version__, "torch_version": torch.__version__,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kiln.export.known_weights import RowIndex, SourceTensor, same_bits
 from kiln.export.quantize import QuantizedWeight
 
 QK_K = 256
@@ -201,24 +202,13 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 """GGUF types that are not quantized: a model's float weights, left to the export's own choice."""
 
 
-@dataclass
-class _Tensor:
-    name: str
-    type_name: str
-    weight: QuantizedWeight | None  # None: a type kiln has no exact format for (re-quantized on use)
-    values: np.ndarray  # the GGUF dequantization, float32 [N, K]
-
-
-class GGUFQuantization:
-    """A GGUF file's quantized 2-d tensors, found again among a model's float weights by their rows.
+class GGUFQuantization(RowIndex):
+    """A GGUF file's quantized 2-d tensors, found again among a model's float weights by their rows (RowIndex).
 
     transformers loads a GGUF model by dequantizing it (and reorders the rows of Llama's query and key weights, and
-    the export stacks projections), so a weight of the exported graph is some rows of some GGUF tensors. Each row's
-    float32 bytes are looked up; when every row of a weight comes from tensors of one kiln layout, the weight is
-    stored in that layout, rows gathered from the decoded blocks, and checked to dequantize to the model's values
-    bit for bit. Tensors of types kiln has no exact format for (IQ*, TQ*, MXFP4, ...) are re-quantized from their
-    dequantized values (int4 in groups of 32 for types of 4.5 bits or fewer, int8 above), with a warning naming
-    them and the error that adds. (kiln.export.quantize.KnownQuantization)
+    the export stacks projections), so a weight of the exported graph is some rows of some GGUF tensors. Tensors of
+    types kiln has no exact format for (IQ*, TQ*, MXFP4, ...) are re-quantized from their dequantized values (int4
+    in groups of 32 for types of 4.5 bits or fewer, int8 above), with a warning naming them and the error that adds.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -229,7 +219,7 @@ class GGUFQuantization:
         # kiln's own walk of the file (checked, and ~30x faster than GGUFReader, which parses every vocabulary
         # string into arrays) gives each tensor's place; its bytes are read through one memory map
         data = np.memmap(path, dtype=np.uint8, mode="r")
-        self.tensors: list[_Tensor] = []
+        tensors: list[SourceTensor] = []
         self.mismatched: list[str] = []
         for t in check_gguf(path).tensors:
             qtype = gguf.GGMLQuantizationType(t.ggml_type)
@@ -241,15 +231,14 @@ class GGUFQuantization:
             weight = None
             if qtype.name in DECODERS:
                 weight = decode(qtype.name, raw, shape)
-                if not _same_bits(dequantize(weight), values):  # never seen; guards a file or package kiln misreads
+                if not same_bits(dequantize(weight), values):  # never seen; guards a file or package kiln misreads
                     self.mismatched.append(t.name)
                     weight = None
-            self.tensors.append(_Tensor(t.name, qtype.name, weight, values))
+            tensors.append(SourceTensor(t.name, qtype.name, weight, values))
         del data
-        self._index: dict[str, dict[int, tuple[int, int]]] = {}
+        super().__init__(tensors)
         self.requantized: dict[str, str] = {}  # tensor name -> its GGUF type, for the ones re-quantized
         self.requantized_error = 0.0  # the largest relative RMS error re-quantizing added to a weight
-        self.kept: dict[str, str] = {}
 
     def types(self) -> dict[str, int]:
         """GGUF type name -> how many 2-d quantized tensors of it the file has."""
@@ -258,59 +247,10 @@ class GGUFQuantization:
             counts[t.type_name] = counts.get(t.type_name, 0) + 1
         return counts
 
-    def _rows_index(self, dtype: np.dtype) -> dict[int, tuple[int, int]]:
-        key = np.dtype(dtype).str
-        if key not in self._index:
-            index: dict[int, tuple[int, int]] = {}
-            for i, t in enumerate(self.tensors):
-                rows = np.ascontiguousarray(t.values.astype(dtype, copy=False))
-                for r in range(rows.shape[0]):
-                    index.setdefault(hash(rows[r].tobytes()), (i, r))
-            self._index[key] = index
-        return self._index[key]
+    def fallback(self, weight: np.ndarray, used: list[SourceTensor]) -> QuantizedWeight:
+        return self._requantize(weight, used)
 
-    def _locate(self, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(tensor index, row) of each row of `weight`, or None if any row is not the file's."""
-        if weight.ndim != 2:
-            return None
-        index = self._rows_index(weight.dtype)
-        rows = np.ascontiguousarray(weight)
-        found = [index.get(hash(rows[r].tobytes())) for r in range(rows.shape[0])]
-        if not found or any(f is None for f in found):
-            return None
-        where = np.array(found, dtype=np.int64)
-        return where[:, 0], where[:, 1]
-
-    def layout_of(self, weight: np.ndarray) -> tuple | None:
-        located = self._locate(weight)
-        if located is None:
-            return None
-        layouts = {self._layout(self.tensors[i]) for i in np.unique(located[0])}
-        return layouts.pop() if len(layouts) == 1 else None
-
-    @staticmethod
-    def _layout(t: _Tensor) -> tuple:
-        return t.weight.layout if t.weight is not None else ("re-quantized", t.type_name)
-
-    def lookup(self, weight: np.ndarray) -> QuantizedWeight | None:
-        located = self._locate(weight)
-        if located is None:
-            return None
-        tensors, rows = located
-        used = [self.tensors[i] for i in np.unique(tensors)]
-        if any(t.weight is None for t in used) or len({t.weight.layout for t in used}) != 1:
-            return self._requantize(weight, used)
-        starts = np.flatnonzero(np.diff(tensors, prepend=-1) != 0)  # runs of rows from one tensor
-        pieces = [self.tensors[tensors[a]].weight.rows(rows[a:b])
-                  for a, b in zip(starts, [*starts[1:], len(tensors)], strict=True)]
-        stored = _concatenate(pieces)
-        if not _same_bits(dequantize(stored).astype(weight.dtype), weight):
-            return None
-        for t in used:
-            self.kept[t.name] = t.type_name
-        return stored
-
-    def _requantize(self, weight: np.ndarray, used: list[_Tensor]) -> QuantizedWeight:
+    def _requantize(self, weight: np.ndarray, used: list[SourceTensor]) -> QuantizedWeight:
         from kiln.export.quantize import quantize_rows
 
         from_types = sorted({t.type_name for t in used})
@@ -364,15 +304,3 @@ def _bits_per_weight(type_name: str) -> float:
     return 8 * size / block
 
 
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == \
-        np.ascontiguousarray(b).tobytes()
-
-
-def _concatenate(pieces: list[QuantizedWeight]) -> QuantizedWeight:
-    if len(pieces) == 1:
-        return pieces[0]
-    first = pieces[0]
-    zero = None if first.zero is None else np.concatenate([p.zero for p in pieces])
-    return QuantizedWeight(np.concatenate([p.q for p in pieces]), np.concatenate([p.scale for p in pieces]), zero,
-                           first.bits, first.group, first.offset, first.source)
