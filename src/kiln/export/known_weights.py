@@ -102,14 +102,15 @@ class RowIndex:
         pieces = [self.tensors[tensors[a]].weight.rows(rows[a:b])
                   for a, b in zip(starts, [*starts[1:], len(tensors)], strict=True)]
         stored = concatenate(pieces)
-        if not same_bits(_dequantize(stored).astype(weight.dtype), weight):
+        if not same_bits(dequantized(stored).astype(weight.dtype), weight):
             return None
         for t in used:
             self.kept[t.name] = t.type_name
         return stored
 
 
-def _dequantize(w: QuantizedWeight) -> np.ndarray:
+def dequantized(w: QuantizedWeight) -> np.ndarray:
+    """The weight as float32 [N, K], by the op set's own definition (the runtime's reference)."""
     from kiln.runtime.backends.array_api.quant import dequantize
 
     return dequantize(np, w.q, w.scale, w.zero, w.bits, w.group, w.offset)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.export.known_weights import RowIndex, SourceTensor, same_bits
+from kiln.export.known_weights import dequantized as dequantize
 from kiln.export.quantize import QuantizedWeight
 
 QK_K = 256
@@ -189,13 +190,6 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
 
 def _block_size(type_name: str) -> int:
     return QK_K if type_name.endswith("_K") else 32
-
-
-def dequantize(w: QuantizedWeight) -> np.ndarray:
-    """The weight as float32 [N, K], by kiln's own definition of the op (the runtime's reference)."""
-    from kiln.runtime.backends.array_api.quant import dequantize as reference
-
-    return reference(np, w.q, w.scale, w.zero, w.bits, w.group, w.offset)
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
