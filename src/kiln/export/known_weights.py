@@ -21,12 +21,16 @@ from kiln.export.quantize import QuantizedWeight
 @dataclass
 class SourceTensor:
     """One quantized tensor of the source: its name, its type there, its kiln form (None: no exact one; `fallback`
-    decides) and its dequantized values as the model holds them, float32 [N, K]."""
+    decides) and its dequantized values as the model holds them, float32 [N, K]: kept only where there is no kiln
+    form to dequantize again (a source's float copy is 4-8x its size: an 8B model's would be 32 GB)."""
 
     name: str
     type_name: str
     weight: QuantizedWeight | None
-    values: np.ndarray
+    values: np.ndarray | None = None
+
+    def dequantized(self) -> np.ndarray:
+        return self.values if self.values is not None else dequantized(self.weight)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -60,8 +64,8 @@ class RowIndex:
         key = np.dtype(dtype).str
         if key not in self._index:
             index: dict[int, tuple[int, int]] = {}
-            for i, t in enumerate(self.tensors):
-                rows = np.ascontiguousarray(t.values.astype(dtype, copy=False))
+            for i, t in enumerate(self.tensors):  # (one tensor's float copy at a time)
+                rows = np.ascontiguousarray(t.dequantized().astype(dtype, copy=False))
                 for r in range(rows.shape[0]):
                     index.setdefault(hash(rows[r].tobytes()), (i, r))
             self._index[key] = index

@@ -99,4 +99,4 @@ def _source(name: str, w: torch.Tensor) -> SourceTensor:
         stored = QuantizedWeight(qdata.astype(np.int8), scale, zero, 8, block, False, "torchao int8")
     if block % 2 and stored.bits == 4:
         return SourceTensor(name, kind, None, values)  # (an odd group cannot split into nibble pairs)
-    return SourceTensor(name, kind, stored, values)
+    return SourceTensor(name, kind, stored, values)  # (torchao's own values: a bf16 model's rounding is torchao's)

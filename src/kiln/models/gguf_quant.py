@@ -228,9 +228,10 @@ class GGUFQuantization(RowIndex):
                 if not same_bits(dequantize(weight), values):  # never seen; guards a file or package kiln misreads
                     self.mismatched.append(t.name)
                     weight = None
-            tensors.append(SourceTensor(t.name, qtype.name, weight, values))
+            tensors.append(SourceTensor(t.name, qtype.name, weight, values if weight is None else None))
         del data
         super().__init__(tensors)
+        self._rows_index(np.dtype(np.float32))  # (the rows of float32 models, indexed while the file is warm)
         self.requantized: dict[str, str] = {}  # tensor name -> its GGUF type, for the ones re-quantized
         self.requantized_error = 0.0  # the largest relative RMS error re-quantizing added to a weight
 
