@@ -122,3 +122,18 @@ def test_types_without_an_exact_format_are_requantized_with_a_warning(tmp_path, 
     text = caplog.text
     assert "re-quantized" in text and "2 IQ4_NL" in text and "RMS error" in text
     assert "kept the GGUF's quantization exactly" in text
+
+
+def test_export_llm_command_keeps_or_dequantizes(mixed, tmp_path, capsys, caplog):
+    import kiln
+    from kiln.cli import main
+
+    path, _, _ = mixed
+    with caplog.at_level(logging.INFO, logger="kiln.models.llm"):
+        assert main(["export-llm", str(path), "-o", str(tmp_path / "kept.kiln"), "--max-context", "32"]) == 0
+    assert "kept the GGUF's quantization exactly" in caplog.text
+    assert _stored_formats(kiln.load(tmp_path / "kept.kiln"))
+    assert main(["export-llm", str(path), "-o", str(tmp_path / "f.kiln"), "--max-context", "32", "--dequantize"]) == 0
+    assert not _stored_formats(kiln.load(tmp_path / "f.kiln"))
+    assert main(["export-llm", str(path), "-o", str(tmp_path / "x.kiln"), "--dequantize", "--quantize", "int8"]) == 2
+    assert "--dequantize applies to a .gguf SOURCE without --quantize" in capsys.readouterr().err
