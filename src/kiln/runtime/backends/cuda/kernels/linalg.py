@@ -202,7 +202,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
         return _linear(x2, weight.T, bias).reshape(*lead, n)
     out = cp.empty((x2.shape[0], n), dtype=dtype)
     if x2.shape[0] and QGEMV and _qgemv_applies(x2, q, bits, group_size):
-        nvrtc.function("quant", "qgemv", dtype, bits)(
+        rows_cap = next(r for r in (1, 2, 4, 8) if r >= x2.shape[0])  # (quant.cu: qgemv<16 * bits + rows>)
+        nvrtc.function("quant", "qgemv", dtype, 16 * bits + rows_cap)(
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
             (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
              np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(group_size), zero_mode,

@@ -113,7 +113,7 @@ __global__ void dequantize(const unsigned char* __restrict__ q, const typename S
     }
 }
 
-// qgemv<N>: 4 8
+// qgemv<N>: 65 66 68 72 129 130 132 136
 // out[r, n] for r < rows <= MAX_ROWS as qlinear_rows, with the weight streamed as bf16 GEMV streams it (gemv.cu): a
 // warp per output feature, every lane issuing QGEMV_LOADS 16-byte loads (32 int4 or 16 int8 weights each) before it
 // uses the first, so a warp has 2 KB of its row in flight where qlinear_rows had 128 bytes. Codes become floats
@@ -135,10 +135,10 @@ __device__ __forceinline__ void qgemv_loads(U4 (&wv)[QGEMV_LOADS], const U4* row
 }
 
 // acc[r] += the lane's share of x[r] . (row o's pieces p0.., already in wv)
-template <class S, int BITS>
+template <class S, int BITS, int ROWS>
 __device__ __forceinline__ void qgemv_round(const typename S::T* __restrict__ x, const typename S::T* __restrict__ srow,
                                             const typename S::T* __restrict__ zrow, const U4 (&wv)[QGEMV_LOADS],
-                                            float (&acc)[MAX_ROWS], int rows, int k, int group, int zero_mode,
+                                            float (&acc)[ROWS], int rows, int k, int group, int zero_mode,
                                             int pieces, int p0, int lane) {
     constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
     constexpr int V = S::PER16;
@@ -171,7 +171,7 @@ __device__ __forceinline__ void qgemv_round(const typename S::T* __restrict__ x,
             }
         }
 #pragma unroll
-        for (int r = 0; r < MAX_ROWS; r++) {
+        for (int r = 0; r < ROWS; r++) {
             if (r >= rows) break;
             const typename S::T* xr = x + (long long)r * k + j0;
             float dq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sx[2] = {0.0f, 0.0f};  // (independent chains)
@@ -196,11 +196,17 @@ __device__ __forceinline__ void qgemv_round(const typename S::T* __restrict__ x,
 
 // A warp per output feature (measured against a warp walking rows with the next row's loads issued before the
 // current one is computed: int4 rows 3-5% faster, int8 rows up to 16% slower, docs/benchmarks.md).
-template <class S, int BITS>
-__global__ void qgemv(const typename S::T* __restrict__ x, const unsigned char* __restrict__ q,
-                      const typename S::T* __restrict__ scale, const typename S::T* __restrict__ zero,
-                      const typename S::T* __restrict__ bias, typename S::T* __restrict__ out, int rows, int n, int k,
-                      int group, int zero_mode, int has_bias) {
+// N = 16 * bits + the most input rows this instance takes (1, 2, 4 or 8): a decode step's one row keeps one
+// accumulator, not MAX_ROWS, so more warps fit on an SM (Nsight Compute, int4 LM head: 99 registers a thread, 2
+// blocks and 23% occupancy per SM with 8 rows' registers; 3 blocks from 80 registers for up to 4 rows, 2 for 8, where
+// 3 would spill).
+template <class S, int N>
+__global__ void __launch_bounds__(32 * WARPS, N % 16 <= 4 ? 3 : 2) qgemv(const typename S::T* __restrict__ x,
+                      const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
+                      const typename S::T* __restrict__ zero, const typename S::T* __restrict__ bias,
+                      typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
+                      int has_bias) {
+    constexpr int BITS = N / 16, ROWS = N % 16;
     constexpr int PER = BITS == 4 ? 32 : 16;
     grid_dependency_sync();
     const int lane = threadIdx.x & 31;
@@ -209,17 +215,17 @@ __global__ void qgemv(const typename S::T* __restrict__ x, const unsigned char* 
     const int pieces = k / PER, ngroups = k / group;
     const U4* row = reinterpret_cast<const U4*>(q + (long long)o * (BITS == 8 ? k : k / 2));
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
-    float acc[MAX_ROWS];
+    float acc[ROWS];
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
     for (int p0 = 0; p0 < pieces; p0 += 32 * QGEMV_LOADS) {  // (a warp-wide bound)
         U4 wv[QGEMV_LOADS];
         qgemv_loads(wv, row, p0, pieces, lane);
-        qgemv_round<S, BITS>(x, scale + (long long)o * ngroups, has_zero ? zero + (long long)o * ngroups : nullptr,
-                             wv, acc, rows, k, group, zero_mode, pieces, p0, lane);
+        qgemv_round<S, BITS, ROWS>(x, scale + (long long)o * ngroups, has_zero ? zero + (long long)o * ngroups
+                                   : nullptr, wv, acc, rows, k, group, zero_mode, pieces, p0, lane);
     }
 #pragma unroll
-    for (int r = 0; r < MAX_ROWS; r++) {
+    for (int r = 0; r < ROWS; r++) {
         if (r >= rows) break;
         const float v = warp_sum(acc[r]);
         if (lane == 0) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
