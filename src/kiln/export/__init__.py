@@ -84,10 +84,11 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
     """
     if isinstance(quantize, str):
         quantize = Quantize(quantize)
+    found = None  # known quantization export finds by itself (it reports it; a caller reports its own)
     if known_quantization is None and "torchao" in sys.modules:  # (a torchao-quantized model has imported it)
         from kiln.export.torchao_weights import torchao_quantization
 
-        known_quantization = torchao_quantization(module)
+        known_quantization = found = torchao_quantization(module)
     unknown = set(skip_passes) - {p.name for p in PIPELINE}
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)}; the passes are {[p.name for p in PIPELINE]}")
@@ -135,7 +136,7 @@ def export(module: torch.nn.Module, example_args: tuple | None = None, dynamic_s
         check_bindable(lowered, failures)  # after the passes: what the file would hold, judged as load will
     if failures.groups:
         raise UnsupportedOpsError(failures.ops())
-    for line in getattr(known_quantization, "summary", lambda: [])() if known_quantization is not None else ():
+    for line in found.summary() if found is not None else ():
         say(line)
     from kiln import __version__
 

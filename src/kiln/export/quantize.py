@@ -17,7 +17,6 @@ the file; the arithmetic stays in the activations' dtype).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,8 +26,6 @@ from kiln.export.builder import ProgramBuilder
 from kiln.export.passes.usage import add_constant, constant_value
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
-
-log = logging.getLogger("kiln.export.quantize")
 
 MODES = ("int8", "int4", "bf16", "fp16")
 

@@ -33,9 +33,6 @@ class UnsupportedQuantizationError(KilnError, ValueError):
 class TorchaoQuantization(RowIndex):
     """The torchao-quantized weights of a module (KnownQuantization)."""
 
-    def __init__(self, tensors: list[SourceTensor]):
-        super().__init__(tensors)
-
     def summary(self) -> list[str]:
         kept: dict[str, int] = {}
         for kind in self.kept.values():
