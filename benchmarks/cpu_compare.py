@@ -44,6 +44,10 @@ LLAMA_SIZES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
                          max_position_embeddings=131072, rms_norm_eps=1e-5),
+    # Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B config, without its rope scaling) with random weights
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5),
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True, max_position_embeddings=512),
 }

@@ -5,10 +5,13 @@
 A random-weight Llama of the given shape exported three times (kiln.models.llm.export_llama, bfloat16
 activations): weights in bfloat16, int8 per output channel, int4 in groups of 64 (`--quantize`). Each program's
 decode step at one context runs from its session's CUDA graph, --steps back to back per sample, the contestants
-interleaved round by round, medians. For the quantized programs the step runs twice, once with quant.cu's qgemv
-and once with qlinear_rows (its predecessor), each a session of its own whose graph was captured with that kernel.
-The roofline of a step is what it must read: every constant of the program once (codes, scales, zero points, the
-bf16 tensors), plus the KV cache up to the context, at the copy bandwidth measured in the same run.
+interleaved round by round, medians. For the quantized programs the step runs once per few-row kernel of quant.cu
+(`--kernels`, linalg.QGEMV's names: qgemv_staged "staged", qgemv "direct", qlinear_rows "rows"), each a session of
+its own whose graph was captured with that kernel. `--op-times N` prints each program's N costliest ops of a step
+(run op by op, the first kernel named).
+The roofline of a step is what it must read: every constant of the decode method once (codes, scales, zero points,
+the bf16 tensors; of an embedding table no other node reads, one row), plus the KV cache up to the context, at the
+copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
-from gpu_harness import copy_bandwidth, device_line, print_table, time_round_robin  # noqa: E402
+from gpu_harness import copy_bandwidth, device_line, gpu_op_times, print_table, time_round_robin  # noqa: E402
 from harness import stderr_log  # noqa: E402
+
+
+def quantize_spec(spec: str):
+    """kiln.export.Quantize of MODE[-gGROUP][-sym] (int4, int8-sym, int4-g32-sym)."""
+    from kiln.export import Quantize
+
+    mode, *rest = spec.split("-")
+    group = next((int(p[1:]) for p in rest if p.startswith("g")), None)
+    return Quantize(mode, group, "sym" in rest)
+
+
+def step_bytes(program) -> int:
+    """The constants a decode step reads: all of them, less an embedding table's rows but one where no other node
+    reads the table (an untied model's input embedding: a step looks up one token)."""
+    from kiln.ir.graph import ValueKind
+
+    method = program.method("decode")
+    readers: dict[int, set[str]] = {}
+    for node in method.nodes:
+        for v in node.inputs:
+            if v >= 0 and method.values[v].kind == ValueKind.CONSTANT:
+                readers.setdefault(method.values[v].ref, set()).add(node.op)
+    total = 0
+    for ref, ops in readers.items():
+        array = program.constant(ref)
+        table = ops <= {"embedding", "quantized_embedding"}
+        total += array.nbytes // array.shape[0] if table and array.ndim == 2 else array.nbytes
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--max-context", type=int, default=256)
-    parser.add_argument("--quantize", default="int8,int4", help="comma-separated kiln modes besides bf16")
+    parser.add_argument("--quantize", default="int8,int4",
+                        help="comma-separated kiln modes besides bf16, each MODE[-gGROUP][-sym] (int4-g32-sym is "
+                             "GGUF Q4_0's layout, int8-g32-sym Q8_0's)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--skip-bf16", action="store_true", help="leave the bf16 program out (an 8B shape exports "
+                        "for minutes a program)")
+    parser.add_argument("--kernels", default="staged,direct", help="quant.cu kernels for the quantized programs")
+    parser.add_argument("--op-times", type=int, default=0, metavar="N", help="print each program's N costliest ops")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help="keep the exported programs here and load them from here when present (an 8B shape "
+                             "exports for minutes)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
 
@@ -43,22 +83,38 @@ def main(argv: list[str] | None = None) -> int:
 
     from kiln.models.llm import export_llama
     from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.program import load
 
     torch.manual_seed(0)
     config = LlamaConfig(**{**LLAMA_SIZES[args.shape], "max_position_embeddings": args.max_context})
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = None  # made on first need: every program may come from --cache
     bandwidth = copy_bandwidth(cp)
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (
         config.hidden_size // config.num_attention_heads) * 2 * (args.context + 1)
     token, position = cp.asarray(np.array([[42]], np.int64)), cp.asarray(np.array([args.context], np.int64))
     cases, rooflines = {}, {}
-    for mode in ["bf16", *[m for m in args.quantize.split(",") if m]]:
+    for mode in [*([] if args.skip_bf16 else ["bf16"]), *[m for m in args.quantize.split(",") if m]]:
         t0 = time.perf_counter()
-        program = export_llama(model, args.max_context, 32, quantize=None if mode == "bf16" else mode).load()
-        stderr_log(f"{mode}: exported in {time.perf_counter() - t0:.0f} s, {program.constant_bytes / 1e9:.3f} GB")
-        kernels = [("", True)] if mode == "bf16" else [(" qgemv", True), (" qlinear_rows", False)]
-        for label, flag in kernels:
-            linalg.QGEMV = flag
+        path = args.cache / f"{args.shape}-{mode}-ctx{args.max_context}.kiln" if args.cache else None
+        if path is not None and path.exists():
+            program = load(path, verify_checksums=False)  # (written by this script)
+        else:
+            if model is None:
+                model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+            spec = None if mode == "bf16" else quantize_spec(mode)
+            exported = export_llama(model, args.max_context, 32, quantize=spec)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                exported.save(path)
+            program = exported.load()
+        stderr_log(f"{mode}: ready in {time.perf_counter() - t0:.0f} s, {program.constant_bytes / 1e9:.3f} GB")
+        kernels = [""] if mode == "bf16" else [k for k in args.kernels.split(",") if k]
+        if args.op_times:
+            linalg.QGEMV = kernels[0] or "staged"
+            print(f"{mode} {kernels[0]}: " + gpu_op_times(program, cp, "decode", (token, position), args.op_times))
+        for kernel in kernels:
+            label = f" {kernel}" if kernel else ""
+            linalg.QGEMV = kernel or "staged"
             session = program.session("cuda")
             for _ in range(3):  # the first runs capture the graph, with the kernel chosen now
                 session.run("decode", token, position)
@@ -69,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
                     session.run("decode", token, position)
                 cp.cuda.Device().synchronize()
             cases[mode + label] = run
-            rooflines[mode + label] = (program.constant_bytes + kv_bytes) / bandwidth
-        linalg.QGEMV = True
+            rooflines[mode + label] = (step_bytes(program) + kv_bytes) / bandwidth
+        linalg.QGEMV = "staged"
     medians = {k: v / args.steps for k, v in time_round_robin(cases, args.repeat).items()}
     print(f"{args.shape} decode at context {args.context}, bfloat16 activations, on {device_line(cp, torch)} (copy "
           f"bandwidth {bandwidth / 1e12:.2f} TB/s); CUDA graphs, median of {args.repeat} rounds of {args.steps} steps")
     body = [[name, f"{t * 1e3:.3f}", f"{1 / t:.0f}", f"{rooflines[name] * 1e3:.3f}",
-             f"{100 * rooflines[name] / t:.0f}%", f"{medians['bf16'] / t:.2f}x"] for name, t in medians.items()]
+             f"{100 * rooflines[name] / t:.0f}%", f"{medians['bf16'] / t:.2f}x" if "bf16" in medians else ""]
+            for name, t in medians.items()]
     print_table(body, ["program", "step ms", "tokens/s", "roofline ms", "% of roofline", "x bf16"], args.markdown)
     return 0
 

@@ -4,12 +4,12 @@
 
 For each linear layer of one decode step (q/k/v and gate/up stacked, as kiln's export stacks them) and each weight
 format (int4 in groups of 32 with offsets: GGUF's Q4_1/Q4_K; int4 in groups of 64 with zero points: kiln's own
-default; int8 in groups of 32, symmetric: Q8_0; int8 per output channel), the GPU time per call of quant.cu's
-qgemv (16-byte loads, several in flight) and of qlinear_rows (its predecessor: 4-byte loads), and of kiln's bf16
-GEMV on the same layer, each reading weights that are not in L2 (copies over twice its size, in turn, as a model's
-layers do). Bandwidth is what a call must read (codes, scales, zero points or offsets) per second, against the
-copy bandwidth measured in the same run. Every result is checked against the float64 product of the dequantized
-weight. GPU time is taken with the calls queued behind a spinning kernel (gpu_harness.gpu_time).
+default; int8 in groups of 32, symmetric: Q8_0; int8 per output channel), the GPU time per call of each of
+quant.cu's few-row kernels (`--kernels`: qgemv_staged "staged", qgemv "direct", qlinear_rows "rows"; linalg.QGEMV),
+and of kiln's bf16 GEMV on the same layer, each reading weights that are not in L2 (copies over twice its size, in
+turn, as a model's layers do). Bandwidth is what a call must read (codes, scales, zero points or offsets) per
+second, against the copy bandwidth measured in the same run. Every result is checked against the float64 product
+of the dequantized weight. GPU time is taken with the calls queued behind a spinning kernel (gpu_harness.gpu_time).
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="decoder shape")
     parser.add_argument("--rows", type=int, default=1, help="input rows (default 1; at most 8)")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
+    parser.add_argument("--kernels", default="staged,direct,rows",
+                        help="quant.cu kernels to time, by linalg.QGEMV's names (default staged,direct,rows)")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help=f"weight formats (default all: {', '.join(FORMATS)})")
+    parser.add_argument("--layers", default="q/k/v,o,gate/up,down,lm head", help="layers (default all)")
+    parser.add_argument("--weight-rows", type=int, choices=(1, 2, 4), help="qgemv_staged's rows a warp (default: "
+                        "by the layer, linalg._staged_weight_rows)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
 
@@ -45,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.runtime.backends.array_api.quant import dequantize
     from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, linalg
 
+    kernels = [k for k in args.kernels.split(",") if k]
+    linalg.QGEMV_WEIGHT_ROWS = args.weight_rows
     size = LLAMA_SIZES[args.shape]
     d, inter, heads = size["hidden_size"], size["intermediate_size"], size["num_attention_heads"]
     kv_heads, vocab = size["num_key_value_heads"], size["vocab_size"]
@@ -59,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
           f"% = bytes read / time / copy bandwidth")
     rng = np.random.default_rng(0)
     body = []
-    for (name, (n, k)), (label, (bits, group, kind)) in itertools.product(shapes.items(), FORMATS.items()):
+    formats = {f: FORMATS[f] for f in args.formats.split(",") if f}
+    shapes = {name: shapes[name] for name in args.layers.split(",") if name}
+    for (name, (n, k)), (label, (bits, group, kind)) in itertools.product(shapes.items(), formats.items()):
         group = group or k
         w = (rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float32)
         q, scale, zero = quantize_rows(w, bits, group, kind == "symmetric")
@@ -76,16 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         copies += [(c[0].copy(), c[1].copy(), None if c[2] is None else c[2].copy())
                    for c in [copies[0]] * -(-2 * l2 // nbytes)]
         times, errors = {}, {}
-        for kernel_name, use_qgemv in (("qgemv", True), ("qlinear_rows", False)):
-            linalg.QGEMV = use_qgemv
+        for kernel_name in kernels:
+            linalg.QGEMV = kernel_name
             got = cp.asnumpy(qlinear(x_d, *copies[0], None, bits, group, offset)).astype(np.float64)
             errors[kernel_name] = np.abs(got - want).max() / np.abs(want).max()
             turns = itertools.cycle(copies)
             call = (x_d, bits, group, offset)
             times[kernel_name] = gpu_time(
                 cp, lambda t=turns, c=call: qlinear(c[0], *next(t), None, c[1], c[2], c[3]), args.calls)
-        linalg.QGEMV = True
-        if label == next(iter(FORMATS)):  # the bf16 GEMV once per layer
+        linalg.QGEMV = "staged"
+        if label == next(iter(formats)):  # the bf16 GEMV once per layer
             w_bf = cp.asarray(w.astype(BFLOAT16))
             bf_copies = itertools.cycle([w_bf] + [w_bf.copy() for _ in range(-(-2 * l2 // w_bf.nbytes))])
             bf16 = gpu_time(cp, lambda t=bf_copies, x_d=x_d: linear(x_d, next(t), None), args.calls)
@@ -94,10 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             bf16_cell = ""
         body.append([f"{name} [{n}, {k}]", label]
                     + [f"{times[c] * 1e6:.1f} ({100 * nbytes / times[c] / bandwidth:.0f}%)" for c in times]
-                    + [f"{times['qlinear_rows'] / times['qgemv']:.2f}x", bf16_cell,
-                       f"{errors['qgemv']:.1e}"])
-    print_table(body, ["layer", "format", "qgemv us", "qlinear_rows us", "speedup", "bf16 GEMV us", "qgemv rel err"],
-                args.markdown)
+                    + [bf16_cell, " ".join(f"{errors[c]:.1e}" for c in kernels)])
+    print_table(body, ["layer", "format", *[f"{c} us" for c in kernels], "bf16 GEMV us", "rel err"], args.markdown)
     return 0
 
 

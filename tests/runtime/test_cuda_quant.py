@@ -19,6 +19,23 @@ CONFIGS = [(8, 64, True), (8, 96, False), (4, 64, True), (4, 32, False), (8, 40,
 "offset": the zero points turned into the op's additive offsets (W = q * scale + offset, GGUF's form)."""
 
 
+def _case(rng, lead: tuple[int, ...], n: int, k: int, bits: int, group: int, symmetric, dtype, with_bias: bool):
+    """((x, q, scale, zero, bias) on the host, the float64 product of x and the dequantized weight, bias added)."""
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, (n, 1))).astype(np.float32)
+    offset = symmetric == "offset"
+    q, scale, zero = quantize_rows(w, bits, group, symmetric is True)
+    if offset:
+        zero = -zero * scale
+    scale, zero = scale.astype(dtype), None if zero is None else zero.astype(dtype)
+    bias = rng.standard_normal(n).astype(dtype) if with_bias else None
+    x = rng.standard_normal((*lead, k)).astype(dtype)
+    f32 = [None if a is None else a.astype(np.float32) for a in (x, scale, zero, bias)]
+    want = f32[0].astype(np.float64) @ dequantize(np, q, f32[1], f32[2], bits, group, offset).T.astype(np.float64)
+    if with_bias:
+        want += f32[3]
+    return (x, q, scale, zero, bias), want
+
+
 @pytest.mark.parametrize("bits,group,symmetric", CONFIGS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
@@ -28,22 +45,44 @@ def test_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype
 
     from kiln.runtime.backends.cuda.kernels.linalg import quantized_linear
 
-    rng = np.random.default_rng(rows * 7 + bits)
-    k, n = 3 * group, 45
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, (n, 1))).astype(np.float32)
-    offset = symmetric == "offset"
-    q, scale, zero = quantize_rows(w, bits, group, symmetric is True)
-    if offset:
-        zero = -zero * scale
-    scale, zero = scale.astype(dtype), None if zero is None else zero.astype(dtype)
-    bias = rng.standard_normal(n).astype(dtype) if with_bias else None
-    x = rng.standard_normal((2, rows, k)).astype(dtype)
-    f32 = [None if a is None else a.astype(np.float32) for a in (x, scale, zero, bias)]
-    want = f32[0].astype(np.float64) @ dequantize(np, q, f32[1], f32[2], bits, group, offset).T.astype(np.float64)
-    if with_bias:
-        want += f32[3]
-    got = quantized_linear(*(None if a is None else cp.asarray(a) for a in (x, q, scale, zero, bias)), bits, group,
-                           offset)
-    assert got.shape == (2, rows, n) and got.dtype == dtype
+    k = 3 * group
+    args, want = _case(np.random.default_rng(rows * 7 + bits), (2, rows), 45, k, bits, group, symmetric, dtype,
+                       with_bias)
+    got = quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group, symmetric == "offset")
+    assert got.shape == (2, rows, 45) and got.dtype == dtype
     tol = 1e-4 if dtype == np.float32 else 2e-2  # bfloat16: one rounding of the output (and of W for many rows)
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
+
+
+STAGED_CASES = [(4, 32, "offset", 3072), (4, 64, False, 4160), (4, 128, True, 2048), (8, 32, True, 2400),
+                (8, 16, "offset", 1024), (8, 64, False, 4096)]
+"""(bits, group, symmetric, k) for qgemv_staged: k from one partial round of loads to several (an int4 round of a
+warp of 4 weight rows is 64 pieces of 32 weights, of 1 row 256), each zero form."""
+
+
+@pytest.mark.parametrize("bits,group,symmetric,k", STAGED_CASES)
+@pytest.mark.parametrize("weight_rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("constant", [False, True], ids=["operands", "constants"])
+def test_staged_quantized_linear_matches_definition(bits, group, symmetric, k, weight_rows, rows, dtype, constant,
+                                                    monkeypatch) -> None:
+    """qgemv_staged (x staged in shared memory, 1, 2 or 4 weight rows a warp, the first loads before the
+    dependency wait when the weights are program constants) against the op's definition, with a row count that
+    leaves some warps of the last block without rows."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda import constants
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(constants, "is_constant", lambda array: constant)
+    args, want = _case(np.random.default_rng(k + rows), (rows,), 77, k, bits, group, symmetric, dtype, True)
+    launched = []
+    real = linalg.nvrtc.function
+    monkeypatch.setattr(linalg.nvrtc, "function", lambda *a: launched.append(a[1]) or real(*a))
+    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
+                                  symmetric == "offset")
+    assert launched == ["qgemv_staged"]
+    tol = 1e-4 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.sqrt(k))

@@ -17,6 +17,8 @@ the file; the arithmetic stays in the activations' dtype).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,7 +97,30 @@ class Quantize:
 
 def quantize_rows(w: np.ndarray, bits: int, group_size: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray,
                                                                                        np.ndarray | None]:
-    """(q, scale, zero or None) for a float weight [N, K], in the op set's layout; scale/zero in float64."""
+    """(q, scale, zero or None) for a float weight [N, K], in the op set's layout; scale/zero in float64.
+
+    Rows are independent, so a large weight is quantized in blocks of rows on every core (NumPy's loops release
+    the interpreter lock): one thread took ~54 s of a 100 s export of a Llama-3.2-1B-shaped model in int4, and
+    an 8B one has 6.5x its weights. The result does not depend on the split."""
+    n, k = w.shape
+    blocks = min(os.cpu_count() or 1, n // 256) if n * k >= PARALLEL_QUANTIZE_ELEMENTS else 1
+    if blocks <= 1:
+        return _quantize_block(w, bits, group_size, symmetric)
+    bounds = np.linspace(0, n, blocks + 1).astype(int)
+    with ThreadPoolExecutor(blocks) as pool:
+        parts = list(pool.map(lambda i: _quantize_block(w[bounds[i]:bounds[i + 1]], bits, group_size, symmetric),
+                              range(blocks)))
+    zeros = [p[2] for p in parts]
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            None if zeros[0] is None else np.concatenate(zeros))
+
+
+PARALLEL_QUANTIZE_ELEMENTS = 1 << 22
+"""Weights of at least this many elements are quantized on several threads."""
+
+
+def _quantize_block(w: np.ndarray, bits: int, group_size: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray,
+                                                                                         np.ndarray | None]:
     n, k = w.shape
     groups = w.astype(np.float64).reshape(n, k // group_size, group_size)
     if symmetric:

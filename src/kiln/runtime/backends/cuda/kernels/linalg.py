@@ -201,25 +201,61 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
                                   np.int32(bits), np.int32(group_size), zero_mode))
         return _linear(x2, weight.T, bias).reshape(*lead, n)
     out = cp.empty((x2.shape[0], n), dtype=dtype)
-    if x2.shape[0] and QGEMV and _qgemv_applies(x2, q, bits, group_size):
-        rows_cap = next(r for r in (1, 2, 4, 8) if r >= x2.shape[0])  # (quant.cu: qgemv<16 * bits + rows>)
+    rows = x2.shape[0]
+    applies = rows and _qgemv_applies(x2, q, bits, group_size)
+    rows_cap = next(r for r in (1, 2, 4, 8) if r >= rows)  # (quant.cu: the instance's ROWS)
+    zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
+    if (applies and QGEMV == "staged" and rows_cap <= 4
+            and (shared := _staged_smem(rows_cap, k, bits)) <= QGEMV_STAGED_SMEM):
+        weight_rows = _staged_weight_rows(n, rows_cap)
+        function = nvrtc.function("quant", "qgemv_staged", dtype, 100 * weight_rows + 10 * bits + rows_cap)
+        if shared > 48 * 1024:
+            function.raw.max_dynamic_shared_size_bytes = shared
+        constant = all(constants.is_constant(a) for a in (q, scale) + ((zero,) if zero is not None else ()))
+        function((-(-n // (QUANT_WARPS * weight_rows)),), (32 * QUANT_WARPS,),
+                 (x2, q, scale, zero_arg, bias_arg, out, np.int32(rows), np.int32(n), np.int32(k),
+                  np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(constant)),
+                 shared_mem=shared)
+    elif applies and QGEMV in ("staged", "direct"):
         nvrtc.function("quant", "qgemv", dtype, 16 * bits + rows_cap)(
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
-            (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
-             np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(group_size), zero_mode,
-             np.int32(bias is not None)))
-    elif x2.shape[0]:
+            (x2, q, scale, zero_arg, bias_arg, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(group_size),
+             zero_mode, np.int32(bias is not None)))
+    elif rows:
         nvrtc.function("quant", "qlinear_rows", dtype)(
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
-            (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
-             np.int32(x2.shape[0]), np.int32(n), np.int32(k), np.int32(bits), np.int32(group_size),
-             zero_mode, np.int32(bias is not None)))
+            (x2, q, scale, zero_arg, bias_arg, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(bits),
+             np.int32(group_size), zero_mode, np.int32(bias is not None)))
     return out.reshape(*lead, n)
 
 
-QGEMV = True
-"""Few-row quantized linears by quant.cu's qgemv (16-byte weight loads, several in flight) where the layout allows;
-False: qlinear_rows everywhere (benchmarks/gpu_quant_linear.py's A/B)."""
+QGEMV = "staged"
+"""The few-row quantized linear's kernel (quant.cu), for benchmarks/gpu_quant_linear.py's A/B: "staged"
+(qgemv_staged: x staged in shared memory, several weight rows a warp; qgemv where its shared memory would not
+fit), "direct" (qgemv: x read from L1 for every weight), "rows" (qlinear_rows: 4-byte loads, the first kernel)."""
+
+QGEMV_STAGED_SMEM = 96 * 1024
+"""Most shared memory qgemv_staged's staged x may take (ROWS x K float32 and the piece sums): 2 blocks of it still
+fit an SM of the H100 (228 KB); beyond it, and above 4 input rows, qgemv (a decode step's 1 row takes 8 KB at
+K = 2048, 56 KB at 14336)."""
+
+QGEMV_WEIGHT_ROWS: int | None = None
+"""qgemv_staged's weight rows per warp (1, 2 or 4); None: by the layer's size (_staged_weight_rows)."""
+
+
+def _staged_smem(rows: int, k: int, bits: int) -> int:
+    pieces = k // (32 if bits == 4 else 16)
+    return rows * (k + pieces) * 4
+
+
+def _staged_weight_rows(n: int, rows: int) -> int:
+    """Rows a warp of qgemv_staged takes: 4 where that still gives every SM of the H100's 132 two blocks, fewer for
+    narrow layers; 1 for more than 2 input rows (quant.cu instantiates no more: the registers would spill)."""
+    if rows > 2:
+        return 1
+    if QGEMV_WEIGHT_ROWS is not None:
+        return QGEMV_WEIGHT_ROWS
+    return next((w for w in (4, 2) if -(-n // (QUANT_WARPS * w)) >= 264), 1)
 
 
 def _qgemv_applies(x2: Any, q: Any, bits: int, group_size: int) -> bool:

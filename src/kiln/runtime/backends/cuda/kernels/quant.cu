@@ -231,3 +231,180 @@ __global__ void __launch_bounds__(32 * WARPS, N % 16 <= 4 ? 3 : 2) qgemv(const t
         if (lane == 0) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
     }
 }
+
+// qgemv_staged<N>: 141 142 144 181 182 184 241 242 281 282 441 442 481 482
+// out[r, n] for r < rows as qgemv computes it, built for what bounded qgemv (Nsight Compute: a warp's life was one
+// short burst of weight loads, then the scale loads and the x loads, each a round trip of its own, then the warp
+// left; the SM's bytes in flight were a fraction of what the memory needs, at 25-40% of the bandwidth):
+// - x is staged once per block in shared memory as float32, laid out [row][4-weight chunk][piece] so that 32 lanes
+//   reading 32 consecutive pieces hit 32 banks, with each piece's sum of x (the int4 and offset terms need it)
+//   beside it: a weight then costs one conversion and one FMA, the x work is done once per block, not per weight;
+// - a warp takes WR weight rows at once (N / 100: 1, 2 or 4), every lane loading UP = QS_LOADS / WR pieces of
+//   each, so a warp has 2 KB in flight whatever K is (an int4 row of 2048 weights is 1 KB: qgemv left half its
+//   loads idle), and each x chunk read from shared memory serves the WR rows;
+// - the scales and zero points of a round are loaded with its weights, and where q, scale and zero are program
+//   constants (`constant`) the first round's loads are issued before grid_dependency_sync, so the layer's stream
+//   starts while the kernel before it finishes (as gemv.cu does).
+// N = 100 * WR + 10 * BITS + ROWS (the most input rows this instance takes: 1, 2 or 4; WR > 1 only up to 2 rows,
+// where the registers allow it without spilling; 8 rows are qgemv's).
+// Needs what qgemv needs, and ROWS * K * 4 (+ the sums) bytes of shared memory (linalg.py's QGEMV_STAGED_SMEM).
+// QS_LOADS: 16-byte weight loads per lane and round (WR rows x UP pieces). 8 with 2 blocks an SM (128 registers)
+// against 4 with 3 (80), H100, 1 row, us: int4 g64 q/k/v 6.4 -> 4.1, gate/up 12.7 -> 11.9, LM head 73.8 -> 67.6,
+// down 9.0 -> 10.1 (two rounds of its K = 8192 where 8 took one); int8 q/k/v 7.1 -> 4.6, LM head 97.2 -> 93.7.
+// 4 input rows need 2 blocks' registers (80 would spill).
+#define QS_LOADS 4
+
+// Round p0's loads of the warp's WR rows: UP weight pieces of each a lane, and each piece's scale and zero term,
+// kept in their storage type until used (a conversion here would wait for the load).
+template <class S, int WR, int UP>
+__device__ __forceinline__ void qstaged_issue(U4 (&wv)[WR][UP], typename S::T (&sc)[WR][UP],
+                                              typename S::T (&zr)[WR][UP], const unsigned char* __restrict__ q,
+                                              const typename S::T* __restrict__ scale,
+                                              const typename S::T* __restrict__ zero, int o0, int n, int pieces,
+                                              int per, int ngroups, int group, int p0, int lane, bool has_zero) {
+#pragma unroll
+    for (int j = 0; j < WR; ++j) {
+        const int o = o0 + j;
+#pragma unroll
+        for (int u = 0; u < UP; ++u) {
+            const int p = p0 + u * 32 + lane;
+            const bool live = o < n && p < pieces;
+            wv[j][u] = live ? load_stream(q + ((long long)o * pieces + p) * 16) : U4{0u, 0u, 0u, 0u};
+            const long long g = (long long)o * ngroups + (p * per) / group;
+            sc[j][u] = live ? scale[g] : typename S::T(0);
+            zr[j][u] = live && has_zero ? zero[g] : typename S::T(0);
+        }
+    }
+}
+
+template <class S, int N>
+__global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(const typename S::T* __restrict__ x,
+                      const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
+                      const typename S::T* __restrict__ zero, const typename S::T* __restrict__ bias,
+                      typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
+                      int has_bias, int constant) {
+    constexpr int WR = N / 100, BITS = N / 10 % 10, ROWS = N % 10, UP = QS_LOADS / WR;
+    constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
+    constexpr int C = PER / 4;                // float4 chunks of x per piece
+    constexpr int V = S::PER16;               // x values per 16-byte load
+    extern __shared__ float4 staged[];        // [ROWS][C][pieces] float4, then [ROWS][pieces] sums
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pieces = k / PER, ngroups = k / group;
+    const int o0 = (blockIdx.x * WARPS + warp) * WR;
+    const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
+    const bool sums = BITS == 4 || has_zero;  // whether sum(x) of a piece enters the result
+    float* piece_sums = reinterpret_cast<float*>(staged + (long long)ROWS * C * pieces);
+    U4 wv[WR][UP];
+    typename S::T sc[WR][UP], zr[WR][UP];
+    if (constant)
+        qstaged_issue<S, WR, UP>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
+    grid_dependency_sync();
+    if (!constant)
+        qstaged_issue<S, WR, UP>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
+    // stage x: each thread a 16-byte load of V values; the PER / V threads of a piece add their sums by shuffles
+    {
+        constexpr int SPAN = PER / V;  // threads per piece (2..8), consecutive lanes
+        const int per_row = k / V, total = rows * per_row;
+        for (int base = 0; base < total; base += 32 * WARPS) {  // (a block-wide bound: every lane shuffles)
+            const int i = base + threadIdx.x;
+            float f[V];
+            float s = 0.0f;
+            if (i < total) {
+                const int r = i / per_row, j0 = (i - r * per_row) * V, p = j0 / PER, c0 = (j0 - p * PER) / 4;
+                S::unpack(*reinterpret_cast<const U4*>(x + (long long)r * k + j0), f);
+#pragma unroll
+                for (int h = 0; h < V / 4; ++h)
+                    staged[((long long)r * C + c0 + h) * pieces + p] = make_float4(f[4 * h], f[4 * h + 1],
+                                                                                   f[4 * h + 2], f[4 * h + 3]);
+#pragma unroll
+                for (int e = 0; e < V; ++e) s += f[e];
+            }
+#pragma unroll
+            for (int o = 1; o < SPAN; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (i < total && (i % SPAN) == 0) piece_sums[(i / per_row) * pieces + (i % per_row) / SPAN] = s;
+        }
+    }
+    __syncthreads();
+    float acc[WR][ROWS];
+#pragma unroll
+    for (int j = 0; j < WR; ++j)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[j][r] = 0.0f;
+    const float zero8 = zero_mode == ZERO_ABSENT && BITS == 4 ? 8.0f : 0.0f;
+    for (int p0 = 0; p0 < pieces; p0 += 32 * UP) {  // (a warp-wide bound)
+        if (p0 > 0)
+            qstaged_issue<S, WR, UP>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, p0, lane,
+                                     has_zero);
+#pragma unroll
+        for (int u = 0; u < UP; ++u) {
+            const int p = p0 + u * 32 + lane;
+            if (p >= pieces) break;
+            float dq[WR][ROWS];
+#pragma unroll
+            for (int j = 0; j < WR; ++j)
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) dq[j][r] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                float4 xv[ROWS];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r)
+                    if (r < rows) xv[r] = staged[((long long)r * C + c) * pieces + p];
+#pragma unroll
+                for (int j = 0; j < WR; ++j) {
+                    const unsigned int word = (&wv[j][u].x)[BITS == 4 ? c >> 1 : c];
+                    float wf[4];
+                    if (BITS == 4) {  // f = 1 + code / 128 (qgemv_round's byte permute); lo, hi shared by 2 chunks
+                        const unsigned int lo = (word & 0x0F0F0F0Fu) | 0x80808080u;
+                        const unsigned int hi = ((word >> 4) & 0x0F0F0F0Fu) | 0x80808080u;
+                        const unsigned int b = 2 * (c & 1);  // the chunk's first byte of the word
+                        wf[0] = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | (b << 8)));
+                        wf[1] = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | (b << 8)));
+                        wf[2] = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | ((b + 1) << 8)));
+                        wf[3] = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | ((b + 1) << 8)));
+                    } else {  // the byte read as unsigned (code + 128) in the mantissa of 2^23
+                        const unsigned int flipped = word ^ 0x80808080u;
+                        const float base = 8388608.0f + 128.0f;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            wf[e] = __uint_as_float(__byte_perm(flipped, 0x4B000000u, 0x7440u | e)) - base;
+                    }
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) {
+                        if (r < rows) {
+                            float d = dq[j][r];
+                            d = fmaf(wf[0], xv[r].x, d);
+                            d = fmaf(wf[1], xv[r].y, d);
+                            d = fmaf(wf[2], xv[r].z, d);
+                            d = fmaf(wf[3], xv[r].w, d);
+                            dq[j][r] = d;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= rows) break;
+                const float sum_x = sums ? piece_sums[r * pieces + p] : 0.0f;
+#pragma unroll
+                for (int j = 0; j < WR; ++j) {
+                    const float s = S::load(sc[j][u]);
+                    const float z = has_zero ? S::load(zr[j][u]) : 0.0f;
+                    const float b = zero_mode == ZERO_OFFSETS ? z : (zero_mode == ZERO_POINTS ? -s * z : 0.0f);
+                    const float codes_x = BITS == 4 ? 128.0f * (dq[j][r] - sum_x) - zero8 * sum_x : dq[j][r];
+                    acc[j][r] += s * codes_x + b * sum_x;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < WR; ++j) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r >= rows) break;
+            const float v = warp_sum(acc[j][r]);
+            const int o = o0 + j;
+            if (lane == 0 && o < n) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
+        }
+    }
+}
