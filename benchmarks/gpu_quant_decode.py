@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--skip-bf16", action="store_true", help="leave the bf16 program out (an 8B shape exports "
                         "for minutes a program)")
+    parser.add_argument("--compare-fusion", action="store_true",
+                        help="also export each quantized program without fuse_gated_linear and fuse_norm_linear (its "
+                             "norms and gated activations as kernels of their own) and time both")
     parser.add_argument("--kernels", default="staged,direct", help="quant.cu kernels for the quantized programs")
     parser.add_argument("--op-times", type=int, default=0, metavar="N", help="print each program's N costliest ops")
     parser.add_argument("--cache", type=Path, metavar="DIR",
@@ -93,20 +96,30 @@ def main(argv: list[str] | None = None) -> int:
         config.hidden_size // config.num_attention_heads) * 2 * (args.context + 1)
     token, position = cp.asarray(np.array([[42]], np.int64)), cp.asarray(np.array([args.context], np.int64))
     cases, rooflines = {}, {}
-    for mode in [*([] if args.skip_bf16 else ["bf16"]), *[m for m in args.quantize.split(",") if m]]:
+    import kiln.export.passes as passes
+
+    full = passes.PIPELINE
+    quantized = [m for m in args.quantize.split(",") if m]
+    runs = [*([] if args.skip_bf16 else ["bf16"]),
+            *[v for m in quantized for v in ([m, m + "-unfused"] if args.compare_fusion else [m])]]
+    for mode in runs:
         t0 = time.perf_counter()
+        unfused = mode.endswith("-unfused")
+        passes.PIPELINE = tuple(p for p in full if not unfused or p.name not in ("fuse_gated_linear",
+                                                                                "fuse_norm_linear"))
         path = args.cache / f"{args.shape}-{mode}-ctx{args.max_context}.kiln" if args.cache else None
         if path is not None and path.exists():
             program = load(path, verify_checksums=False)  # (written by this script)
         else:
             if model is None:
                 model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-            spec = None if mode == "bf16" else quantize_spec(mode)
+            spec = None if mode == "bf16" else quantize_spec(mode.removesuffix("-unfused"))
             exported = export_llama(model, args.max_context, 32, quantize=spec)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 exported.save(path)
             program = exported.load()
+        passes.PIPELINE = full
         stderr_log(f"{mode}: ready in {time.perf_counter() - t0:.0f} s, {program.constant_bytes / 1e9:.3f} GB")
         kernels = [""] if mode == "bf16" else [k for k in args.kernels.split(",") if k]
         if args.op_times:

@@ -53,9 +53,12 @@ def _greedy(model, ids: list[int], count: int) -> list[int]:
 
 
 def _stored_formats(program) -> set[tuple]:
+    """(op, bits, group, offset) of the quantized nodes, a fused linear's (add_rms_norm_quantized_linear,
+    gated_quantized_linear) counted as quantized_linear."""
     method = program.method("decode")
-    return {(n.op, n.attrs["bits"], n.attrs["group_size"], bool(n.attrs.get("offset", False)))
-            for n in method.nodes if n.op.startswith("quantized")}
+    return {("quantized_linear" if n.op.endswith("quantized_linear") else n.op, n.attrs["bits"],
+             n.attrs["group_size"], bool(n.attrs.get("offset", False)))
+            for n in method.nodes if "quantized" in n.op}
 
 
 MIXED = {"embd": "Q8_0", "q": "Q4_K", "k": "Q5_K", "v": "Q6_K", "o": "Q3_K", "gate": "Q2_K", "up": "Q4_K",

@@ -100,3 +100,51 @@ def test_declines_shared_norms_and_swapped_halves() -> None:
     program = export_checked(NotFusable(), (torch.randn(2, 16), torch.randn(2, 16)))
     assert "add_rms_norm_linear" not in ops(program) and "gated_linear" not in ops(program)
     assert {"add_rms_norm", "linear", "gated_activation"} <= set(ops(program))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_quantized_projections_fuse_into_their_quantized_forms(quantize, bias, monkeypatch) -> None:
+    """A quantized gate/up projection and the norm before it fuse as the float ones do, into
+    add_rms_norm_quantized_linear (the gated form inside), its quantization carried over; the program gives the
+    unfused program's outputs, bit for bit, on every backend that runs here."""
+    import numpy as np
+
+    import kiln
+    import kiln.export.passes as passes
+    from tests.conftest import BACKENDS
+
+    model = PreNormMLPBlock(d=64, hidden=96, bias=bias).eval()
+    unfused = tuple(p for p in passes.PIPELINE if p.name not in ("fuse_gated_linear", "fuse_norm_linear"))
+    for x in (torch.randn(1, 1, 64), torch.randn(3, 5, 64)):  # few rows (the compiled few-row path) and many
+        fused = kiln.export(model, (x,), quantize=quantize).load()
+        (node,) = nodes(fused, "add_rms_norm_quantized_linear")
+        assert node.attrs["activation"] == "silu" and node.attrs["bits"] == (8 if quantize == "int8" else 4)
+        assert len(node.inputs) == 7 and (node.inputs[6] != NO_VALUE) == bias  # x residual nw q scale zero bias
+        for gone in ("add_rms_norm", "gated_activation", "slice"):
+            assert gone not in ops(fused), gone
+        with monkeypatch.context() as patch:
+            patch.setattr(passes, "PIPELINE", unfused)
+            plain = kiln.export(model, (x,), quantize=quantize).load()
+        assert "add_rms_norm_quantized_linear" not in ops(plain)
+        for backend in [b for b in ("cpu", "mlx") if b in BACKENDS]:
+            got, want = (p.session(backend).run("forward", x.numpy())[0] for p in (fused, plain))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_quantized_gated_projection_without_a_norm() -> None:
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.gate, self.up = nn.Linear(64, 48), nn.Linear(64, 48)
+
+        def forward(self, x):
+            return F.gelu(self.gate(x)) * self.up(x)
+
+    import kiln
+
+    program = kiln.export(Gated().eval(), (torch.randn(2, 64),), quantize="int8").load()
+    (node,) = nodes(program, "gated_quantized_linear")
+    assert ops(program) == ["gated_quantized_linear"]
+    assert node.attrs == {"bits": 8, "group_size": 64, "activation": "gelu"}

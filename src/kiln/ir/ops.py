@@ -19,13 +19,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 8
+OPSET_VERSION = 9
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
 4 add_rms_norm was added; 5 rope_cache_update was added; 6 gated_linear and add_rms_norm_linear were added;
 7 slot_attention was added; 8 quantized_linear and quantized_embedding gained offset (GGUF's and MLX's
-additive per-group term, so files quantized elsewhere are stored exactly)."""
+additive per-group term, so files quantized elsewhere are stored exactly); 9 gated_quantized_linear and
+add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear's forms for quantized weights)."""
 
 
 class AttrType(enum.IntEnum):
@@ -213,6 +214,16 @@ define("add_rms_norm_linear", "x residual norm_weight? weight bias?", A("axes", 
        doc="(s, linear(n, weight, bias)) for (s, n) = add_rms_norm(x, residual, norm_weight): a pre-norm block's "
            "residual add, its RMSNorm and the projection that is the norm's only reader, in one node (axes is 1). "
            f"With an activation the projection is gated_linear's: {_GATED_LINEAR_DOC}.")
+_QUANT_ATTRS = (A("bits", T.INT), A("group_size", T.INT), _OFFSET)
+define("gated_quantized_linear", "x q scale zero? bias?", *_QUANT_ATTRS, A("activation", T.STRING),
+       doc="gated_linear with a quantized weight (quantized_linear's q, scale, zero and attributes) stacking the "
+           "gate's N rows and then the up's N rows: quantized_linear, each half rounded to scale's dtype, then "
+           "gated_activation(gate, up), out [..., N].")
+define("add_rms_norm_quantized_linear", "x residual norm_weight? q scale zero? bias?", A("axes", T.INT),
+       A("eps", T.FLOAT, None), *_QUANT_ATTRS, A("activation", T.STRING, ""), outputs=2,
+       doc="add_rms_norm_linear with a quantized weight: (s, quantized_linear(n, q, scale, zero, bias)) for (s, n) "
+           "= add_rms_norm(x, residual, norm_weight), axes 1; with an activation the projection is "
+           "gated_quantized_linear's.")
 define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 

@@ -55,6 +55,8 @@ CHOICES: dict[tuple[str, str], frozenset[str]] = {
     ("gated_activation", "activation"): frozenset({"silu", "gelu", "gelu_tanh"}),
     ("gated_linear", "activation"): frozenset({"silu", "gelu", "gelu_tanh"}),
     ("add_rms_norm_linear", "activation"): frozenset({"", "silu", "gelu", "gelu_tanh"}),
+    ("gated_quantized_linear", "activation"): frozenset({"silu", "gelu", "gelu_tanh"}),
+    ("add_rms_norm_quantized_linear", "activation"): frozenset({"", "silu", "gelu", "gelu_tanh"}),
     ("gelu", "approximate"): frozenset({"none", "tanh"}),
     ("grid_sample", "mode"): frozenset({"bilinear", "nearest"}),
     ("grid_sample", "padding_mode"): frozenset({"zeros", "border", "reflection"}),
@@ -603,15 +605,28 @@ def quantized_weight(q: Spec, scale: Spec, zero: Spec | None, bits: int, group: 
     return n, k
 
 
-@rule("quantized_linear")
-def _quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    padded = ins + [None] * (5 - len(ins))
-    x, q, scale, zero, bias = padded
+def quantized_rows(x: Spec | None, q: Spec | None, scale: Spec | None, zero: Spec | None, bias: Spec | None,
+                   attrs: dict[str, Any]) -> tuple[Shape, int]:
+    """(x's leading dims, N) of a quantized linear, after checking its parts."""
     need(x is not None and q is not None and scale is not None, "a required input is absent")
     n, k = quantized_weight(q, scale, zero, attrs["bits"], attrs["group_size"])
     need(len(x.shape) >= 1 and x.shape[-1] == k, f"x {list(x.shape)} does not multiply a [{n}, {k}] weight")
     need(bias is None or bias.shape == (n,), f"bias {bias} is not [{n}]")
-    return [Spec(scale.dtype, x.shape[:-1] + (n,))]
+    return x.shape[:-1], n
+
+
+@rule("quantized_linear")
+def _quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    x, q, scale, zero, bias = ins + [None] * (5 - len(ins))
+    lead, n = quantized_rows(x, q, scale, zero, bias, attrs)
+    return [Spec(scale.dtype, lead + (n,))]
+
+
+@rule("gated_quantized_linear")
+def _gated_quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    x, q, scale, zero, bias = ins + [None] * (5 - len(ins))
+    lead, n = quantized_rows(x, q, scale, zero, bias, attrs)
+    return [Spec(scale.dtype, lead + (gated_out(n),))]
 
 
 @rule("quantized_embedding")
@@ -657,6 +672,16 @@ def _add_rms_norm_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[
     normalized(x, norm_weight, attrs["axes"])
     lead, n = linear_rows(x, weight, bias)
     return [x, Spec(same_dtype(x, weight), lead + ((gated_out(n),) if attrs["activation"] else (n,)))]
+
+
+@rule("add_rms_norm_quantized_linear")
+def _add_rms_norm_quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    x, residual, norm_weight, q, scale, zero, bias = ins + [None] * (7 - len(ins))
+    need(x is not None and residual is not None, "a required input is absent")
+    need(x.shape == residual.shape, f"x {list(x.shape)} and residual {list(residual.shape)} differ")
+    normalized(x, norm_weight, attrs["axes"])
+    lead, n = quantized_rows(x, q, scale, zero, bias, attrs)
+    return [x, Spec(scale.dtype, lead + ((gated_out(n),) if attrs["activation"] else (n,)))]
 
 
 @rule("batch_norm")

@@ -93,9 +93,9 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_rope_cache_update", _method_only(fuse_rope_cache_update),
          "RoPE of q and k and the KV-cache writes before an attention as one rope_cache_update node"),
     Pass("fuse_gated_linear", _method_only(fuse_gated_linear),
-         "a stacked gate/up linear and the gated activation of its halves as one gated_linear node"),
+         "a stacked gate/up (quantized) linear and the gated activation of its halves as one node"),
     Pass("fuse_norm_linear", _method_only(fuse_norm_linear),
-         "residual add + rms_norm and the linear reading the norm as one add_rms_norm_linear node"),
+         "residual add + rms_norm and the (quantized) linear reading the norm as one node"),
 )
 
 

@@ -8,14 +8,38 @@ matrix-vector product they cost nothing: every block of the product reads the wh
 normalize it on the way in, and a warp that computes gate row i can compute up row i and write act(gate) * up.
 Backends without such a kernel run the ops these nodes stand for (kiln.runtime.backends.composite).
 
-Both passes run last, after quantize_weights (a quantized linear is not absorbed) and fuse_projections (which
-makes the stacked gate/up projection the gated pattern needs).
+A quantized linear is absorbed the same way, into gated_quantized_linear and add_rms_norm_quantized_linear (its q,
+scale, zero and quantization attributes carried over). Both passes run last, after quantize_weights and
+fuse_projections (which makes the stacked gate/up projection the gated pattern needs).
 """
 
 from __future__ import annotations
 
 from kiln.export.passes.usage import Usage
 from kiln.ir.graph import NO_VALUE, Method, Node
+
+QUANT_ATTRS = ("bits", "group_size", "offset")
+"""What a quantized linear's fused form carries over from it."""
+
+GATED = {"linear": "gated_linear", "quantized_linear": "gated_quantized_linear"}
+"""The gated form of each linear op."""
+
+NORMED = {"linear": "add_rms_norm_linear", "gated_linear": "add_rms_norm_linear",
+          "quantized_linear": "add_rms_norm_quantized_linear",
+          "gated_quantized_linear": "add_rms_norm_quantized_linear"}
+"""The add + RMSNorm form of each (gated) linear op."""
+
+INPUTS = {"linear": 3, "gated_linear": 3, "quantized_linear": 5, "gated_quantized_linear": 5}
+"""Inputs of each, the optional ones included (a fused node lists them all, absent as NO_VALUE)."""
+
+
+def _weight_inputs(linear: Node) -> list[int]:
+    """The linear's inputs after x, padded with NO_VALUE to the op's full list."""
+    return list(linear.inputs[1:]) + [NO_VALUE] * (INPUTS[linear.op] - len(linear.inputs))
+
+
+def _quant_attrs(linear: Node) -> dict:
+    return {k: linear.attrs[k] for k in QUANT_ATTRS if k in linear.attrs}
 
 
 def _halves(method: Method, usage: Usage, gate: int, up: int) -> Node | None:
@@ -26,7 +50,7 @@ def _halves(method: Method, usage: Usage, gate: int, up: int) -> Node | None:
     (g, u), h = slices, slices[0].inputs[0]
     if u.inputs[0] != h or len(usage.reader_nodes.get(h, ())) != 2 or h in usage.kept:
         return None
-    linear = usage.producer_of(h, "linear")
+    linear = usage.producer_of(h, "linear") or usage.producer_of(h, "quantized_linear")
     shape = method.values[h].shape
     if linear is None or not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
         return None
@@ -50,8 +74,8 @@ def fuse_gated_linear(method: Method) -> int:
         if linear is None:
             continue
         slices = [usage.producer[v] for v in node.inputs]
-        node.op, node.inputs = "gated_linear", list(linear.inputs)
-        node.attrs = {"activation": node.attrs["activation"]}
+        node.op, node.inputs = GATED[linear.op], [linear.inputs[0], *_weight_inputs(linear)]
+        node.attrs = {**_quant_attrs(linear), "activation": node.attrs["activation"]}
         gone.update(id(n) for n in (linear, *slices))
         count += 1
     method.nodes[:] = [n for n in method.nodes if id(n) not in gone]
@@ -59,8 +83,8 @@ def fuse_gated_linear(method: Method) -> int:
 
 
 def fuse_norm_linear(method: Method) -> int:
-    """Rewrite each add_rms_norm over the last dim whose normalized output only a linear or gated_linear reads (as
-    its input row) as add_rms_norm_linear; returns how many."""
+    """Rewrite each add_rms_norm over the last dim whose normalized output only a (gated, quantized) linear reads
+    (as its input row) as add_rms_norm_linear or add_rms_norm_quantized_linear; returns how many."""
     usage = Usage.of(method)
     position = {id(node): i for i, node in enumerate(method.nodes)}
     gone: set[int] = set()
@@ -69,7 +93,7 @@ def fuse_norm_linear(method: Method) -> int:
             continue
         normed = norm.outputs[1]
         readers = usage.reader_nodes.get(normed, [])
-        if len(readers) != 1 or normed in usage.kept or readers[0].op not in ("linear", "gated_linear"):
+        if len(readers) != 1 or normed in usage.kept or readers[0].op not in NORMED:
             continue
         linear = readers[0]
         if linear.inputs[0] != normed or normed in linear.inputs[1:]:
@@ -78,9 +102,9 @@ def fuse_norm_linear(method: Method) -> int:
         if any(m is not None and position[id(m)] > position[id(norm)] for m in makers):
             continue  # a weight computed after the norm: it would not exist where the fused node goes
         x, residual, *weight = norm.inputs
-        norm.inputs = [x, residual, weight[0] if weight else NO_VALUE, *linear.inputs[1:]]
-        norm.op, norm.outputs = "add_rms_norm_linear", [norm.outputs[0], linear.outputs[0]]
-        norm.attrs = {**norm.attrs, "activation": linear.attrs.get("activation", "")}
+        norm.inputs = [x, residual, weight[0] if weight else NO_VALUE, *_weight_inputs(linear)]
+        norm.op, norm.outputs = NORMED[linear.op], [norm.outputs[0], linear.outputs[0]]
+        norm.attrs = {**norm.attrs, **_quant_attrs(linear), "activation": linear.attrs.get("activation", "")}
         gone.add(id(linear))
     method.nodes[:] = [n for n in method.nodes if id(n) not in gone]
     return len(gone)

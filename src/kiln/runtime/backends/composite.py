@@ -1,8 +1,9 @@
 """Fused ops as the sequence of ops they stand for, over one backend's own kernel table.
 
 The export makes a few nodes that exist only so a GPU can run them as one kernel (gated_linear,
-add_rms_norm_linear). A backend without that kernel, or a call its kernel does not take (many rows, odd strides),
-runs them as the ops they replace: same results, same kernels, no new code per backend.
+add_rms_norm_linear, and their quantized forms). A backend without that kernel, or a call its kernel does not
+take (many rows, odd strides), runs them as the ops they replace: same results, same kernels, no new code per
+backend.
 """
 
 from __future__ import annotations
@@ -28,7 +29,27 @@ def add_rms_norm_linear(kernels: Kernels, x: Any, residual: Any, norm_weight: An
     return total, kernels["linear"](normed, weight, bias)
 
 
-COMPOSITES: dict[str, Callable[..., Any]] = {"gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear}
+def gated_quantized_linear(kernels: Kernels, x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int,
+                           group_size: int, offset: bool, activation: str) -> Any:
+    """quantized_linear over the stacked gate/up weight, then gated_activation of its two halves (views)."""
+    h = kernels["quantized_linear"](x, q, scale, zero, bias, bits, group_size, offset)
+    n = h.shape[-1] // 2
+    return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
+
+
+def add_rms_norm_quantized_linear(kernels: Kernels, x: Any, residual: Any, norm_weight: Any, q: Any, scale: Any,
+                                  zero: Any, bias: Any, axes: int, eps: float | None, bits: int, group_size: int,
+                                  offset: bool, activation: str) -> tuple[Any, Any]:
+    total, normed = kernels["add_rms_norm"](x, residual, norm_weight, axes, eps)
+    if activation:
+        return total, gated_quantized_linear(kernels, normed, q, scale, zero, bias, bits, group_size, offset,
+                                             activation)
+    return total, kernels["quantized_linear"](normed, q, scale, zero, bias, bits, group_size, offset)
+
+
+COMPOSITES: dict[str, Callable[..., Any]] = {
+    "gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear,
+    "gated_quantized_linear": gated_quantized_linear, "add_rms_norm_quantized_linear": add_rms_norm_quantized_linear}
 """Op name -> its composition, a function of (kernels, *the op's inputs and attributes)."""
 
 

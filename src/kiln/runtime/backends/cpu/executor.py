@@ -293,9 +293,10 @@ def _rows(x: Loc) -> int:
     return math.prod(x.shape[:-1])
 
 
-@lowering("quantized_linear")
-def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    x, q, scale, zero, bias = _inputs(lw, node)
+def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, q: Loc, scale: Loc, zero: Loc | None, bias: Loc | None,
+                          attrs: dict[str, Any]) -> Loc:
+    """quantized_linear's few float32 rows by the native qlinear (the node's own quantization attributes; its
+    inputs refined where the node yields a method output: quant.yields_output)."""
     bits, group = int(attrs["bits"]), int(attrs["group_size"])
     _need(x.dtype == F32 and scale.dtype == F32 and _rows(x) <= quant.FEW_ROWS, "not a few float32 rows")
     k, n = x.shape[-1], q.shape[0]
@@ -307,7 +308,29 @@ def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     work = lw.work(2 * quant.FEW_ROWS * (k + k // group) * 4)  # (twice: refined inputs, quant.h)
     form = native.quant_format(bits, attrs.get("offset", False), quant.yields_output(lw.method, node))
     lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, form, group, int(native.integer_dot()))
-    lw.output(node, out)
+    return out
+
+
+@lowering("quantized_linear")
+def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, emit_quantized_linear(lw, node, *_inputs(lw, node), attrs))
+
+
+@lowering("gated_quantized_linear")
+def _gated_quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As composite.gated_quantized_linear."""
+    h = emit_quantized_linear(lw, node, *_inputs(lw, node), attrs)
+    lw.output(node, emit_gated(lw, *_halves(h), attrs["activation"]))
+
+
+@lowering("add_rms_norm_quantized_linear")
+def _add_rms_norm_quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As composite.add_rms_norm_quantized_linear."""
+    x, residual, norm_weight, q, scale, zero, bias = _inputs(lw, node)
+    total, normed = emit_rms_norm(lw, x, residual, norm_weight, int(attrs["axes"]), attrs["eps"])
+    h = emit_quantized_linear(lw, node, normed, q, scale, zero, bias, attrs)
+    activation = attrs["activation"]
+    lw.output(node, total, emit_gated(lw, *_halves(h), activation) if activation else h)
 
 
 def emit_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None) -> Loc:
@@ -341,12 +364,15 @@ def emit_gated(lw: Lowering, gate: Loc, up: Loc, activation: str) -> Loc:
 
 def emit_gated_linear(lw: Lowering, x: Loc, weight: Loc, bias: Loc | None, activation: str) -> Loc:
     """As composite.gated_linear: the linear over the stacked weight, then the activation of its two halves."""
-    h = emit_linear(lw, x, weight, bias)
+    return emit_gated(lw, *_halves(emit_linear(lw, x, weight, bias)), activation)
+
+
+def _halves(h: Loc) -> tuple[Loc, Loc]:
+    """Views of the first and second halves of h's last dim (a stacked gate/up projection's gate and up)."""
     n = h.shape[-1] // 2
     last = len(h.shape) - 1
-    gate = h.view(0, h.shape[:-1] + (n,), h.strides)
-    up = h.view(n * h.strides[last], h.shape[:-1] + (n,), h.strides)
-    return emit_gated(lw, gate, up, activation)
+    return (h.view(0, h.shape[:-1] + (n,), h.strides),
+            h.view(n * h.strides[last], h.shape[:-1] + (n,), h.strides))
 
 
 def emit_rms_norm(lw: Lowering, x: Loc, residual: Loc | None, weight: Loc | None, axes: int,

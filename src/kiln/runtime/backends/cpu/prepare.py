@@ -2,7 +2,8 @@
 bind once gets a kernel made for it when a session plans its method.
 
 - quantized_linear with constant weights: their addresses taken once, the few-row scratch kept (quant.py), so a
-  decode step's ~120 quantized linears stop paying the general kernel's per-call checks and conversions.
+  decode step's ~120 quantized linears stop paying the general kernel's per-call checks and conversions; its
+  fused forms (gated_quantized_linear, add_rms_norm_quantized_linear) run their composition with that kernel.
 """
 
 from __future__ import annotations
@@ -17,14 +18,39 @@ preparer = PREPARERS.register
 prepare = PREPARERS.prepare
 
 
-@preparer("quantized_linear")
-def quantized_linear(program: Program, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+def _bound(program: Program, method: Method, node: Node, first: int):
+    """The bound few-row kernel of the node's quantized weight (q at input `first`, then scale, zero, bias), called
+    as the kernel table's quantized_linear is; None where the weights are not constants it can bind."""
     from kiln.runtime.backends.cpu.quant import bound_linear, yields_output
 
-    refs = [constant_ref(method, node, i) for i in range(1, 5)]  # q, scale, zero, bias
-    if refs[0] is None or refs[1] is None or any(r is None and not absent(node, i + 1) for i, r in enumerate(refs)):
+    refs = [constant_ref(method, node, first + i) for i in range(4)]  # q, scale, zero, bias
+    if refs[0] is None or refs[1] is None or any(r is None and not absent(node, first + i)
+                                                 for i, r in enumerate(refs)):
         return None
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
-    kernel = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
-                          bool(node.attrs.get("offset", False)), refine=yields_output(method, node))
-    return None if kernel is None else (kernel, tuple(node.inputs))
+    run = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
+                       bool(node.attrs.get("offset", False)), refine=yields_output(method, node))
+    if run is None:
+        return None
+
+    def linear(x, q, scale, zero, bias, bits: int, group_size: int, offset: bool = False):
+        return run(x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
+    return linear
+
+
+@preparer("quantized_linear")
+def quantized_linear(program: Program, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+    linear = _bound(program, method, node, 1)
+    return None if linear is None else (linear, tuple(node.inputs))
+
+
+@preparer("gated_quantized_linear", "add_rms_norm_quantized_linear")
+def fused_quantized_linear(program: Program, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+    from kiln.runtime.backends import composite
+    from kiln.runtime.backends.cpu.registry import CPU_KERNELS
+
+    linear = _bound(program, method, node, 1 if node.op == "gated_quantized_linear" else 3)
+    if linear is None:
+        return None
+    kernels = {**CPU_KERNELS.kernels, "quantized_linear": linear}
+    return composite.bind(composite.COMPOSITES[node.op], kernels), tuple(node.inputs)

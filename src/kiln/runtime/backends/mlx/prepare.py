@@ -50,18 +50,44 @@ def conv(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int])
 def quantized(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     from kiln.runtime.backends.mlx import quantized as formats
 
-    first = 1 if node.op == "quantized_linear" else 0  # the position of q
+    weight = _mlx_weight(arrays, method, node, 1 if node.op == "quantized_linear" else 0)
+    if weight is None:
+        return None
+    kernel = formats.linear_kernel(weight) if node.op == "quantized_linear" else formats.embedding_kernel(weight)
+    return kernel, tuple(node.inputs)
+
+
+@preparer("gated_quantized_linear", "add_rms_norm_quantized_linear")
+def fused_quantized_linear(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+    """The fused forms run their composition with the converted weight's quantized_matmul."""
+    from kiln.runtime.backends import composite
+    from kiln.runtime.backends.mlx import quantized as formats
+    from kiln.runtime.backends.mlx.kernels import MLX_KERNELS
+
+    weight = _mlx_weight(arrays, method, node, 1 if node.op == "gated_quantized_linear" else 3)
+    if weight is None:
+        return None
+    matmul = formats.linear_kernel(weight)
+
+    def linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
+               offset: bool = False) -> Any:
+        return matmul(x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
+    kernels = {**MLX_KERNELS.kernels, "quantized_linear": linear}
+    return composite.bind(composite.COMPOSITES[node.op], kernels), tuple(node.inputs)
+
+
+def _mlx_weight(arrays: ProgramArrays, method: Method, node: Node, first: int) -> Any:
+    """The node's quantized weight (q at input `first`, then scale and zero, all constants) in MLX's format, once
+    per program; None where it is not constants or MLX has no such format."""
+    from kiln.runtime.backends.mlx import quantized as formats
+
     q, scale, zero = (constant_ref(method, node, first + i) for i in range(3))
     if q is None or scale is None or (zero is None and not absent(node, first + 2)):
         return None
     bits, group_size = int(node.attrs["bits"]), int(node.attrs["group_size"])
     offset = bool(node.attrs.get("offset", False))
-    weight = arrays.derived(("quantized", q, scale, zero, bits, group_size, offset),
-                            lambda: formats.to_mlx_format(arrays.program, q, scale, zero, bits, group_size, offset))
-    if weight is None:
-        return None
-    kernel = formats.linear_kernel(weight) if node.op == "quantized_linear" else formats.embedding_kernel(weight)
-    return kernel, tuple(node.inputs)
+    return arrays.derived(("quantized", q, scale, zero, bits, group_size, offset),
+                          lambda: formats.to_mlx_format(arrays.program, q, scale, zero, bits, group_size, offset))
 
 
 @preparer("rope", "rope_cache_update")
