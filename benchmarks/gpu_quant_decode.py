@@ -113,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if model is None:
                 model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+                stderr_log(f"random {args.shape} model made in {time.perf_counter() - t0:.0f} s")
             spec = None if mode == "bf16" else quantize_spec(mode.removesuffix("-unfused"))
+            t1 = time.perf_counter()
             exported = export_llama(model, args.max_context, 32, quantize=spec)
+            stderr_log(f"{mode}: export_llama {time.perf_counter() - t1:.0f} s")  # (where an 8B shape's time goes)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 exported.save(path)
