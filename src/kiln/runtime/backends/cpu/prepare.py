@@ -19,8 +19,8 @@ prepare = PREPARERS.prepare
 
 
 def _bound(program: Program, method: Method, node: Node, first: int):
-    """The bound few-row kernel of the node's quantized weight (q at input `first`, then scale, zero, bias), called
-    as the kernel table's quantized_linear is; None where the weights are not constants it can bind."""
+    """The bound few-row kernel of the node's quantized weight (q at input `first`, then scale, zero, bias; its
+    attributes by keyword), or None where the weights are not constants it can bind."""
     from kiln.runtime.backends.cpu.quant import bound_linear, yields_output
 
     refs = [constant_ref(method, node, first + i) for i in range(4)]  # q, scale, zero, bias
@@ -28,20 +28,14 @@ def _bound(program: Program, method: Method, node: Node, first: int):
                                                  for i, r in enumerate(refs)):
         return None
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
-    run = bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
-                       bool(node.attrs.get("offset", False)), refine=yields_output(method, node))
-    if run is None:
-        return None
-
-    def linear(x, q, scale, zero, bias, bits: int, group_size: int, offset: bool = False):
-        return run(x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
-    return linear
+    return bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
+                        bool(node.attrs.get("offset", False)), refine=yields_output(method, node))
 
 
 @preparer("quantized_linear")
 def quantized_linear(program: Program, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
-    linear = _bound(program, method, node, 1)
-    return None if linear is None else (linear, tuple(node.inputs))
+    run = _bound(program, method, node, 1)
+    return None if run is None else (run, tuple(node.inputs))
 
 
 @preparer("gated_quantized_linear", "add_rms_norm_quantized_linear")
@@ -49,8 +43,12 @@ def fused_quantized_linear(program: Program, method: Method, node: Node, env: di
     from kiln.runtime.backends import composite
     from kiln.runtime.backends.cpu.registry import CPU_KERNELS
 
-    linear = _bound(program, method, node, 1 if node.op == "gated_quantized_linear" else 3)
-    if linear is None:
+    run = _bound(program, method, node, 1 if node.op == "gated_quantized_linear" else 3)
+    if run is None:
         return None
+
+    def linear(x, q, scale, zero, bias, bits: int, group_size: int, offset: bool = False):
+        """The bound kernel called as the kernel table's quantized_linear is (attributes by position)."""
+        return run(x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
     kernels = {**CPU_KERNELS.kernels, "quantized_linear": linear}
     return composite.bind(composite.COMPOSITES[node.op], kernels), tuple(node.inputs)
