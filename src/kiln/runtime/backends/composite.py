@@ -31,8 +31,9 @@ def add_rms_norm_linear(kernels: Kernels, x: Any, residual: Any, norm_weight: An
 
 def gated_quantized_linear(kernels: Kernels, x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int,
                            group_size: int, offset: bool, activation: str) -> Any:
-    """quantized_linear over the stacked gate/up weight, then gated_activation of its two halves (views)."""
-    h = kernels["quantized_linear"](x, q, scale, zero, bias, bits, group_size, offset)
+    """quantized_linear over the stacked gate/up weight, then gated_activation of its two halves (views). The
+    attributes go by name, as a session passes them (MLX's kernel and the prepared ones take them by name only)."""
+    h = kernels["quantized_linear"](x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
     n = h.shape[-1] // 2
     return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
 
@@ -44,7 +45,8 @@ def add_rms_norm_quantized_linear(kernels: Kernels, x: Any, residual: Any, norm_
     if activation:
         return total, gated_quantized_linear(kernels, normed, q, scale, zero, bias, bits, group_size, offset,
                                              activation)
-    return total, kernels["quantized_linear"](normed, q, scale, zero, bias, bits, group_size, offset)
+    return total, kernels["quantized_linear"](normed, q, scale, zero, bias, bits=bits, group_size=group_size,
+                                              offset=offset)
 
 
 COMPOSITES: dict[str, Callable[..., Any]] = {

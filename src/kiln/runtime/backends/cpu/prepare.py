@@ -20,7 +20,7 @@ prepare = PREPARERS.prepare
 
 def _bound(program: Program, method: Method, node: Node, first: int):
     """The bound few-row kernel of the node's quantized weight (q at input `first`, then scale, zero, bias; its
-    attributes by keyword), or None where the weights are not constants it can bind."""
+    attributes by name), or None where the weights are not constants it can bind."""
     from kiln.runtime.backends.cpu.quant import bound_linear, yields_output
 
     refs = [constant_ref(method, node, first + i) for i in range(4)]  # q, scale, zero, bias
@@ -46,9 +46,5 @@ def fused_quantized_linear(program: Program, method: Method, node: Node, env: di
     run = _bound(program, method, node, 1 if node.op == "gated_quantized_linear" else 3)
     if run is None:
         return None
-
-    def linear(x, q, scale, zero, bias, bits: int, group_size: int, offset: bool = False):
-        """The bound kernel called as the kernel table's quantized_linear is (attributes by position)."""
-        return run(x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
-    kernels = {**CPU_KERNELS.kernels, "quantized_linear": linear}
+    kernels = {**CPU_KERNELS.kernels, "quantized_linear": run}
     return composite.bind(composite.COMPOSITES[node.op], kernels), tuple(node.inputs)

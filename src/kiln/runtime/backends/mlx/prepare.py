@@ -67,12 +67,7 @@ def fused_quantized_linear(arrays: ProgramArrays, method: Method, node: Node, en
     weight = _mlx_weight(arrays, method, node, 1 if node.op == "gated_quantized_linear" else 3)
     if weight is None:
         return None
-    matmul = formats.linear_kernel(weight)
-
-    def linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
-               offset: bool = False) -> Any:
-        return matmul(x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
-    kernels = {**MLX_KERNELS.kernels, "quantized_linear": linear}
+    kernels = {**MLX_KERNELS.kernels, "quantized_linear": formats.linear_kernel(weight)}
     return composite.bind(composite.COMPOSITES[node.op], kernels), tuple(node.inputs)
 
 
