@@ -36,16 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    import kiln.export.passes as passes
     from kiln.models.llm import export_llm
 
-    full = passes.PIPELINE
-    programs = {"fused": export_llm(args.model, max_context=256, prefill_chunk=64).load()}
-    passes.PIPELINE = tuple(p for p in full if p.name not in UNFUSED)
-    try:
-        programs["unfused"] = export_llm(args.model, max_context=256, prefill_chunk=64).load()
-    finally:
-        passes.PIPELINE = full
+    programs = {name: export_llm(args.model, max_context=256, prefill_chunk=64, skip_passes=skip).load()
+                for name, skip in (("fused", ()), ("unfused", UNFUSED))}
     token, position = np.array([[42]], np.int64), np.array([128], np.int64)
     sessions = {name: program.session("cpu") for name, program in programs.items()}
     logits = {name: [s.run("decode", token, position)[0] for _ in range(3)][-1] for name, s in sessions.items()}
