@@ -108,8 +108,15 @@ def test_concurrent_streams_each_get_what_they_get_alone(server):
     prompts = [words(k, k + 1, 2 * k % 50) for k in range(16)]
     alone = [chat(c, p, max_tokens=12 + k % 5).choices[0].message.content for k, p in enumerate(prompts)]
 
+    # The clients exist before the threads start and the threads send at one moment: a client built inside its
+    # thread took longer on a loaded 2-core CI machine than a whole tiny-model generation, so the streams ran one
+    # after another and no step batched two of them.
+    clients = [client(server) for _ in prompts]
+    start = threading.Barrier(len(prompts))
+
     def run(k: int) -> str:
-        return streamed_text(chat(client(server), prompts[k], max_tokens=12 + k % 5, stream=True))[0]
+        start.wait(timeout=60)
+        return streamed_text(chat(clients[k], prompts[k], max_tokens=12 + k % 5, stream=True))[0]
 
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(run, range(16), timeout=120))
@@ -119,6 +126,7 @@ def test_concurrent_streams_each_get_what_they_get_alone(server):
     assert batches and 'le="1.0"' in batches[0]
     single = int(batches[0].rsplit(" ", 1)[1])
     total = int(next(ln for ln in metrics.splitlines() if ln.startswith("kiln_decode_batch_size_count")).split()[-1])
+    print("HIST", single, total, batches)
     assert total > single, "no decode step ran more than one sequence"
 
 
