@@ -8,8 +8,9 @@ one process: each sample ends with a synchronization, so a median is the wall ti
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+
+from harness import print_table, time_round_robin  # noqa: F401 - the GPU scripts take them from here too
 
 
 def copy_bandwidth(cp, nbytes: int = 1 << 30) -> float:
@@ -95,18 +96,6 @@ def gpu_op_times(program, cp, method: str, inputs: tuple, top: int) -> str:
             + format_table(rows, ["op", "calls", "us", "share"]))
 
 
-def time_round_robin(cases: dict[str, Callable[[], None]], repeat: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each case, the cases interleaved round by round."""
-    for fn in cases.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def device_line(cp, torch) -> str:
@@ -114,15 +103,3 @@ def device_line(cp, torch) -> str:
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"{name}, torch {torch.__version__}, cupy {cp.__version__}"
 
-
-def print_table(body: Sequence[Sequence[str]], header: Sequence[str], markdown: bool) -> None:
-    """The table on stdout, as Markdown (for docs/benchmarks.md) or aligned text."""
-    if markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
-        for cells in body:
-            print("| " + " | ".join(cells) + " |")
-    else:
-        from kiln.runtime.bench import format_table
-
-        print(format_table([list(c) for c in body], list(header)))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
@@ -159,5 +161,33 @@ def comparison_table(rows: Sequence[Row], contestants: Sequence[str], subject: s
 
     return format_table(body, header)
 
+def time_round_robin(cases: dict[str, Callable[[], None]], repeat: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each case, the cases interleaved round by round."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
-__all__ = ["Row", "comparison_table", "configure_threads", "machine_report", "thread_report"]
+
+def print_table(body: Sequence[Sequence[str]], header: Sequence[str], markdown: bool) -> None:
+    """The table on stdout, as Markdown (for docs/benchmarks.md) or aligned text."""
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        for cells in body:
+            print("| " + " | ".join(cells) + " |")
+    else:
+        from kiln.runtime.bench import format_table
+
+        print(format_table([list(c) for c in body], list(header)))
+
+
+
+__all__ = ["Row", "comparison_table", "configure_threads", "machine_report", "print_table", "thread_report",
+           "time_round_robin"]

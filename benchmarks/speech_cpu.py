@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import configure_threads, machine_report, stderr_log, thread_report  # noqa: E402
+from harness import configure_threads, machine_report, print_table, stderr_log, thread_report  # noqa: E402
 
 
 def measure(name: str, folder: Path, program: Path, samples, repeat: int) -> tuple[dict[str, float], dict[str, str]]:
@@ -100,15 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_report()
     print(f"{machine['cpu']}, {machine['cores']} cores; {thread_report()}; audio {audio.name}; medians of "
           f"{args.repeat}")
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
-        for cells in body:
-            print("| " + " | ".join(cells) + " |")
-    else:
-        from kiln.runtime.bench import format_table
-
-        print(format_table(body, header))
+    print_table(body, header, args.markdown)
     for name, _, texts in rows:
         for contestant, text in texts.items():
             print(f"{name}, {contestant}: {text}")

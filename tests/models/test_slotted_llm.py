@@ -14,7 +14,7 @@ from kiln.models.zoo import tiny_decoder  # noqa: E402
 from kiln.runtime.llm import Generator  # noqa: E402
 from kiln.runtime.llm.decoding import decode_batch, greedy_generate, prefill  # noqa: E402
 
-FAMILIES = ("llama", "qwen3", "gemma3", "mistral", "phi3", "gpt2")
+FAMILIES = ("llama", "qwen3", "gemma3", "mistral", "phi3", "gpt2", "qwen3_moe", "mixtral")
 PROMPTS = ([5, 9, 17, 33, 2, 70, 71, 72, 73, 74, 75], [3, 1, 4, 1, 5], [100, 101, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 SLOTS = (2, 0, 3)  # not in order, and one slot (1) left empty
 STEPS = 10
@@ -109,3 +109,8 @@ def test_program_describes_its_slots(programs):
 def test_soft_capped_attention_is_refused_with_slots():
     with pytest.raises(NotImplementedError, match="soft-capped"):
         export_llama(tiny_decoder("gemma2"), 40, 8, slots=2)
+
+
+def test_attention_sinks_are_refused_with_slots():
+    with pytest.raises(NotImplementedError, match="sink logits"):
+        export_llama(tiny_decoder("gpt_oss"), 40, 8, slots=2)

@@ -148,6 +148,10 @@ def _quantize_block(w: np.ndarray, bits: int, group_size: int, symmetric: bool) 
     return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8), scale, zero
 
 
+WEIGHT_SLOT = {"linear": 1, "embedding": 0, "gathered_linear": 1}
+"""The ops whose constant float weight quantization rewrites, and the weight's input slot."""
+
+
 def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize | None,
                      known: KnownQuantization | None = None) -> int:
     """Rewrite every linear / embedding with a constant float weight: in its known quantized form where `known`
@@ -156,11 +160,12 @@ def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize |
     halves: dict[int, int] = {}  # weight ref -> its bf16/fp16 constant's value
     count = 0
     for node in list(method.nodes):  # (bf16/fp16 insert cast nodes)
-        slot = {"linear": 1, "embedding": 0}.get(node.op)
+        slot = WEIGHT_SLOT.get(node.op)
         if slot is None or node.inputs[slot] == NO_VALUE:
             continue
         weight = method.values[node.inputs[slot]]
-        if weight.kind != ValueKind.CONSTANT or not weight.dtype.is_float or len(weight.shape) != 2:
+        rank = 3 if node.op == "gathered_linear" else 2  # (a stack of experts' weights [E, N, K])
+        if weight.kind != ValueKind.CONSTANT or not weight.dtype.is_float or len(weight.shape) != rank:
             continue
         if weight.ref not in done:
             done[weight.ref] = _quantized_parts(method, builder, node.inputs[slot], config, known)
@@ -172,6 +177,9 @@ def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize |
         if node.op == "linear":
             bias = node.inputs[2] if len(node.inputs) > 2 else NO_VALUE
             node.op, node.inputs, node.attrs = "quantized_linear", [node.inputs[0], *parts, bias], dict(attrs)
+        elif node.op == "gathered_linear":
+            x, _, index, *bias = node.inputs
+            node.op, node.inputs, node.attrs = "gathered_quantized_linear", [x, *parts, index, *bias], dict(attrs)
         else:
             node.op, node.inputs, node.attrs = "quantized_embedding", [*parts, node.inputs[1]], dict(attrs)
         count += 1
@@ -180,9 +188,19 @@ def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize |
 
 def _quantized_parts(method: Method, builder: ProgramBuilder, value: int, config: Quantize | None,
                      known: KnownQuantization | None) -> tuple[tuple[int, ...], dict] | None:
-    """The constants (q, scale, zero) and attributes a weight is stored as, or None to leave it as it is."""
+    """The constants (q, scale, zero) and attributes a weight is stored as, or None to leave it as it is. A stack
+    of experts' weights [E, N, K] is quantized as its E * N rows, each expert's part of q, scale and zero being
+    what its own [N, K] weight would have."""
     weight = method.values[value]
     data = None
+    if len(weight.shape) == 3:
+        if config is None or config.bits == 16 or (group := config.group_for(weight.shape[-1])) is None:
+            return None
+        stack = constant_value(method, builder, value)
+        q, scale, zero = quantize_rows(stack.reshape(-1, stack.shape[-1]), config.bits, group, config.symmetric)
+        experts = [a if a is None else a.reshape(stack.shape[:2] + a.shape[-1:]) for a in (q, scale, zero)]
+        return _add_parts(method, builder, weight, QuantizedWeight(*experts, config.bits, group, False, ""),
+                          config.mode)
     if known is not None:
         data = constant_value(method, builder, value)
         stored = known.lookup(data)

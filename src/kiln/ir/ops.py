@@ -19,14 +19,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 9
+OPSET_VERSION = 10
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
 4 add_rms_norm was added; 5 rope_cache_update was added; 6 gated_linear and add_rms_norm_linear were added;
 7 slot_attention was added; 8 quantized_linear and quantized_embedding gained offset (GGUF's and MLX's
 additive per-group term, so files quantized elsewhere are stored exactly); 9 gated_quantized_linear and
-add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear's forms for quantized weights)."""
+add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear's forms for quantized weights);
+10 gathered_linear and gathered_quantized_linear were added (a mixture-of-experts layer's experts: each row
+through the expert its router picked)."""
 
 
 class AttrType(enum.IntEnum):
@@ -224,6 +226,16 @@ define("add_rms_norm_quantized_linear", "x residual norm_weight? q scale zero? b
        doc="add_rms_norm_linear with a quantized weight: (s, quantized_linear(n, q, scale, zero, bias)) for (s, n) "
            "= add_rms_norm(x, residual, norm_weight), axes 1; with an activation the projection is "
            "gated_quantized_linear's.")
+_GATHERED_DOC = ("A linear layer chosen per row from a stack of E of them (a mixture-of-experts layer's experts): x "
+                 "[S, K], index int64 [S] with values in [0, E), out[s] = x[s] @ W[index[s]].T + bias[index[s]], "
+                 "[S, N]. A backend reads only the weights of the experts the rows pick, once per expert however "
+                 "many rows pick it.")
+define("gathered_linear", "x weight index bias?",
+       doc=f"{_GATHERED_DOC} weight [E, N, K] and bias [E, N] share x's float dtype.")
+define("gathered_quantized_linear", "x q scale zero? index bias?", *_QUANT_ATTRS,
+       doc=f"{_GATHERED_DOC} Each expert's weight is quantized as quantized_linear's: q [E, N, K] (int8) or [E, N, "
+           "K / 2] (int4), scale and zero [E, N, K / group_size], W[e] = quantized_linear's W of (q[e], scale[e], "
+           "zero[e]); bias [E, N]; out in scale's dtype.")
 define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 

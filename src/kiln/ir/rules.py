@@ -629,6 +629,42 @@ def _gated_quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> li
     return [Spec(scale.dtype, lead + (gated_out(n),))]
 
 
+def gathered_rows(x: Spec | None, index: Spec | None, experts: int, n: int, k: int, bias: Spec | None) -> int:
+    """S, the rows of a gathered linear, after checking x, the index and the bias against E experts of [N, K]."""
+    need(x is not None and index is not None, "a required input is absent")
+    indices(index)
+    need(len(x.shape) == 2 and x.shape[1] == k, f"x {list(x.shape)} is not [S, {k}]")
+    need(index.shape == x.shape[:1], f"index {list(index.shape)} is not [{x.shape[0]}]")
+    need(experts > 0, "no experts")
+    need(bias is None or bias.shape == (experts, n), f"bias {bias} is not [{experts}, {n}]")
+    return x.shape[0]
+
+
+@rule("gathered_linear")
+def _gathered_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    x, weight, index, bias = ins + [None] * (4 - len(ins))
+    need(weight is not None and len(weight.shape) == 3, f"weight {weight} is not [E, N, K]")
+    experts, n, k = weight.shape
+    rows = gathered_rows(x, index, experts, n, k, bias)
+    floating(weight, "weight")
+    return [Spec(same_dtype(x, weight, bias), (rows, n))]
+
+
+@rule("gathered_quantized_linear")
+def _gathered_quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    x, q, scale, zero, index, bias = ins + [None] * (6 - len(ins))
+    need(q is not None and scale is not None and len(q.shape) == 3 and len(scale.shape) == 3,
+         "q or scale is absent or not 3-d")
+    experts = q.shape[0]
+    need(scale.shape[0] == experts and (zero is None or zero.shape[:1] == (experts,)),
+         f"scale {scale} or zero {zero} is not of {experts} experts")
+    n, k = quantized_weight(Spec(q.dtype, q.shape[1:]), Spec(scale.dtype, scale.shape[1:]),
+                            None if zero is None else Spec(zero.dtype, zero.shape[1:]), attrs["bits"],
+                            attrs["group_size"])
+    rows = gathered_rows(x, index, experts, n, k, bias)
+    return [Spec(scale.dtype, (rows, n))]
+
+
 @rule("quantized_embedding")
 def _quantized_embedding(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     q, scale, zero, ids = ins + [None] * (4 - len(ins))

@@ -35,7 +35,8 @@ from kiln.runtime.llm.info import (
 
 log = logging.getLogger("kiln.models.llm")
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "gpt2", "qwen3_moe",
+            "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 """transformers model types the recipe is tested on (tests/models/test_zoo.py); others are tried with a warning."""
 
 
@@ -125,6 +126,21 @@ def _tabulate_rotary(model: torch.nn.Module, max_context: int) -> None:
                 setattr(parent, name, _RotaryTable(child, max_context, model.dtype))
 
 
+EXPERTS_IMPLEMENTATION = "batched_mm"
+"""The transformers experts implementation a mixture-of-experts model is exported with. Its default loops over the
+experts some row picked, a loop whose trip count and shapes depend on the routing, which torch.export cannot
+trace; "batched_mm" gathers each row's expert weights by index and multiplies them as a batch, which it traces,
+and which the fuse_experts pass turns into gathered_linear nodes that read the picked experts in place."""
+
+
+def _gather_experts(model: PreTrainedModel) -> None:
+    """Switch a mixture-of-experts model's experts to EXPERTS_IMPLEMENTATION (in place, as the attention
+    implementation is for slots); models without experts are left alone."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set() and model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+
+
 class StaticCacheLM(torch.nn.Module):
     """A causal LM with a static KV cache in buffers; `prefill` and `decode` return the last position's logits.
 
@@ -142,7 +158,8 @@ class StaticCacheLM(torch.nn.Module):
 
     The model's rotary embeddings are replaced by tables of their cos and sin for the positions 0 .. max_context - 1
     (`_RotaryTable`, where the frequencies are static): the model is changed in place, and from then on takes
-    positions below max_context only.
+    positions below max_context only. A mixture-of-experts model's experts are switched to transformers'
+    "batched_mm" implementation (EXPERTS_IMPLEMENTATION), in place too.
 
     slots=N (serving several sequences at once): each layer's cache is [N, max_context, kv_heads, head_dim], a
     slot per sequence, and the methods take the slots too:
@@ -153,7 +170,8 @@ class StaticCacheLM(torch.nn.Module):
     step's weight reads; every row's keys are written before any row attends, so each sees the earlier ones.
     Attention is kiln's slot_attention op (transformers' attention implementation is set to it on the model),
     which reads only the positions each sequence has; sliding-window layers keep every position (no ring) and
-    mask by the window. Layers that soft-cap their scores (Gemma 2) are not supported with slots.
+    mask by the window. Layers that soft-cap their scores (Gemma 2) or add sink logits (gpt-oss) are not supported
+    with slots.
     """
 
     def __init__(self, model: PreTrainedModel, max_context: int, prefill_chunk: int | None = None,
@@ -166,6 +184,10 @@ class StaticCacheLM(torch.nn.Module):
         if slots is not None and getattr(config, "attn_logit_softcapping", None):
             raise NotImplementedError(f"{config.model_type}: attention with soft-capped scores "
                                       "(attn_logit_softcapping) cannot be exported with slots yet; export it without")
+        if slots is not None and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+            raise NotImplementedError(f"{config.model_type}: attention with sink logits (gpt-oss's per-head sinks) "
+                                      "cannot be exported with slots yet (kiln's slot_attention has no sinks); export "
+                                      "it without")
         self.sliding_window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None) \
             or ["sliding_attention" if self.sliding_window else "full_attention"] * config.num_hidden_layers
@@ -177,6 +199,7 @@ class StaticCacheLM(torch.nn.Module):
         self.model = model
         self.max_context = int(max_context)
         _tabulate_rotary(model, self.max_context)
+        _gather_experts(model)
         self.prefill_chunk = self.max_context if prefill_chunk is None else int(prefill_chunk)
         self.num_layers = config.num_hidden_layers
         self.ring_size = self.max_context

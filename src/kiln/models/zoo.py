@@ -25,6 +25,8 @@ _LLAMA_LIKE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 
                "num_key_value_heads": 2, "max_position_embeddings": MAX_POSITIONS, "vocab_size": VOCAB,
                "initializer_range": 0.3, **_TOKENS}
 
+_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2}
+
 DECODERS: dict[str, Callable[[], tuple[type, type, dict]]] = {
     "llama": lambda: (tf.LlamaConfig, tf.LlamaForCausalLM, _LLAMA_LIKE),
     "qwen2": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, _LLAMA_LIKE),
@@ -45,6 +47,24 @@ DECODERS: dict[str, Callable[[], tuple[type, type, dict]]] = {
     "gpt2": lambda: (tf.GPT2Config, tf.GPT2LMHeadModel,
                      {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": MAX_POSITIONS, "vocab_size": VOCAB,
                       "initializer_range": 0.3, **_TOKENS}),
+    # mixture of experts: 8 experts, 2 a token; q/k norms; the second layer a dense MLP (mlp_only_layers)
+    "qwen3_moe": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
+                          {**_LLAMA_LIKE, "head_dim": 16, **_EXPERTS, "moe_intermediate_size": 16,
+                           "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # experts plus a shared expert behind a sigmoid gate; top-k weights not renormalized; q/k/v biases
+    "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                          {**_LLAMA_LIKE, **_EXPERTS, "moe_intermediate_size": 16,
+                           "shared_expert_intermediate_size": 32}),
+    "mixtral": lambda: (tf.MixtralConfig, tf.MixtralForCausalLM,
+                        {**_LLAMA_LIKE, "intermediate_size": 16, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    # q/k norms over the whole projection; top-k weights not renormalized
+    "olmoe": lambda: (tf.OlmoeConfig, tf.OlmoeForCausalLM, {**_LLAMA_LIKE, **_EXPERTS, "intermediate_size": 16}),
+    # experts with biases, interleaved gate/up, a clamped SwiGLU; router with a bias, softmax over the top k;
+    # attention sinks; a sliding and a full layer
+    "gpt_oss": lambda: (tf.GptOssConfig, tf.GptOssForCausalLM,
+                        {**_LLAMA_LIKE, "head_dim": 8, "intermediate_size": 16, "num_local_experts": 8,
+                         "num_experts_per_tok": 2, "sliding_window": SLIDING_WINDOW,
+                         "layer_types": ["sliding_attention", "full_attention"]}),
 }
 """family -> (config class, model class, config kwargs); lazy so that a missing class fails only its family."""
 

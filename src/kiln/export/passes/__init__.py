@@ -21,6 +21,7 @@ from kiln.export.passes.fold_batch_norm import fold_batch_norm
 from kiln.export.passes.fold_constants import fold_constants
 from kiln.export.passes.fuse_attention import absorb_repeat_kv
 from kiln.export.passes.fuse_conv import fuse_conv
+from kiln.export.passes.fuse_experts import fuse_experts
 from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
 from kiln.export.passes.fuse_linear import fuse_gated_linear, fuse_norm_linear
 from kiln.export.passes.fuse_norm import fuse_rms_norm
@@ -77,6 +78,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fold_constants", _with_builder(fold_constants), "weight-only subgraphs computed at export"),
     Pass("cse", _method_only(eliminate_common_subexpressions), "repeated computations merged"),
     Pass("canonicalize_linear", _with_builder(canonicalize_linear), "matmul by a constant weight (+ bias) as linear"),
+    Pass("fuse_experts", _with_builder(fuse_experts),
+         "a mixture-of-experts layer's gathered expert products as gathered_linear nodes"),
     Pass("fuse_projections", lambda method, builder, options: fuse_projections(method, builder,
                                                                                 options.known_quantization),
          "linears on one input stacked into one (q/k/v, gate/up)"),

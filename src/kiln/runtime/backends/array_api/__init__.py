@@ -9,6 +9,7 @@ their own matrix product.
 from kiln.runtime.backends.array_api import (  # noqa: F401 - importing the families registers their kernels
     conv,
     elementwise,
+    experts,
     index,
     norm,
     quant,

@@ -15,6 +15,7 @@ import numpy as np
 import kiln.runtime.backends.cpu.attention
 import kiln.runtime.backends.cpu.conv
 import kiln.runtime.backends.cpu.elementwise
+import kiln.runtime.backends.cpu.experts
 import kiln.runtime.backends.cpu.linalg
 import kiln.runtime.backends.cpu.norm
 import kiln.runtime.backends.cpu.quant

@@ -5,6 +5,7 @@ from kiln.runtime.backends.mlx.kernels import (  # noqa: F401 - importing the fa
     attention,
     conv,
     elementwise,
+    experts,
     index,
     linalg,
     norm,
