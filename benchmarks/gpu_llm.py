@@ -3,12 +3,15 @@
     PYTHONPATH=src python3 benchmarks/gpu_llm.py [--shape llama-3.2-1b] [--dtype bfloat16] [--markdown]
 
 A random-weight Llama of the given shape (default Llama-3.2-1B's: d 2048, 16 layers, 32 heads, 8 KV heads, MLP
-8192, vocabulary 128256), one static KV cache of --max-context slots for every contestant (kiln.models.llm's
+8192, vocabulary 128256), or a mixture-of-experts Qwen3-MoE (`--shape qwen3-30b-a3b`: Qwen3-30B-A3B's layout, 128
+experts, 8 active, expert MLP 768; `--layers N` keeps its first N layers so that the model and kiln's program fit
+one GPU together), one static KV cache of --max-context slots for every contestant (kiln.models.llm's
 StaticCacheLM: the same module is exported for kiln and run by PyTorch). Prefill of 128 and 512 tokens; decode of
 one token at context 128 and 1024, timed over --steps back-to-back steps per sample. Contestants interleaved round
 by round, medians of --repeat rounds, the GPU synchronized at the end of each sample. The roofline is the time to
-read what a step must read (every weight once, the KV cache up to the context) at the copy bandwidth measured in the
-same run. Progress goes to stderr, the table to stdout.
+read what a step must read (every weight once, the KV cache up to the context; of a MoE layer's experts only the
+active ones: experts per token / experts of the stacks) at the copy bandwidth measured in the same run. Progress
+goes to stderr, the table to stdout.
 """
 
 from __future__ import annotations
@@ -28,10 +31,21 @@ from harness import stderr_log  # noqa: E402
 
 CONTESTANTS = ("kiln cuda", "torch eager", "torch.compile")
 
+MOE_SIZES = {
+    # Qwen3-30B-A3B's shape (Qwen/Qwen3-30B-A3B config) with random weights
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+                          rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6),
+}
+"""Mixture-of-experts shapes (transformers' Qwen3MoeConfig), beside cpu_compare's LLAMA_SIZES."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="model shape")
+    parser.add_argument("--shape", choices=sorted(LLAMA_SIZES) + sorted(MOE_SIZES), default="llama-3.2-1b",
+                        help="model shape")
+    parser.add_argument("--layers", type=int, help="keep the shape's first N layers (default: all)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--prefill", default="128,512", help="prefill lengths (default 128,512)")
@@ -59,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = getattr(torch, args.dtype)
     skip = {p for p in args.skip_passes.split(",") if p}
-    model, lm, program = llama_program(args.shape, dtype, args.max_context, max(prefills), args.program, skip)
+    model, lm, program = llama_program(args.shape, dtype, args.max_context, max(prefills), args.program, skip,
+                                       args.layers)
     config = model.config
     lm = lm.cuda()
     session = program.session("cuda")
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    param_bytes = step_weight_bytes(model)
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
         config.hidden_size // config.num_attention_heads) * itemsize
     bandwidth = copy_bandwidth(cp)
@@ -103,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             cases["torch.compile"] = torch_calls(compiled_prefill, torch_inputs, 1)
         stderr_log(f"timing prefill {length}")
         medians = time_round_robin(cases, args.repeat)
-        flops = 2 * length * param_bytes / itemsize
+        flops = 2 * length * param_bytes / itemsize  # (a MoE's active parameters per token)
         rows.append((f"prefill {length} tokens", medians, None, f"{flops / medians['kiln cuda'] / 1e12:.0f} TFLOP/s"))
 
     for context in contexts:
@@ -138,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(f"{100 * roofline / medians['kiln cuda']:.0f}%" if roofline else "-")
         cells.append(rate)
         body.append(cells)
-    print(f"{args.shape}, {args.dtype}, random weights, KV cache {args.max_context} slots, on "
+    layers = f" ({config.num_hidden_layers} layers)" if args.layers else ""
+    print(f"{args.shape}{layers}, {args.dtype}, random weights, KV cache {args.max_context} slots, on "
           f"{device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); medians of {args.repeat}, "
           f"decode over {args.steps} steps per sample" + (f"; passes skipped: {sorted(skip)}" if skip else ""))
     print_table(body, header, args.markdown)
@@ -153,21 +169,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one token's step reads: every parameter, but of a stack of E experts (a 3-d parameter of a
+    MoE layer's experts) only the k a token is routed to."""
+    config = model.config
+    experts, active = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    total = 0
+    for p in model.parameters():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes * active // experts if experts and p.ndim == 3 and p.shape[0] == experts else nbytes
+    return total
+
+
 def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path: Path | None = None,
-                  skip_passes: set[str] | frozenset[str] = frozenset()) -> tuple:
-    """(model, lm, program): a random-weight Llama of `shape` (seed 0) on the CPU, its StaticCacheLM and the loaded
-    export of that, read from `path` when it is there (else exported and, with a path, saved there)."""
+                  skip_passes: set[str] | frozenset[str] = frozenset(), layers: int | None = None) -> tuple:
+    """(model, lm, program): a random-weight Llama (or, for a MOE_SIZES shape, Qwen3-MoE) of `shape` (seed 0;
+    `layers`: its first N layers) on the CPU, its StaticCacheLM and the loaded export of that, read from `path` when
+    it is there (else exported and, with a path, saved there)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     import kiln
     from kiln.models.llm import StaticCacheLM, export_llama
 
     torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_SIZES[shape], attn_implementation="sdpa")
+    moe = shape in MOE_SIZES
+    sizes = {**(MOE_SIZES if moe else LLAMA_SIZES)[shape], **({"num_hidden_layers": layers} if layers else {})}
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(**sizes, attn_implementation="sdpa")
     t0 = time.perf_counter()
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = model_class(config).to(dtype).eval()
     lm = StaticCacheLM(model.cpu(), max_context, prefill_chunk).eval()
     stderr_log(f"model built in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
