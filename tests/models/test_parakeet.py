@@ -239,6 +239,6 @@ def test_parakeet_commands(tmp_path):
     assert code == 0, err
     assert "window 3/3" in err and "real-time factor" in err and out.strip().startswith("tok")
     code, _, err = cli("transcribe", tmp_path / "p.kiln", beckett_path(), "--language", "de")
-    assert code == 2 and "Whisper programs only" in err
+    assert code == 2 and "Whisper and Voxtral programs only" in err
     code, _, err = cli("export-parakeet", tmp_path / "missing.nemo", "-o", tmp_path / "x.kiln")
     assert code == 2 and "not a file" in err

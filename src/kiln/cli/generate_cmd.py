@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from kiln.cli.common import CliError, add_backend_argument, load_program
 from kiln.runtime.llm import Generator, Sampler, Stream
@@ -22,13 +23,18 @@ generated; a summary (prompt tokens, prefill speed, new tokens, decode speed, wh
 Decoding is greedy by default (--temperature 0); with a temperature above 0 tokens are sampled, after the top-k
 and then the top-p (nucleus) filter, and --seed makes the sample reproducible. Generation stops at one of the
 program's stop tokens (or the --stop-token ids given instead), after --max-new-tokens, or when the context (the
-exported --max-context) is full."""
+exported --max-context) is full.
+
+With --audio (a program from `kiln export-voxtral`) the prompt is a question about the WAV file: each 30 s of
+audio becomes 375 embedding rows of the prompt, before the question, in Voxtral's prompt format; the answer is
+decoded greedily."""
 EPILOG = """\
 examples:
   kiln generate smollm2.kiln --prompt "The capital of France is"
   kiln generate smollm2.kiln --chat --prompt "Write a haiku about the sea." --temperature 0.7 --seed 1
   kiln generate qwen.kiln --chat --system "Answer in one word." --prompt "Largest planet?"
   echo "Once upon a time" | kiln generate smollm2.kiln --prompt - --max-new-tokens 64
+  kiln generate voxtral.kiln --audio meeting.wav --prompt "Who speaks first?"
 """
 
 
@@ -61,6 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt", required=True, metavar="TEXT",
                    help="the prompt; '-' reads it from stdin (without its final newlines)")
     p.add_argument("--chat", action="store_true", help="format the prompt as a user message with the chat template")
+    p.add_argument("--audio", metavar="WAV", help="a WAV file the prompt asks about (a Voxtral program, from `kiln "
+                                                  "export-voxtral`; greedy decoding)")
     add_sampling_arguments(p, max_new_tokens=128)
     p.set_defaults(handler=run)
 
@@ -100,9 +108,36 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise CliError("the prompt is empty" + (" (nothing on stdin)" if args.prompt == "-" else ""))
+    if args.audio is not None:
+        return answer_audio(args, prompt)
     generator = make_generator(args)
     stream = generator.stream(prompt, args.max_new_tokens, sampler, stop_token_ids=args.stop_tokens,
                               chat=args.chat, system=args.system)
     print_stream(stream)
     print(stream.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def answer_audio(args: argparse.Namespace, question: str) -> int:
+    """--audio: the Voxtral program's greedy answer to `question` about the WAV file."""
+    from kiln.cli.transcribe_cmd import read_audio
+    from kiln.runtime.audio import SAMPLE_RATE
+    from kiln.runtime.speech import VoxtralTranscriber
+
+    sampling = [flag for flag, given in (("--chat", args.chat), ("--system", args.system is not None),
+                                         ("--temperature", args.temperature != 0.0), ("--top-k", args.top_k != 0),
+                                         ("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None),
+                                         ("--stop-token", args.stop_tokens is not None)) if given]
+    if sampling:
+        raise CliError(f"{', '.join(sampling)}: a question about --audio is answered greedily, with the program's "
+                       "own prompt format and stop tokens")
+    started = time.perf_counter()
+    samples = read_audio(args.audio)  # first: a bad WAV is refused before a large model is loaded
+    voxtral = VoxtralTranscriber(load_program(args.model), args.backend)  # InputError: not a Voxtral program
+    ids = voxtral.generate(samples, question, args.max_new_tokens)
+    answer = [t for t in ids if t not in voxtral.llm.stop_token_ids]
+    print(voxtral.tokenizer.decode(answer, skip_special_tokens=True).strip() if voxtral.tokenizer else answer)
+    seconds = time.perf_counter() - started
+    print(f"{len(samples) / SAMPLE_RATE:.1f} s of audio, {len(ids)} new tokens in {seconds:.2f} s ({args.backend})",
+          file=sys.stderr)
     return 0

@@ -11,13 +11,14 @@ import numpy as np
 from kiln.cli.common import CliError, add_backend_argument, load_program
 from kiln.runtime.audio import SAMPLE_RATE, AudioFormatError, load_audio
 
-HELP = "transcribe a WAV file with a speech .kiln program (Whisper or Parakeet TDT)"
+HELP = "transcribe a WAV file with a speech .kiln program (Whisper, Parakeet TDT or Voxtral)"
 DESCRIPTION = """\
-Transcribe speech with a program made by `kiln export-whisper` or `kiln export-parakeet`. The WAV file (8-32-bit
-integer PCM or float, any channel count and sample rate) is mixed down to mono and resampled to 16 kHz. Whisper
-reads it in 30 s windows (log-mel features, the encoder once per window) and writes the text greedily, token by
-token; Parakeet TDT takes NeMo's features of up to its encoder's window (2 minutes by default) at once and decodes
-tokens with their durations greedily.
+Transcribe speech with a program made by `kiln export-whisper`, `kiln export-parakeet` or `kiln export-voxtral`.
+The WAV file (8-32-bit integer PCM or float, any channel count and sample rate) is mixed down to mono and resampled
+to 16 kHz. Whisper reads it in 30 s windows (log-mel features, the encoder once per window) and writes the text
+greedily, token by token; Parakeet TDT takes NeMo's features of up to its encoder's window (2 minutes by default) at
+once and decodes tokens with their durations greedily; Voxtral sends each 30 s window to its decoder as a
+transcription request (the window's 375 audio embeddings in the prompt) and writes the answer greedily.
 
 The text goes to stdout; the audio length, the time taken and the real-time factor (time taken / audio length,
 below 1 is faster than real time) go to stderr, with each window's text as it is done for audio over 30 s."""
@@ -26,20 +27,22 @@ examples:
   kiln transcribe tiny_en.kiln speech.wav
   kiln transcribe base.kiln interview.wav --language de --task translate --backend cuda
   kiln transcribe parakeet.kiln speech.wav
+  kiln transcribe voxtral.kiln speech.wav --language fr
 """
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transcribe", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="the .kiln file (from `kiln export-whisper` or `kiln export-parakeet`)")
+    p.add_argument("model", help="the .kiln file (from `kiln export-whisper`, `export-parakeet` or `export-voxtral`)")
     p.add_argument("audio", help="a WAV file")
     add_backend_argument(p)
-    p.add_argument("--language", help="Whisper: spoken language code for multilingual models (default: en)")
+    p.add_argument("--language", help="Whisper (multilingual models) and Voxtral: the spoken language's code "
+                                      "(default: en)")
     p.add_argument("--task", choices=("transcribe", "translate"),
                    help="Whisper: transcribe, or translate into English (multilingual models; default: transcribe)")
     p.add_argument("--max-new-tokens", type=int, metavar="N",
-                   help="Whisper: most tokens per 30 s window (default: the cache)")
+                   help="Whisper and Voxtral: most tokens per 30 s window (default: the cache)")
     p.set_defaults(handler=run)
 
 
@@ -58,7 +61,7 @@ def read_audio(path: str) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.runtime.speech import WhisperTranscriber, transcriber
+    from kiln.runtime.speech import VoxtralTranscriber, WhisperTranscriber, transcriber
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -68,11 +71,15 @@ def run(args: argparse.Namespace) -> int:
     model = transcriber(load_program(args.model), args.backend)  # InputError when it is not a speech program
     options = {"language": args.language or "en", "task": args.task or "transcribe",
                "max_new_tokens": args.max_new_tokens}
-    if not isinstance(model, WhisperTranscriber):
+    if isinstance(model, VoxtralTranscriber):
+        if args.task is not None:
+            raise CliError("--task applies to Whisper programs only")
+        options.pop("task")
+    elif not isinstance(model, WhisperTranscriber):
         given = [flag for flag, value in (("--language", args.language), ("--task", args.task),
                                           ("--max-new-tokens", args.max_new_tokens)) if value is not None]
         if given:
-            raise CliError(f"{', '.join(given)} apply to Whisper programs only")
+            raise CliError(f"{', '.join(given)} apply to Whisper and Voxtral programs only")
         options = {}
 
     def progress(index: int, count: int, text: str) -> None:

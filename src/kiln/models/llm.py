@@ -232,13 +232,15 @@ class StaticCacheLM(torch.nn.Module):
                          kiln_windows=self.layer_windows)
         return out.logits[:, -1, :]
 
-    def _step(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def _step(self, tokens: torch.Tensor | None, cache_position: torch.Tensor,
+              embeds: torch.Tensor | None = None) -> torch.Tensor:
         ring_slots = cache_position % self.ring_size
         cache = _BufferCache([getattr(self, f"key_cache_{i}") for i in range(self.num_layers)],
                              [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)],
                              [ring_slots if ring else cache_position for ring in self.layer_is_ring])
-        out = self.model(input_ids=tokens, attention_mask=self._mask(cache_position),
-                         position_ids=cache_position[None, :], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
+        out = self.model(**inputs, attention_mask=self._mask(cache_position), position_ids=cache_position[None, :],
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
     def _mask(self, cache_position: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -275,6 +277,13 @@ class StaticCacheLM(torch.nn.Module):
         if not torch.compiler.is_compiling() and tokens.shape[1] > self.prefill_chunk:
             raise ValueError(f"prefill takes at most {self.prefill_chunk} tokens at a time, got {tokens.shape[1]}")
         return self._step(tokens, cache_position) if slot is None else self._slot_step(tokens, cache_position, slot)
+
+    def prefill_embeds(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        """prefill from the rows of the input embedding [1, T, d] instead of token ids: a multimodal prompt, whose
+        audio or image positions hold an encoder's projected states (one sequence; no slots)."""
+        if not torch.compiler.is_compiling() and embeds.shape[1] > self.prefill_chunk:
+            raise ValueError(f"prefill takes at most {self.prefill_chunk} tokens at a time, got {embeds.shape[1]}")
+        return self._step(None, cache_position, embeds)
 
     def decode(self, token: torch.Tensor, cache_position: torch.Tensor,
                slots: torch.Tensor | None = None) -> torch.Tensor:

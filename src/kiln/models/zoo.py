@@ -115,6 +115,35 @@ def tiny_whisper(seed: int = 0) -> tf.WhisperForConditionalGeneration:
     return tf.WhisperForConditionalGeneration(config).eval()
 
 
+VOXTRAL_WORDS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[BEGIN_AUDIO]", "[AUDIO]", "[TRANSCRIBE]", "lang:en"]
+"""The tiny Voxtral's special words (its prompt tokens, kiln.models.voxtral.PROMPT_TOKENS); "w0", "w1", ... follow."""
+
+
+def tiny_voxtral(seed: int = 0) -> tf.VoxtralForConditionalGeneration:
+    """Voxtral with a 2-layer audio encoder of width 32 over real 30 s windows (128 mel bins, 1500 positions: 375
+    audio embeddings a window, as the real model) and a 2-layer Llama decoder over VOCAB tokens."""
+    torch.manual_seed(seed)
+    audio = {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_mel_bins": 128, "max_source_positions": 1500, "initializer_range": 0.2}
+    text = {**_LLAMA_LIKE, "model_type": "llama", "max_position_embeddings": 512, "bos_token_id": 1,
+            "eos_token_id": 2}
+    config = tf.VoxtralConfig(audio_config=audio, text_config=text, audio_token_id=VOXTRAL_WORDS.index("[AUDIO]"))
+    return tf.VoxtralForConditionalGeneration(config).eval()
+
+
+def voxtral_tokenizer() -> tf.PreTrainedTokenizerFast:
+    """A word-level fast tokenizer for tiny_voxtral: VOXTRAL_WORDS, then "w0", "w1", ... up to VOCAB ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = VOXTRAL_WORDS + [f"w{i}" for i in range(VOCAB - len(VOXTRAL_WORDS))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                           eos_token="</s>")
+    tokenizer.add_special_tokens({"additional_special_tokens": VOXTRAL_WORDS[3:8]})
+    return tokenizer
+
+
 class ViTOutputs(torch.nn.Module):
     """pixel_values [B, 3, H, W] -> (logits [B, labels], last_hidden_state [B, patches + 1, hidden])."""
 
@@ -152,4 +181,5 @@ class WhisperDecoder(torch.nn.Module):
         return self.proj_out(out.last_hidden_state)
 
 
-__all__ = ["DECODERS", "ViTOutputs", "WhisperDecoder", "WhisperEncoder", "tiny_decoder", "tiny_vit", "tiny_whisper"]
+__all__ = ["DECODERS", "VOXTRAL_WORDS", "ViTOutputs", "WhisperDecoder", "WhisperEncoder", "tiny_decoder", "tiny_vit",
+           "tiny_voxtral", "tiny_whisper", "voxtral_tokenizer"]

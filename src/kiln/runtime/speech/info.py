@@ -15,7 +15,7 @@ from typing import TypeVar
 from kiln.errors import InputError
 
 MODEL_KIND_KEY = "kiln.speech.kind"
-"""The model family, which decides the features and the decoding: "whisper" or "parakeet"."""
+"""The model family, which decides the features and the decoding: "whisper", "parakeet" or "voxtral"."""
 MAX_TOKENS_KEY = "kiln.speech.max_tokens"
 """Decoder cache slots: the prompt and the generated tokens of one 30 s window together."""
 N_MELS_KEY = "kiln.speech.n_mels"
@@ -37,7 +37,11 @@ MAX_SYMBOLS_KEY = "kiln.speech.max_symbols"
 """Parakeet: most tokens emitted at one encoder frame before decoding moves on."""
 SUBSAMPLING_KEY = "kiln.speech.subsampling"
 """Parakeet: feature frames per encoder frame (8)."""
-KINDS = ("whisper", "parakeet")
+AUDIO_EMBEDDINGS_KEY = "kiln.speech.audio_embeddings"
+"""Voxtral: decoder embedding rows one 30 s window's audio becomes (375)."""
+PROMPT_TOKENS_KEY = "kiln.speech.prompt_tokens"
+"""Voxtral: JSON object of its prompt tokens' ids by role (bos, inst, inst_end, begin_audio, audio, transcribe)."""
+KINDS = ("whisper", "parakeet", "voxtral")
 
 
 def speech_kind(meta: Mapping[str, str]) -> str:
@@ -45,8 +49,8 @@ def speech_kind(meta: Mapping[str, str]) -> str:
     kind = meta.get(MODEL_KIND_KEY)
     if kind not in KINDS:
         raise InputError(f"this program is not a speech model kiln can transcribe with (its {MODEL_KIND_KEY!r} is "
-                         f"{kind!r}; expected one of {list(KINDS)}): export one with `kiln export-whisper` or "
-                         "`kiln export-parakeet`")
+                         f"{kind!r}; expected one of {list(KINDS)}): export one with `kiln export-whisper`, "
+                         "`kiln export-parakeet` or `kiln export-voxtral`")
     return kind
 
 
@@ -111,3 +115,25 @@ class ParakeetInfo:
             n_mels=int(meta[N_MELS_KEY]), labels=tuple(json.loads(meta[LABELS_KEY])),
             durations=tuple(json.loads(meta[DURATIONS_KEY])), max_symbols=int(meta[MAX_SYMBOLS_KEY]),
             subsampling=int(meta[SUBSAMPLING_KEY]), name=meta.get(NAME_KEY) or None))
+
+
+VOXTRAL_ROLES = ("bos", "inst", "inst_end", "begin_audio", "audio", "transcribe")
+
+
+@dataclass(frozen=True)
+class VoxtralInfo:
+    """The speech metadata of a Voxtral program, parsed (its decoder's cache and tokenizer: kiln.runtime.llm.info)."""
+
+    n_mels: int
+    audio_embeddings: int
+    prompt_tokens: dict[str, int]
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, str]) -> VoxtralInfo:
+        def build() -> VoxtralInfo:
+            tokens = {role: int(t) for role, t in json.loads(meta[PROMPT_TOKENS_KEY]).items()}
+            missing = [role for role in VOXTRAL_ROLES if role not in tokens]
+            if missing:
+                raise KeyError(f"prompt tokens {missing}")
+            return cls(int(meta[N_MELS_KEY]), int(meta[AUDIO_EMBEDDINGS_KEY]), tokens)
+        return _parsed(meta, "voxtral", "Voxtral", "export-voxtral", build)
