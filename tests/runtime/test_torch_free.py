@@ -98,3 +98,33 @@ def test_llm_generation_and_cli_without_torch(tmp_path):
     assert result.stdout.strip().endswith("torch-free")
     want = Generator(path).generate(words(5, 6, 7), max_new_tokens=8, chat=True, temperature=0.8, top_k=50, seed=1)
     assert str(want.token_ids) in result.stdout
+
+
+MEDIA_SCRIPT = """
+import sys
+sys.modules["torch"] = None  # as above: any import of torch fails
+from kiln.cli import main
+assert main(["generate", sys.argv[1], "--image", sys.argv[2], "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
+assert main(["generate", sys.argv[3], "--audio", sys.argv[4], "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
+assert main(["transcribe", sys.argv[3], sys.argv[4], "--max-new-tokens", "3"]) == 0
+assert sys.modules["torch"] is None and not any(m.startswith("torch.") for m in sys.modules), "torch got in"
+print("torch-free")
+"""
+
+
+def test_image_and_audio_programs_run_without_torch(tmp_path):
+    """kiln generate --image / --audio and kiln transcribe of a Voxtral program, with torch blocked."""
+    pytest.importorskip("transformers")
+    matplotlib = pytest.importorskip("matplotlib")
+    from kiln.models.gemma3_vision import export_gemma3_vision
+    from kiln.models.voxtral import export_voxtral
+    from kiln.models.zoo import gemma3_image_tokenizer, tiny_gemma3_vision, tiny_voxtral, voxtral_tokenizer
+    from tests.runtime.test_audio import beckett_path
+
+    picture = Path(matplotlib.__file__).parent / "mpl-data" / "sample_data" / "grace_hopper.jpg"
+    image_program = export_gemma3_vision(tiny_gemma3_vision(), 64, 8, tokenizer=gemma3_image_tokenizer())
+    audio_program = export_voxtral(tiny_voxtral(), 448, 64, tokenizer=voxtral_tokenizer())
+    result = run_python("-c", MEDIA_SCRIPT, str(image_program.save(tmp_path / "g.kiln")), str(picture),
+                        str(audio_program.save(tmp_path / "v.kiln")), str(beckett_path()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("torch-free")

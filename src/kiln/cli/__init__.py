@@ -22,8 +22,8 @@ from kiln.cli import (
     detect_cmd,
     export_cmd,
     export_llm_cmd,
+    export_multimodal_cmd,
     export_parakeet_cmd,
-    export_voxtral_cmd,
     export_whisper_cmd,
     generate_cmd,
     inspect_cmd,
@@ -43,7 +43,8 @@ from kiln.errors import (
     UnsupportedOpsError,
 )
 
-COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, export_parakeet_cmd, export_voxtral_cmd, inspect_cmd,
+COMMANDS = (export_cmd, export_llm_cmd, export_whisper_cmd, export_parakeet_cmd, export_multimodal_cmd,
+            inspect_cmd,
             run_cmd, bench_cmd, ops_cmd, classify_cmd, detect_cmd, generate_cmd, chat_cmd, transcribe_cmd, serve_cmd)
 
 USER_ERRORS = (CliError, UnsupportedOpsError, TorchExportError, InputError, ProgramFormatError, FileFormatError,

@@ -27,7 +27,8 @@ exported --max-context) is full.
 
 With --audio (a program from `kiln export-voxtral`) the prompt is a question about the WAV file: each 30 s of
 audio becomes 375 embedding rows of the prompt, before the question, in Voxtral's prompt format; the answer is
-decoded greedily."""
+decoded greedily. With --image (a program from `kiln export-vlm`) the prompt is about the image: it is resized and
+normalized as the model's processor does, without torch, and its tokens come before the prompt's; greedy too."""
 EPILOG = """\
 examples:
   kiln generate smollm2.kiln --prompt "The capital of France is"
@@ -35,6 +36,7 @@ examples:
   kiln generate qwen.kiln --chat --system "Answer in one word." --prompt "Largest planet?"
   echo "Once upon a time" | kiln generate smollm2.kiln --prompt - --max-new-tokens 64
   kiln generate voxtral.kiln --audio meeting.wav --prompt "Who speaks first?"
+  kiln generate gemma3.kiln --image photo.jpg --prompt "What is in the picture?"
 """
 
 
@@ -67,8 +69,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt", required=True, metavar="TEXT",
                    help="the prompt; '-' reads it from stdin (without its final newlines)")
     p.add_argument("--chat", action="store_true", help="format the prompt as a user message with the chat template")
-    p.add_argument("--audio", metavar="WAV", help="a WAV file the prompt asks about (a Voxtral program, from `kiln "
-                                                  "export-voxtral`; greedy decoding)")
+    media = p.add_mutually_exclusive_group()
+    media.add_argument("--audio", metavar="WAV", help="a WAV file the prompt asks about (a Voxtral program, from "
+                                                      "`kiln export-voxtral`; greedy decoding)")
+    media.add_argument("--image", metavar="FILE", help="an image the prompt asks about (a program from `kiln "
+                                                       "export-vlm`; greedy decoding)")
     add_sampling_arguments(p, max_new_tokens=128)
     p.set_defaults(handler=run)
 
@@ -108,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise CliError("the prompt is empty" + (" (nothing on stdin)" if args.prompt == "-" else ""))
-    if args.audio is not None:
-        return answer_audio(args, prompt)
+    if args.audio is not None or args.image is not None:
+        return answer_media(args, prompt)
     generator = make_generator(args)
     stream = generator.stream(prompt, args.max_new_tokens, sampler, stop_token_ids=args.stop_tokens,
                               chat=args.chat, system=args.system)
@@ -118,26 +123,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def answer_audio(args: argparse.Namespace, question: str) -> int:
-    """--audio: the Voxtral program's greedy answer to `question` about the WAV file."""
-    from kiln.cli.transcribe_cmd import read_audio
-    from kiln.runtime.audio import SAMPLE_RATE
-    from kiln.runtime.speech import VoxtralTranscriber
+def answer_media(args: argparse.Namespace, question: str) -> int:
+    """--audio / --image: the Voxtral or image-and-text program's greedy answer to `question` about the file."""
 
     sampling = [flag for flag, given in (("--chat", args.chat), ("--system", args.system is not None),
                                          ("--temperature", args.temperature != 0.0), ("--top-k", args.top_k != 0),
                                          ("--top-p", args.top_p != 1.0), ("--seed", args.seed is not None),
                                          ("--stop-token", args.stop_tokens is not None)) if given]
+    flag = "--audio" if args.audio is not None else "--image"
     if sampling:
-        raise CliError(f"{', '.join(sampling)}: a question about --audio is answered greedily, with the program's "
+        raise CliError(f"{', '.join(sampling)}: a question about {flag} is answered greedily, with the program's "
                        "own prompt format and stop tokens")
     started = time.perf_counter()
-    samples = read_audio(args.audio)  # first: a bad WAV is refused before a large model is loaded
-    voxtral = VoxtralTranscriber(load_program(args.model), args.backend)  # InputError: not a Voxtral program
-    ids = voxtral.generate(samples, question, args.max_new_tokens)
-    answer = [t for t in ids if t not in voxtral.llm.stop_token_ids]
-    print(voxtral.tokenizer.decode(answer, skip_special_tokens=True).strip() if voxtral.tokenizer else answer)
+    if args.audio is not None:
+        from kiln.cli.transcribe_cmd import read_audio
+        from kiln.runtime.audio import SAMPLE_RATE
+        from kiln.runtime.speech import VoxtralTranscriber
+
+        samples = read_audio(args.audio)  # first: a bad WAV is refused before a large model is loaded
+        model = VoxtralTranscriber(load_program(args.model), args.backend)  # InputError: not a Voxtral program
+        ids = model.generate(samples, question, args.max_new_tokens)
+        what = f"{len(samples) / SAMPLE_RATE:.1f} s of audio"
+    else:
+        from kiln.runtime.image_text import ImageTextModel
+        from kiln.runtime.vision import load_image
+
+        try:
+            image = load_image(args.image)  # (an unreadable image: ImageFormatError, a user error)
+        except FileNotFoundError as e:
+            raise CliError(str(e)) from None
+        model = ImageTextModel(load_program(args.model), args.backend)  # InputError: not an image-and-text program
+        ids = model.generate(image, question, args.max_new_tokens)
+        what = f"a {image.size[0]}x{image.size[1]} image"
+    answer = [t for t in ids if t not in model.llm.stop_token_ids]
+    print(model.tokenizer.decode(answer, skip_special_tokens=True).strip() if model.tokenizer else answer)
     seconds = time.perf_counter() - started
-    print(f"{len(samples) / SAMPLE_RATE:.1f} s of audio, {len(ids)} new tokens in {seconds:.2f} s ({args.backend})",
-          file=sys.stderr)
+    print(f"{what}, {len(ids)} new tokens in {seconds:.2f} s ({args.backend})", file=sys.stderr)
     return 0

@@ -141,6 +141,21 @@ def _gather_experts(model: PreTrainedModel) -> None:
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
+def causal_language_model(model: PreTrainedModel) -> PreTrainedModel:
+    """The causal LM inside a multimodal model (Voxtral, Gemma 3 with images): a transformers CausalLM of its text
+    config over the model's own decoder (model.model.language_model) and LM head, shared, not copied, so that
+    StaticCacheLM can wrap it."""
+    from transformers import AutoModelForCausalLM
+
+    text_config = model.config.get_text_config()
+    with torch.device("meta"):
+        causal = AutoModelForCausalLM.from_config(text_config)
+    causal.model = model.model.language_model
+    causal.lm_head = model.lm_head
+    causal.config._attn_implementation = text_config._attn_implementation
+    return causal.eval()
+
+
 class StaticCacheLM(torch.nn.Module):
     """A causal LM with a static KV cache in buffers; `prefill` and `decode` return the last position's logits.
 
@@ -233,35 +248,51 @@ class StaticCacheLM(torch.nn.Module):
         return out.logits[:, -1, :]
 
     def _step(self, tokens: torch.Tensor | None, cache_position: torch.Tensor,
-              embeds: torch.Tensor | None = None) -> torch.Tensor:
+              embeds: torch.Tensor | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
         ring_slots = cache_position % self.ring_size
         cache = _BufferCache([getattr(self, f"key_cache_{i}") for i in range(self.num_layers)],
                              [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)],
                              [ring_slots if ring else cache_position for ring in self.layer_is_ring])
         inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
-        out = self.model(**inputs, attention_mask=self._mask(cache_position), position_ids=cache_position[None, :],
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(**inputs, attention_mask=self._mask(cache_position, blocks),
+                         position_ids=cache_position[None, :], past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
-    def _mask(self, cache_position: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _mask(self, cache_position: torch.Tensor,
+              blocks: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """[1, 1, T, slots] booleans (a 4-d mask is used by transformers as given), or one per layer type.
 
         Key j is visible to query i when its position k satisfies k <= position[i] (and, in a sliding layer,
         k > position[i] - window). After this step's write, ring slot s holds the latest position k <= last with
         k = s mod R (last = the chunk's final position), i.e. k = last - ((last - s) mod R); k < 0: never written.
         Models with both kinds of layers take a dict keyed by layer type.
+
+        blocks [T] (int64, -1 for a text position): the chunk's positions with one block id are also visible to
+        each other whatever their order (an image's tokens, which Gemma 3 attends bidirectionally), still inside
+        a sliding layer's window; a block must lie within one chunk.
         """
         query = cache_position[:, None]
         keys = torch.arange(self.max_context, device=cache_position.device)[None, :]
-        masks = {"full_attention": keys <= query}
+        masks = {"full_attention": (keys <= query) | self._same_block(blocks, cache_position, self.max_context)}
         if "sliding_attention" in self.layer_types:
+            slot_of = cache_position
             if any(self.layer_is_ring):
                 slots = torch.arange(self.ring_size, device=cache_position.device)[None, :]
                 last = cache_position[-1:]
                 keys = last - torch.remainder(last - slots, self.ring_size)
-            masks["sliding_attention"] = (keys >= 0) & (keys <= query) & (keys > query - self.sliding_window)
+                slot_of = cache_position % self.ring_size
+            seen = (keys <= query) | self._same_block(blocks, slot_of, keys.shape[1])
+            masks["sliding_attention"] = (keys >= 0) & seen & (keys > query - self.sliding_window)
         masks = {kind: self._as_attention_mask(masks[kind][None, None]) for kind in self.layer_types}
         return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    @staticmethod
+    def _same_block(blocks: torch.Tensor | None, slots: torch.Tensor, count: int) -> torch.Tensor | bool:
+        """[T, count]: whether cache slot j holds a position of this chunk in query i's block (False: no blocks)."""
+        if blocks is None:
+            return False
+        slot_blocks = torch.full((count,), -1, dtype=blocks.dtype, device=blocks.device).index_copy(0, slots, blocks)
+        return (blocks[:, None] == slot_blocks[None, :]) & (blocks[:, None] >= 0)
 
     def _as_attention_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """SDPA takes booleans; other attention implementations (Gemma 2's eager one, with its soft-capping) add
@@ -278,12 +309,14 @@ class StaticCacheLM(torch.nn.Module):
             raise ValueError(f"prefill takes at most {self.prefill_chunk} tokens at a time, got {tokens.shape[1]}")
         return self._step(tokens, cache_position) if slot is None else self._slot_step(tokens, cache_position, slot)
 
-    def prefill_embeds(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def prefill_embeds(self, embeds: torch.Tensor, cache_position: torch.Tensor,
+                       blocks: torch.Tensor | None = None) -> torch.Tensor:
         """prefill from the rows of the input embedding [1, T, d] instead of token ids: a multimodal prompt, whose
-        audio or image positions hold an encoder's projected states (one sequence; no slots)."""
+        audio or image positions hold an encoder's projected states (one sequence; no slots). blocks [T]: positions
+        that also see each other both ways (see _mask), -1 for the others."""
         if not torch.compiler.is_compiling() and embeds.shape[1] > self.prefill_chunk:
             raise ValueError(f"prefill takes at most {self.prefill_chunk} tokens at a time, got {embeds.shape[1]}")
-        return self._step(None, cache_position, embeds)
+        return self._step(None, cache_position, embeds, blocks)
 
     def decode(self, token: torch.Tensor, cache_position: torch.Tensor,
                slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,4 +421,5 @@ def _is_gguf(source: Any) -> bool:
     return isinstance(source, (str, os.PathLike)) and Path(source).suffix == ".gguf" and Path(source).is_file()
 
 
-__all__ = ["FAMILIES", "MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "export_llama", "export_llm"]
+__all__ = ["FAMILIES", "MAX_CONTEXT_KEY", "PREFILL_CHUNK_KEY", "StaticCacheLM", "causal_language_model", "export_llama",
+           "export_llm"]

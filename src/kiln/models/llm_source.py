@@ -26,6 +26,21 @@ log = logging.getLogger("kiln.models.llm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def load_pretrained(source: PreTrainedModel | str | os.PathLike, model_class: type,
+                    tokenizer: Any = None) -> tuple[PreTrainedModel, Any]:
+    """(model in eval mode, tokenizer) of a multimodal recipe: `source` a loaded model or a checkpoint folder read
+    as `model_class` in float32; the tokenizer given (or its path), else the one beside a folder, else None."""
+    if isinstance(source, PreTrainedModel):
+        model = source
+    else:
+        model = model_class.from_pretrained(Path(source), dtype=torch.float32)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(Path(source))
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return model.eval(), tokenizer
+
+
 def load_causal_lm(source: PreTrainedModel | str | os.PathLike, tokenizer: Any = None,
                    dtype: str | None = None) -> tuple[PreTrainedModel, Any]:
     """(model in eval mode, tokenizer or None) from a model object, a checkpoint folder or a .gguf file.

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from kiln.export import Method, ProgramBuilder, Quantize, export
-from kiln.models.llm import StaticCacheLM
-from kiln.models.llm_source import llm_metadata
+from kiln.models.llm import StaticCacheLM, causal_language_model
+from kiln.models.llm_source import llm_metadata, load_pretrained
 from kiln.runtime.llm import info as llm_keys
 from kiln.runtime.speech import info as keys
 
@@ -35,17 +34,6 @@ PROMPT_TOKENS = {"bos": "<s>", "inst": "[INST]", "inst_end": "[/INST]", "begin_a
                  "audio": "[AUDIO]", "transcribe": "[TRANSCRIBE]"}
 """The special tokens of Voxtral's prompts (mistral_common's): a transcription request is <s>[INST][BEGIN_AUDIO]
 [AUDIO] x A[/INST]lang:xx[TRANSCRIBE], a question <s>[INST][BEGIN_AUDIO][AUDIO] x A text[/INST]."""
-
-
-def _language_model(model: PreTrainedModel) -> PreTrainedModel:
-    """A causal LM over Voxtral's own decoder and LM head (shared, not copied), for StaticCacheLM."""
-    text_config = model.config.text_config
-    with torch.device("meta"):
-        causal = AutoModelForCausalLM.from_config(text_config)
-    causal.model = model.model.language_model
-    causal.lm_head = model.lm_head
-    causal.config._attn_implementation = model.config.text_config._attn_implementation
-    return causal.eval()
 
 
 class VoxtralProgram(nn.Module):
@@ -56,7 +44,7 @@ class VoxtralProgram(nn.Module):
         self.audio_tower = model.model.audio_tower
         self.projector = model.model.multi_modal_projector
         self.width = model.config.audio_config.intermediate_size
-        self.lm = StaticCacheLM(_language_model(model), max_context, prefill_chunk)
+        self.lm = StaticCacheLM(causal_language_model(model), max_context, prefill_chunk)
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         states = self.audio_tower(features).last_hidden_state
@@ -98,19 +86,11 @@ def export_voxtral(model_or_path: PreTrainedModel | str | os.PathLike, max_conte
     Voxtral's prompt tokens (PROMPT_TOKENS), by default the one beside the model. quantize: weight-only
     quantization of the linear and embedding weights (kiln.export.Quantize).
     """
-    from transformers import AutoTokenizer, VoxtralForConditionalGeneration
+    from transformers import VoxtralForConditionalGeneration
 
-    if isinstance(model_or_path, PreTrainedModel):
-        model = model_or_path
-    else:
-        model = VoxtralForConditionalGeneration.from_pretrained(Path(model_or_path), dtype=torch.float32)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(Path(model_or_path))
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    model, tokenizer = load_pretrained(model_or_path, VoxtralForConditionalGeneration, tokenizer)
     if tokenizer is None:
         raise ValueError("export_voxtral needs the model's tokenizer (a fast one with Voxtral's prompt tokens)")
-    model = model.eval()
     config = model.config
     audio = config.audio_config
     frames = audio.max_source_positions
@@ -138,7 +118,7 @@ def export_voxtral(model_or_path: PreTrainedModel | str | os.PathLike, max_conte
         "prefill": chunk(torch.zeros((1, example), dtype=torch.long), torch.arange(example)),
         "decode": Method((torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))),
     }
-    metadata = llm_metadata(_language_model(model), tokenizer)
+    metadata = llm_metadata(causal_language_model(model), tokenizer)
     metadata.update({
         llm_keys.MAX_CONTEXT_KEY: str(max_context), llm_keys.PREFILL_CHUNK_KEY: str(prefill_chunk),
         llm_keys.RING_CACHE_KEY: "0",

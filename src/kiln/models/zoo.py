@@ -81,18 +81,25 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m
 """A ChatML-like template in the tiny tokenizer's words (whitespace separated, no newlines)."""
 
 
-def tiny_tokenizer() -> tf.PreTrainedTokenizerFast:
-    """A word-level fast tokenizer over VOCAB ids that fits the tiny decoders: <unk> <s> </s> <|im_start|>
-    <|im_end|>, the chat roles, then "w0", "w1", ...; eos is </s>, bos is not added."""
+def word_tokenizer(words: list[str], special: list[str]) -> tf.PreTrainedTokenizerFast:
+    """A word-level fast tokenizer over VOCAB ids: `words` (starting <unk> <s> </s>), then "w0", "w1", ...;
+    whitespace splits words, `special` are its additional special tokens; eos is </s>, bos is not added."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
-    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    words = words + [f"w{i}" for i in range(VOCAB - len(words))]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
                                            eos_token="</s>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    return tokenizer
+
+
+def tiny_tokenizer() -> tf.PreTrainedTokenizerFast:
+    """The tiny decoders' word tokenizer: <unk> <s> </s> <|im_start|> <|im_end|>, the chat roles, then "w0",
+    "w1", ...; CHAT_TEMPLATE as its chat template."""
+    tokenizer = word_tokenizer(["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"],
+                               ["<|im_start|>", "<|im_end|>"])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -133,15 +140,35 @@ def tiny_voxtral(seed: int = 0) -> tf.VoxtralForConditionalGeneration:
 
 def voxtral_tokenizer() -> tf.PreTrainedTokenizerFast:
     """A word-level fast tokenizer for tiny_voxtral: VOXTRAL_WORDS, then "w0", "w1", ... up to VOCAB ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    return word_tokenizer(VOXTRAL_WORDS, VOXTRAL_WORDS[3:8])
 
-    words = VOXTRAL_WORDS + [f"w{i}" for i in range(VOCAB - len(VOXTRAL_WORDS))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                           eos_token="</s>")
-    tokenizer.add_special_tokens({"additional_special_tokens": VOXTRAL_WORDS[3:8]})
-    return tokenizer
+
+GEMMA3_IMAGE_WORDS = ["<unk>", "<s>", "</s>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+"""The tiny Gemma 3's special words: its image markers and placeholder; "w0", "w1", ... follow."""
+
+
+def tiny_gemma3_vision(seed: int = 0, all_sliding: bool = False) -> tf.Gemma3ForConditionalGeneration:
+    """Gemma 3 with images: a 2-layer SigLIP tower of width 32 over 32 x 32 images in 8 x 8 patches, pooled to 4
+    image tokens, and a 3-layer Gemma 3 decoder (a sliding layer, then two full ones: what an image token sees
+    of the later ones in a middle layer reaches the text after it) over VOCAB tokens. all_sliding: three sliding
+    layers of window 6 (an export with a short prefill chunk keeps them in ring caches)."""
+    torch.manual_seed(seed)
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+    layers = ["sliding_attention"] * 3 if all_sliding else ["sliding_attention", "full_attention", "full_attention"]
+    text = {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": 6 if all_sliding else SLIDING_WINDOW,
+            "bos_token_id": 1, "eos_token_id": 2, "num_hidden_layers": 3, "layer_types": layers}
+    words = GEMMA3_IMAGE_WORDS
+    config = tf.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
+                             boi_token_index=words.index("<start_of_image>"),
+                             eoi_token_index=words.index("<end_of_image>"),
+                             image_token_index=words.index("<image_soft_token>"), initializer_range=0.3)
+    return tf.Gemma3ForConditionalGeneration(config).eval()
+
+
+def gemma3_image_tokenizer() -> tf.PreTrainedTokenizerFast:
+    """A word-level fast tokenizer for tiny_gemma3_vision: GEMMA3_IMAGE_WORDS, then "w0", "w1", ..."""
+    return word_tokenizer(GEMMA3_IMAGE_WORDS, GEMMA3_IMAGE_WORDS[3:])
 
 
 class ViTOutputs(torch.nn.Module):
@@ -181,5 +208,6 @@ class WhisperDecoder(torch.nn.Module):
         return self.proj_out(out.last_hidden_state)
 
 
-__all__ = ["DECODERS", "VOXTRAL_WORDS", "ViTOutputs", "WhisperDecoder", "WhisperEncoder", "tiny_decoder", "tiny_vit",
-           "tiny_voxtral", "tiny_whisper", "voxtral_tokenizer"]
+__all__ = ["DECODERS", "GEMMA3_IMAGE_WORDS", "VOXTRAL_WORDS", "ViTOutputs", "WhisperDecoder", "WhisperEncoder",
+           "gemma3_image_tokenizer", "tiny_decoder", "tiny_gemma3_vision", "tiny_vit", "tiny_voxtral", "tiny_whisper",
+           "voxtral_tokenizer", "word_tokenizer"]
