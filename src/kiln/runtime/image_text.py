@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.errors import InputError
-from kiln.runtime.llm.decoding import decode_step
+from kiln.runtime.llm.decoding import greedy_continue, prefill_embedded
 from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.llm.tokenizer import LLMTokenizer
 from kiln.runtime.program import Program, load
@@ -108,34 +108,16 @@ class ImageTextModel:
     def prefill(self, image: object, text: str | Sequence[int]) -> tuple[list[int], np.ndarray]:
         """(the prompt's token ids, the logits [vocab] after it): the image and `text` fed from an empty cache."""
         ids = self.prompt(text)
-        if len(ids) >= self.llm.max_context:
-            raise InputError(f"the image and the prompt take {len(ids)} positions; the program's cache holds "
-                             f"{self.llm.max_context}")
-        rows = np.asarray(self.session.backend.to_numpy(self.session.run("embed", np.array([ids]))[0])).copy()
         is_image = np.asarray(ids) == self.info.token_ids["image"]
-        rows[0, is_image] = self.encode_image(image).astype(rows.dtype, copy=False)
-        blocks = np.where(is_image, 0, -1).astype(np.int64)
-        self.session.reset_state()
-        logits = None
-        chunk = self.llm.prefill_chunk  # (>= the image's tokens + 2: the image, at positions 2.., is in the first)
-        for lo in range(0, len(ids), chunk):
-            hi = min(lo + chunk, len(ids))
-            logits = self.session.run("prefill_embeds", rows[:, lo:hi], np.arange(lo, hi, dtype=np.int64),
-                                      blocks[lo:hi])[0]
-        return ids, np.asarray(self.session.backend.to_numpy(logits)).reshape(-1)
+        # (chunks of prefill_chunk >= the image's tokens + 2: the image, at positions 2.., lies in the first)
+        logits = prefill_embedded(self.session, ids, self.info.token_ids["image"], self.encode_image(image),
+                                  self.llm, blocks=np.where(is_image, 0, -1).astype(np.int64))
+        return ids, logits
 
     def generate(self, image: object, text: str | Sequence[int], max_new_tokens: int = 256) -> list[int]:
         """Greedy token ids answering `text` about `image` (a Pillow image or an image file's path)."""
-        ids, scores = self.prefill(image, text)
-        stops = set(self.llm.stop_token_ids)
-        out: list[int] = []
-        while len(out) < max_new_tokens:
-            token = int(np.argmax(scores))
-            out.append(token)
-            if token in stops or len(out) == max_new_tokens or len(ids) + len(out) >= self.llm.max_context:
-                break
-            scores = decode_step(self.session, token, len(ids) + len(out) - 1, info=self.llm)
-        return out
+        ids, logits = self.prefill(image, text)
+        return greedy_continue(self.session, logits, len(ids), max_new_tokens, set(self.llm.stop_token_ids), self.llm)
 
     def answer(self, image: object, text: str, max_new_tokens: int = 256) -> str:
         """The model's answer to `text` about `image`, as text."""

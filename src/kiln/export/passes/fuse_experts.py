@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.export.builder import ProgramBuilder
-from kiln.export.passes.usage import Usage, add_constant, constant_value
+from kiln.export.passes.usage import Usage, add_constant, constant_value, is_constant
 from kiln.ir.graph import NO_VALUE, Method, Node, Value
 
 
@@ -29,7 +29,7 @@ def fuse_experts(method: Method, builder: ProgramBuilder) -> int:
     for node in method.nodes:
         if node.op != "matmul":
             continue
-        match = _match(method, builder, usage, node)
+        match = _match(method, usage, node)
         if match is None:
             continue
         x3, weight, ids, flip, squeeze = match
@@ -48,7 +48,7 @@ def fuse_experts(method: Method, builder: ProgramBuilder) -> int:
         candidate = usage.sole_reader(out, "add")
         if candidate is not None:
             other = candidate.inputs[1] if candidate.inputs[0] == out else candidate.inputs[0]
-            bias = _gathered_bias(method, builder, usage, other, ids, method.values[weight].shape[:2])
+            bias = _gathered_bias(method, usage, other, ids, method.values[weight].shape[:2])
             if bias != NO_VALUE and method.values[candidate.outputs[0]].shape == method.values[out].shape:
                 add, out = candidate, candidate.outputs[0]
             else:
@@ -62,8 +62,7 @@ def fuse_experts(method: Method, builder: ProgramBuilder) -> int:
     return len(replaced)
 
 
-def _match(method: Method, builder: ProgramBuilder, usage: Usage,
-           node: Node) -> tuple[int, int, int, bool, Node] | None:
+def _match(method: Method, usage: Usage, node: Node) -> tuple[int, int, int, bool, Node] | None:
     """(x [S, K, 1] or [S, 1, K], the stack's constant, the expert ids, whether the stack is [E, K, N], the reshape
     to [S, N] after the product) for a matmul of gathered expert weights, else None."""
     a, b = node.inputs
@@ -72,7 +71,7 @@ def _match(method: Method, builder: ProgramBuilder, usage: Usage,
     if squeeze is None or len(out_shape) != 3 or len(method.values[squeeze.outputs[0]].shape) != 2:
         return None
     for gathered, x3, flip in ((a, b, False), (b, a, True)):
-        picked = _picked_experts(method, builder, usage, gathered)
+        picked = _picked_experts(method, usage, gathered)
         if picked is None:
             continue
         weight, ids = picked
@@ -83,23 +82,21 @@ def _match(method: Method, builder: ProgramBuilder, usage: Usage,
     return None
 
 
-def _picked_experts(method: Method, builder: ProgramBuilder, usage: Usage, value: int) -> tuple[int, int] | None:
+def _picked_experts(method: Method, usage: Usage, value: int) -> tuple[int, int] | None:
     """(stack, ids) when `value` is index(stack, ids) over dim 0 of a constant 3-d stack by a 1-d index."""
     node = usage.producer_of(value, "index")
     if node is None or list(node.attrs.get("dims", ())) != [0] or len(node.inputs) != 2:
         return None
     stack, ids = node.inputs
-    data = constant_value(method, builder, stack)
-    if data is None or data.ndim != 3 or len(method.values[ids].shape) != 1:
+    if not is_constant(method, stack) or len(method.values[stack].shape) != 3 or len(method.values[ids].shape) != 1:
         return None
     return stack, ids
 
 
-def _gathered_bias(method: Method, builder: ProgramBuilder, usage: Usage, value: int, ids: int,
-                   experts_rows: tuple) -> int:
+def _gathered_bias(method: Method, usage: Usage, value: int, ids: int, experts_rows: tuple) -> int:
     """The [E, N] constant when `value` is index(bias, ids) by the same ids, else NO_VALUE."""
     node = usage.producer_of(value, "index")
     if node is None or list(node.attrs.get("dims", ())) != [0] or node.inputs[1:] != [ids]:
         return NO_VALUE
-    data = constant_value(method, builder, node.inputs[0])
-    return node.inputs[0] if data is not None and data.shape == tuple(experts_rows) else NO_VALUE
+    bias = method.values[node.inputs[0]]
+    return node.inputs[0] if is_constant(method, node.inputs[0]) and bias.shape == tuple(experts_rows) else NO_VALUE

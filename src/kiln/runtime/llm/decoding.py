@@ -10,7 +10,7 @@ argmax loop the model tests compare with transformers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,16 +95,46 @@ def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens:
     if reset:
         session.reset_state()
     logits = prefill(session, prompt_ids, info=info)
+    return greedy_continue(session, logits, n_prompt, max_new_tokens, () if eos_token_id is None else (eos_token_id,),
+                           info)
+
+
+def greedy_continue(session: Session, logits: Any, position: int, max_new_tokens: int,
+                    stops: Collection[int] = (), info: LLMInfo | None = None) -> list[int]:
+    """The argmax tokens after a prefill whose last logits are `logits` and whose next position is `position`: up
+    to `max_new_tokens`, ending after a token of `stops` (included) or when the cache is full."""
+    info = _info(session, info)
+    scores = session.backend.to_numpy(logits).reshape(-1)
     out: list[int] = []
-    position = n_prompt
-    while len(out) < max_new_tokens:
-        token = int(np.argmax(logits))
+    while max_new_tokens > 0:
+        token = int(np.argmax(scores))
         out.append(token)
-        if token == eos_token_id or position >= max_context:
+        if token in stops or len(out) >= max_new_tokens or position >= info.max_context:
             break
-        logits = decode_step(session, token, position, info=info)
+        scores = decode_step(session, token, position, info=info)
         position += 1
     return out
 
 
-__all__ = ["decode_batch", "decode_step", "greedy_generate", "prefill", "prefill_chunk", "slot_inputs"]
+def prefill_embedded(session: Session, ids: Sequence[int], placeholder: int, rows: np.ndarray,
+                     info: LLMInfo | None = None, blocks: np.ndarray | None = None) -> np.ndarray:
+    """A multimodal prompt from an empty cache: the `embed` rows of `ids`, the rows of the `placeholder` tokens
+    replaced in order by `rows` (an encoder's output), fed to `prefill_embeds` in chunks (with each position's block
+    id when the program takes them); returns the last logits [vocab]."""
+    info = _info(session, info)
+    if len(ids) >= info.max_context:
+        raise InputError(f"the prompt takes {len(ids)} positions (its media included); the program's cache holds "
+                         f"{info.max_context}: give a shorter prompt or export with a larger max_context")
+    embedded = np.array(session.backend.to_numpy(session.run("embed", np.array([ids], dtype=np.int64))[0]))
+    embedded[0, np.asarray(ids) == placeholder] = rows.astype(embedded.dtype, copy=False)
+    session.reset_state()
+    logits = None
+    for lo in range(0, len(ids), info.prefill_chunk):
+        hi = min(lo + info.prefill_chunk, len(ids))
+        extra = () if blocks is None else (blocks[lo:hi],)
+        logits = session.run("prefill_embeds", embedded[:, lo:hi], np.arange(lo, hi, dtype=np.int64), *extra)[0]
+    return session.backend.to_numpy(logits).reshape(-1)
+
+
+__all__ = ["decode_batch", "decode_step", "greedy_continue", "greedy_generate", "prefill", "prefill_chunk",
+           "prefill_embedded", "slot_inputs"]

@@ -19,7 +19,7 @@ import numpy as np
 from kiln.errors import InputError
 from kiln.runtime.audio import SAMPLE_RATE, load_audio, whisper_log_mel
 from kiln.runtime.audio.features import WHISPER_WINDOW_SAMPLES
-from kiln.runtime.llm.decoding import decode_step
+from kiln.runtime.llm.decoding import greedy_continue, prefill_embedded
 from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.llm.tokenizer import LLMTokenizer
 from kiln.runtime.program import Program, load
@@ -76,27 +76,9 @@ class VoxtralTranscriber:
     def _answer(self, windows: list[np.ndarray], question: str | Sequence[int] | None, max_new_tokens: int,
                 language: str | None, lap: Lap) -> list[int]:
         ids = self.prompt(len(windows), question, language)
-        if len(ids) >= self.llm.max_context:
-            raise InputError(f"{len(windows)} window(s) of audio and the prompt take {len(ids)} positions; the "
-                             f"program's cache holds {self.llm.max_context}: give shorter audio or export with a "
-                             "larger max_context")
-        rows = np.asarray(self.session.backend.to_numpy(self.session.run("embed", np.array([ids]))[0])).copy()
-        placeholder = np.flatnonzero(np.asarray(ids) == self.info.prompt_tokens["audio"])
-        rows[0, placeholder] = np.concatenate(windows).astype(rows.dtype, copy=False)
-        self.session.reset_state()
-        chunk = self.llm.prefill_chunk
-        for lo in range(0, len(ids), chunk):
-            logits = self.session.run("prefill_embeds", rows[:, lo:lo + chunk],
-                                      np.arange(lo, min(lo + chunk, len(ids)), dtype=np.int64))[0]
-        stops = set(self.llm.stop_token_ids)
-        out: list[int] = []
-        scores = np.asarray(self.session.backend.to_numpy(logits)).reshape(-1)
-        while len(out) < max_new_tokens and len(ids) + len(out) < self.llm.max_context:
-            token = int(np.argmax(scores))
-            out.append(token)
-            if token in stops or len(out) == max_new_tokens or len(ids) + len(out) >= self.llm.max_context:
-                break
-            scores = decode_step(self.session, token, len(ids) + len(out) - 1, info=self.llm)
+        logits = prefill_embedded(self.session, ids, self.info.prompt_tokens["audio"], np.concatenate(windows),
+                                  self.llm)
+        out = greedy_continue(self.session, logits, len(ids), max_new_tokens, set(self.llm.stop_token_ids), self.llm)
         lap("decode")
         return out
 
