@@ -102,14 +102,15 @@ def greedy_generate(session: Session, prompt_ids: Sequence[int], max_new_tokens:
 def greedy_continue(session: Session, logits: Any, position: int, max_new_tokens: int,
                     stops: Collection[int] = (), info: LLMInfo | None = None) -> list[int]:
     """The argmax tokens after a prefill whose last logits are `logits` and whose next position is `position`: up
-    to `max_new_tokens`, ending after a token of `stops` (included) or when the cache is full."""
+    to `max_new_tokens`, ending after a token of `stops` (included) or when the cache is full. Every token but a
+    stop token is fed back (the last one too), so the cache then holds what was returned."""
     info = _info(session, info)
     scores = session.backend.to_numpy(logits).reshape(-1)
     out: list[int] = []
-    while max_new_tokens > 0:
+    while len(out) < max_new_tokens:
         token = int(np.argmax(scores))
         out.append(token)
-        if token in stops or len(out) >= max_new_tokens or position >= info.max_context:
+        if token in stops or position >= info.max_context:
             break
         scores = decode_step(session, token, position, info=info)
         position += 1
