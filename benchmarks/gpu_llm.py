@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-at", default="128,1024", help="decode contexts (default 128,1024)")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per sample (default 8)")
     parser.add_argument("--repeat", type=int, default=15, help="samples per contestant and case (default 15)")
+    parser.add_argument("--torch-experts", default="grouped_mm",
+                        help="the torch peers' experts implementation for a MoE shape (transformers' "
+                             "set_experts_implementation: grouped_mm, batched_mm or eager; default grouped_mm, its "
+                             "fastest on a GPU; the export always traces batched_mm)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it compiles for minutes)")
     parser.add_argument("--skip-passes", default="", help="export passes to leave out, comma-separated (A/B runs)")
     parser.add_argument("--program", type=Path, metavar="PATH",
@@ -76,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     model, lm, program = llama_program(args.shape, dtype, args.max_context, max(prefills), args.program, skip,
                                        args.layers)
     config = model.config
+    torch_experts = ""
+    if args.shape in MOE_SIZES:
+        model.set_experts_implementation(args.torch_experts)
+        torch_experts = f"; torch experts: {args.torch_experts}"
     lm = lm.cuda()
     session = program.session("cuda")
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -156,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = f" ({config.num_hidden_layers} layers)" if args.layers else ""
     print(f"{args.shape}{layers}, {args.dtype}, random weights, KV cache {args.max_context} slots, on "
           f"{device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); medians of {args.repeat}, "
-          f"decode over {args.steps} steps per sample" + (f"; passes skipped: {sorted(skip)}" if skip else ""))
+          f"decode over {args.steps} steps per sample{torch_experts}"
+          + (f"; passes skipped: {sorted(skip)}" if skip else ""))
     print_table(body, header, args.markdown)
     print(agreement)
     if args.json:
@@ -171,12 +180,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def step_weight_bytes(model) -> int:
     """Bytes of weights one token's step reads: every parameter, but of a stack of E experts (a 3-d parameter of a
-    MoE layer's experts) only the k a token is routed to."""
+    MoE layer's experts) only the k a token is routed to, and of an input embedding table not tied to the LM head
+    one row (a step looks up one token; before the thirteenth stop the whole table was counted)."""
     config = model.config
     experts, active = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    embedding = model.get_input_embeddings().weight
+    untied = embedding is not model.get_output_embeddings().weight
     total = 0
     for p in model.parameters():
         nbytes = p.numel() * p.element_size()
+        if untied and p is embedding:
+            nbytes //= p.shape[0]
         total += nbytes * active // experts if experts and p.ndim == 3 and p.shape[0] == experts else nbytes
     return total
 

@@ -23,13 +23,15 @@ os.environ["KILN_CUDA_TIMELINE"] = "1"  # before kiln's kernels are compiled
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import device_line, print_table  # noqa: E402
-from gpu_llm import llama_program  # noqa: E402
+from gpu_llm import MOE_SIZES, llama_program  # noqa: E402
 from harness import stderr_log  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="model shape")
+    parser.add_argument("--shape", choices=sorted(LLAMA_SIZES) + sorted(MOE_SIZES), default="llama-3.2-1b",
+                        help="model shape (gpu_llm.py's)")
+    parser.add_argument("--layers", type=int, help="keep the shape's first N layers (default: all)")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--prefill", type=int, default=128, help="the export's prefill chunk (default 128)")
     parser.add_argument("--context", type=int, default=1024, help="the decode step's position (default 1024)")
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from kiln.runtime.backends.cuda import timeline
 
-    model, _, program = llama_program(args.shape, torch.bfloat16, args.max_context, args.prefill, args.program)
+    model, _, program = llama_program(args.shape, torch.bfloat16, args.max_context, args.prefill, args.program,
+                                     layers=args.layers)
     del model
     session = program.session("cuda")
     inputs = (cp.asarray([[42]]), cp.asarray([args.context]))

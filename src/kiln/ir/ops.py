@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 10
+OPSET_VERSION = 11
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
@@ -28,7 +28,8 @@ quantized_embedding (weight-only int8/int4), rope and gated_activation were adde
 additive per-group term, so files quantized elsewhere are stored exactly); 9 gated_quantized_linear and
 add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear's forms for quantized weights);
 10 gathered_linear and gathered_quantized_linear were added (a mixture-of-experts layer's experts: each row
-through the expert its router picked)."""
+through the expert its router picked); 11 route_experts was added (a mixture-of-experts router's softmax, top-k
+and renormalization as one node)."""
 
 
 class AttrType(enum.IntEnum):
@@ -326,6 +327,10 @@ define("sort", "x", A("dim", T.INT), A("descending", T.BOOL, False), outputs=2,
 define("topk", "x", A("k", T.SYMINT), A("dim", T.INT), A("largest", T.BOOL, True), outputs=2,
        doc="(values, int64 indices) of the k largest (smallest) elements along dim, sorted; NaN counts as "
            "largest; ties go to the lower index.")
+define("route_experts", "logits", A("k", T.INT), A("normalize", T.BOOL, False), A("dtype", T.DTYPE), outputs=2,
+       doc="A mixture-of-experts router's pick over the last dim: p = softmax(logits in float32); (weights, int64 "
+           "indices) = topk(p, k) as topk orders it (sorted, ties to the lower index); weights divided by their sum "
+           "if normalize (float32); weights cast to dtype.")
 define("cumprod", "x", A("dim", T.INT), doc="Cumulative product along dim (small ints accumulate in int64).")
 for _name in ("cummax", "cummin"):
     define(_name, "x", A("dim", T.INT), outputs=2,

@@ -296,6 +296,17 @@ def _topk(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     return [Spec(x.dtype, shape), Spec(DType.int64, shape)]
 
 
+@rule("route_experts")
+def _route_experts(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    (logits,) = present(ins, 1)
+    need(len(logits.shape) >= 1 and logits.dtype.is_float, "logits must be a float tensor of at least one dim")
+    k, experts = attrs["k"], logits.shape[-1]
+    need(0 < k <= experts if isinstance(experts, int) else k > 0, f"k {k} is outside [1, {experts}]")
+    need(attrs["dtype"].is_float, f"the weights' dtype must be a float type, not {attrs['dtype']}")
+    shape = tuple(logits.shape[:-1]) + (k,)
+    return [Spec(attrs["dtype"], shape), Spec(DType.int64, shape)]
+
+
 # ---- creation ----
 
 @rule("arange")

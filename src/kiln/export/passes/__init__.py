@@ -29,6 +29,7 @@ from kiln.export.passes.fuse_projections import fuse_projections
 from kiln.export.passes.fuse_residual_norm import fuse_residual_norm
 from kiln.export.passes.fuse_rope import fuse_rope
 from kiln.export.passes.fuse_rope_cache import fuse_rope_cache_update
+from kiln.export.passes.fuse_router import fuse_router
 from kiln.export.passes.in_place import mark_in_place_state_writes
 from kiln.export.passes.simplify import collapse_chains, remove_noops
 from kiln.ir.graph import Method
@@ -80,6 +81,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize_linear", _with_builder(canonicalize_linear), "matmul by a constant weight (+ bias) as linear"),
     Pass("fuse_experts", _with_builder(fuse_experts),
          "a mixture-of-experts layer's gathered expert products as gathered_linear nodes"),
+    Pass("fuse_router", _method_only(fuse_router),
+         "a mixture-of-experts router's softmax, top-k and renormalization as one route_experts node"),
     Pass("fuse_projections", lambda method, builder, options: fuse_projections(method, builder,
                                                                                 options.known_quantization),
          "linears on one input stacked into one (q/k/v, gate/up)"),

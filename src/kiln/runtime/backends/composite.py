@@ -1,15 +1,17 @@
 """Fused ops as the sequence of ops they stand for, over one backend's own kernel table.
 
 The export makes a few nodes that exist only so a GPU can run them as one kernel (gated_linear,
-add_rms_norm_linear, and their quantized forms). A backend without that kernel, or a call its kernel does not
-take (many rows, odd strides), runs them as the ops they replace: same results, same kernels, no new code per
-backend.
+add_rms_norm_linear, their quantized forms, and route_experts). A backend without that kernel, or a call its kernel
+does not take (many rows, odd strides), runs them as the ops they replace: same results, same kernels, no new code
+per backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from kiln.ir.dtypes import DType
 
 Kernels = dict[str, Callable[..., Any]]
 
@@ -49,9 +51,20 @@ def add_rms_norm_quantized_linear(kernels: Kernels, x: Any, residual: Any, norm_
                                               offset=offset)
 
 
+def route_experts(kernels: Kernels, logits: Any, k: int, normalize: bool, dtype: DType) -> tuple[Any, Any]:
+    last = logits.ndim - 1
+    probabilities = kernels["softmax"](kernels["cast"](logits, dtype=DType.float32), dim=last)
+    weights, indices = kernels["topk"](probabilities, k=k, dim=last, largest=True)
+    if normalize:
+        total = kernels["sum"](weights, dims=(last,), keepdim=True)
+        weights = kernels["div"](weights, total, rounding_mode="none")
+    return kernels["cast"](weights, dtype=dtype), indices
+
+
 COMPOSITES: dict[str, Callable[..., Any]] = {
     "gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear,
-    "gated_quantized_linear": gated_quantized_linear, "add_rms_norm_quantized_linear": add_rms_norm_quantized_linear}
+    "gated_quantized_linear": gated_quantized_linear, "add_rms_norm_quantized_linear": add_rms_norm_quantized_linear,
+    "route_experts": route_experts}
 """Op name -> its composition, a function of (kernels, *the op's inputs and attributes)."""
 
 

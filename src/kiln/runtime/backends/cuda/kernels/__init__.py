@@ -14,10 +14,12 @@ import cupy as cp
 import kiln.runtime.backends.cuda.kernels.attention
 import kiln.runtime.backends.cuda.kernels.conv
 import kiln.runtime.backends.cuda.kernels.elementwise
+import kiln.runtime.backends.cuda.kernels.experts
 import kiln.runtime.backends.cuda.kernels.index
 import kiln.runtime.backends.cuda.kernels.linalg
 import kiln.runtime.backends.cuda.kernels.norm
-import kiln.runtime.backends.cuda.kernels.reduce  # noqa: F401 - importing the kernel families registers them
+import kiln.runtime.backends.cuda.kernels.reduce
+import kiln.runtime.backends.cuda.kernels.sort  # noqa: F401 - importing the kernel families registers them
 from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, OnHost
 

@@ -173,3 +173,32 @@ __device__ __forceinline__ float gate_activation(float v, int act) {
     if (act == 2) return 0.5f * v * erfcf(-v * 0.70710678118654752f);
     return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
 }
+
+// The tensor cores' product and asynchronous copies (flash.cu, experts.cu).
+
+// d += a b for one 16x8 tile, a 16x16 (row major), b 16x8 (column major), in the storage type's mma.
+template <class S>
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
+
+#define KILN_MMA16816(STORAGE, PTX_TYPE)                                                                       \
+    template <>                                                                                                 \
+    __device__ __forceinline__ void mma16816<STORAGE>(float* d, const unsigned* a, unsigned b0, unsigned b1) {  \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0, %1, %2, %3}, "   \
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                                            \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                           \
+    }
+KILN_MMA16816(BF16, "bf16")
+KILN_MMA16816(F16, "f16")
+
+// 16 bytes copied from global to shared memory without passing through registers (cp.async); `valid` false
+// writes zeros and reads nothing. The copies a thread issued land by cp_async_wait.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
+    unsigned long long shared;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)shared), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }

@@ -22,21 +22,6 @@
 // flash_attention<S>: F16 BF16
 // flash_attention<N>: 32 64 80 96 128
 
-// d += a b for one 16x8 tile, a 16x16 (row major), b 16x8 (column major), in the storage type's mma.
-template <class S>
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
-
-#define KILN_MMA16816(STORAGE, PTX_TYPE)                                                                       \
-    template <>                                                                                                 \
-    __device__ __forceinline__ void mma16816<STORAGE>(float* d, const unsigned* a, unsigned b0, unsigned b1) {  \
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0, %1, %2, %3}, "   \
-                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                                            \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                           \
-    }
-KILN_MMA16816(BF16, "bf16")
-KILN_MMA16816(F16, "f16")
-
 #define LOG2E 1.4426950408889634f
 
 // 2^x by the special-function unit (relative error ~2^-22; the probabilities are rounded to 16 bits after it).
@@ -62,18 +47,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* row) 
                  : "r"((unsigned)shared)
                  : "memory");
 }
-
-// 16 bytes copied from global to shared memory without passing through registers (cp.async); `valid` false
-// writes zeros and reads nothing. The copies a thread issued land by cp_async_wait.
-__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
-    unsigned long long shared;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)shared), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
 
 // The mask of 32 keys (k0 + first ...) of one query row as bytes (1 = visible; keys past the end and rows past the
 // last are 0), in 8 words. A bool mask whose rows are 16-byte aligned (mask_aligned) is read 16 bytes at a time.

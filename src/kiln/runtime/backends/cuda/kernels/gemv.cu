@@ -263,3 +263,57 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
         if (!NORM) break;  // (the grid covers every output)
     }
 }
+
+// gathered_gemv<N>: 0 1 2 3 4 8
+// A mixture-of-experts layer's experts over a few rows (a decode step's top-k rows: the op set's gathered_linear):
+// out[s, o] = x[s] . W[index[s], o] + bias[index[s], o], W [E, N, K]. Block row blockIdx.y is input row s, and its
+// warps stream output rows of the expert s picked as gemv streams a weight, so a step reads each picked expert once
+// and no other. N & 3 is log2 of the warps sharing an output row where the layer is narrow (gemv's split); N >> 2
+// is log2 of the consecutive output rows a warp takes at once where rows are short (WR: an expert's down
+// projection, K = 768, is 96 16-byte pieces a row, 3 a lane: a warp per row would have 1.5 KB in flight and leave;
+// WR rows' loads are all issued before the first is used; experts.py makes N a multiple of WR). The index comes from
+// the router, a kernel before this one, so no weight load can start before grid_dependency_sync. An index outside
+// 0 .. E - 1 gives NaN outputs (a kernel cannot raise; the CPU's raises).
+template <class S, int N>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename S::T* __restrict__ x, long long x_row,
+                                                                 const long long* __restrict__ index,
+                                                                 const typename S::T* __restrict__ w,
+                                                                 const typename S::T* __restrict__ bias,
+                                                                 typename S::T* __restrict__ out, int n, int k,
+                                                                 int experts, int has_bias) {
+    typedef typename S::T T;
+    constexpr int split = 1 << (N & 3), WR = 1 << (N >> 2), DEPTH = split > 1 ? 2 : 1;
+    __shared__ float partial[GEMV_WARPS][WR];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per_block = GEMV_WARPS / split, slice = warp % split;
+    const int all = k / S::PER16, per_slice = (all + split - 1) / split;
+    const int first = min(all, slice * per_slice), pieces = min(all, first + per_slice) - first;
+    const long long skip = (long long)first * S::PER16, s = blockIdx.y;
+    const long long o = ((long long)blockIdx.x * per_block + warp / split) * WR;  // (the warp's first output)
+    grid_dependency_sync();
+    if (split == 1 && o >= n) return;  // (a whole warp: no barrier follows without a split)
+    const long long e = index[s];
+    const bool valid = e >= 0 && e < experts;
+    float acc[WR][GEMV_ROWS] = {};
+    if (o < n && valid) {
+        U4 wv[WR][DEPTH][GEMV_LOADS];
+        const T* row = w + (e * n + o) * k + skip;
+        issue_first<WR, DEPTH>(wv, row, (long long)k * sizeof(T), pieces, lane);
+        rows_dot<S, WR, DEPTH>(row, k, x + s * x_row + skip, x_row, 1, pieces, lane, wv, acc);
+    }
+#pragma unroll
+    for (int j = 0; j < WR; ++j) {
+        float y = warp_sum(acc[j][0]);
+        if (split > 1) {  // the slices' sums, added in slice order by the row's first warp
+            if (lane == 0) partial[warp][j] = y;
+            __syncthreads();
+            if (slice == 0) {
+                for (int t = 1; t < split; ++t) y += partial[warp + t][j];
+            }
+        }
+        if (slice == 0 && o + j < n && lane == 0) {
+            const float b = valid && has_bias ? S::load(bias[e * n + o + j]) : 0.0f;
+            out[s * n + o + j] = S::store(valid ? y + b : __int_as_float(0x7fc00000));
+        }
+    }
+}

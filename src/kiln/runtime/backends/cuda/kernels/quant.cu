@@ -194,6 +194,21 @@ __device__ __forceinline__ void qgemv_round(const typename S::T* __restrict__ x,
     }
 }
 
+// acc[r] += the lane's share of x[r] . W[o] for the weight row at `row` (its scales and zero terms at srow, zrow),
+// the row streamed QGEMV_LOADS pieces a lane at a time: qgemv's and gathered_qgemv's warp.
+template <class S, int BITS, int ROWS>
+__device__ __forceinline__ void qgemv_row(const typename S::T* __restrict__ x, const U4* row,
+                                          const typename S::T* __restrict__ srow,
+                                          const typename S::T* __restrict__ zrow, float (&acc)[ROWS], int rows,
+                                          int k, int group, int zero_mode, int lane) {
+    const int pieces = k / (BITS == 4 ? 32 : 16);
+    for (int p0 = 0; p0 < pieces; p0 += 32 * QGEMV_LOADS) {  // (a warp-wide bound)
+        U4 wv[QGEMV_LOADS];
+        qgemv_loads(wv, row, p0, pieces, lane);
+        qgemv_round<S, BITS, ROWS>(x, srow, zrow, wv, acc, rows, k, group, zero_mode, pieces, p0, lane);
+    }
+}
+
 // A warp per output feature (measured against a warp walking rows with the next row's loads issued before the
 // current one is computed: int4 rows 3-5% faster, int8 rows up to 16% slower, docs/benchmarks.md).
 // N = 16 * bits + the most input rows this instance takes (1, 2, 4 or 8): a decode step's one row keeps one
@@ -207,29 +222,52 @@ __global__ void __launch_bounds__(32 * WARPS, N % 16 <= 4 ? 3 : 2) qgemv(const t
                       typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
                       int has_bias) {
     constexpr int BITS = N / 16, ROWS = N % 16;
-    constexpr int PER = BITS == 4 ? 32 : 16;
     grid_dependency_sync();
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (o >= n) return;
-    const int pieces = k / PER, ngroups = k / group;
+    const int ngroups = k / group;
     const U4* row = reinterpret_cast<const U4*>(q + (long long)o * (BITS == 8 ? k : k / 2));
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    for (int p0 = 0; p0 < pieces; p0 += 32 * QGEMV_LOADS) {  // (a warp-wide bound)
-        U4 wv[QGEMV_LOADS];
-        qgemv_loads(wv, row, p0, pieces, lane);
-        qgemv_round<S, BITS, ROWS>(x, scale + (long long)o * ngroups, has_zero ? zero + (long long)o * ngroups
-                                   : nullptr, wv, acc, rows, k, group, zero_mode, pieces, p0, lane);
-    }
+    qgemv_row<S, BITS, ROWS>(x, row, scale + (long long)o * ngroups,
+                             has_zero ? zero + (long long)o * ngroups : nullptr, acc, rows, k, group, zero_mode, lane);
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         if (r >= rows) break;
         const float v = warp_sum(acc[r]);
         if (lane == 0) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
     }
+}
+
+// gathered_qgemv<N>: 4 8
+// gathered_quantized_linear over a few rows (gemv.cu's gathered_gemv, quantized): out[s, o] = x[s] . W[index[s], o]
+// + bias[index[s], o] with each expert's q [N, K or K/2], scale and zero [N, K / group] stacked over E experts.
+// Block row blockIdx.y is input row s; a warp per output streams the picked expert's row as qgemv does. N = bits.
+// An index outside 0 .. E - 1 gives NaN outputs.
+template <class S, int N>
+__global__ void __launch_bounds__(32 * WARPS, 3) gathered_qgemv(const typename S::T* __restrict__ x,
+                      const long long* __restrict__ index, const unsigned char* __restrict__ q,
+                      const typename S::T* __restrict__ scale, const typename S::T* __restrict__ zero,
+                      const typename S::T* __restrict__ bias, typename S::T* __restrict__ out, int n, int k,
+                      int group, int zero_mode, int has_bias, int experts) {
+    grid_dependency_sync();
+    const int lane = threadIdx.x & 31;
+    const long long o = blockIdx.x * WARPS + (threadIdx.x >> 5), s = blockIdx.y;
+    if (o >= n) return;
+    const long long e = index[s], ngroups = k / group, w = e * n + o;  // (the expert's row o in the stack)
+    const bool valid = e >= 0 && e < experts;
+    const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
+    float acc[1] = {0.0f};
+    if (valid)
+        qgemv_row<S, N, 1>(x + s * k, reinterpret_cast<const U4*>(q + w * (N == 8 ? k : k / 2)),
+                           scale + w * ngroups, has_zero ? zero + w * ngroups : nullptr, acc, 1, k, group,
+                           zero_mode, lane);
+    const float v = warp_sum(acc[0]);
+    if (lane == 0)
+        out[s * n + o] = S::store(valid ? v + (has_bias ? S::load(bias[w]) : 0.0f) : __int_as_float(0x7fc00000));
 }
 
 // qgemv_staged<N>: 141 142 144 181 182 184 241 242 281 282 441 442 481 482

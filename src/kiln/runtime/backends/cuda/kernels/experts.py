@@ -1,0 +1,168 @@
+"""A mixture-of-experts layer on the GPU: the router's pick (route_experts: topk.cu's route_rows, a warp per token)
+and the experts (gathered_linear and gathered_quantized_linear): each row of x through the linear layer its router
+picked from a stack of E, reading only the picked experts' weights, with the index kept on the GPU (no copy to the
+host, so a decode step is still one captured graph).
+
+- A few rows (a decode step's top-k, GATHERED_GEMV_ROWS at most): gemv.cu's gathered_gemv and quant.cu's
+  gathered_qgemv, a warp per output row of the expert each input row picked, streamed as the dense GEMV streams a
+  weight. A picked expert is read once per row that picks it; at decode that is once.
+- More rows (a prompt) in float16/bfloat16: experts.cu groups the rows by expert on the GPU and multiplies each
+  group by its expert on the tensor cores, each picked expert read once per 64 of its rows. A quantized stack is
+  dequantized whole first (quant.cu's dequantize: a prompt's rows pick most experts anyway).
+- Anything else (float32 prompts, layouts the kernels do not take) runs the GEMV over every row: each row reads its
+  expert's weight, slower but never the [rows, N, K] copy of the picked weights the portable path makes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from kiln.ir.dtypes import DType
+from kiln.runtime.backends import composite
+from kiln.runtime.backends.array_api import BFLOAT16
+from kiln.runtime.backends.array_api.experts import gathered_linear as portable_gathered_linear
+from kiln.runtime.backends.array_api.experts import gathered_quantized_linear as portable_gathered_quantized
+from kiln.runtime.backends.cuda import nvrtc
+from kiln.runtime.backends.cuda.kernels.linalg import GEMV_WARPS, QUANT_WARPS, _gemv_split, _qgemv_applies
+from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, contiguous, grid, kernel
+from kiln.runtime.backends.cuda.kernels.sort import TOPK_HELD, TOPK_WARPS
+
+GATHERED_GEMV_ROWS = 16
+"""Rows up to which the gathered GEMV runs (two tokens' top-8); from here on the rows are grouped by expert and
+multiplied on the tensor cores (float16/bfloat16), where a 64-row tile of one expert reads its weight once."""
+
+GATHERED_ROW_PIECES = 512
+"""A warp of the gathered GEMV takes up to 4 consecutive output rows while they hold at most this many 16-byte
+pieces together (gemv.cu's WR: an expert's down projection at K = 768 bfloat16 is 96 pieces a row, so 4 rows), where
+the layer's rows are not already shared by several warps."""
+
+EXPERT_TILE_M, EXPERT_TILE_N, EXPERT_TILE_K, EXPERT_MAX = 64, 64, 32, 1024
+"""experts.cu's tile sizes and the most experts its plan counts."""
+
+_TENSOR_CORE_TYPES = (np.dtype(np.float16), BFLOAT16)
+
+
+ROUTE_K_MAX = 32
+"""Most experts route_rows picks a token (each lane of the warp keeps one pick)."""
+
+
+@kernel("route_experts")
+def route_experts(logits: Any, k: int, normalize: bool, dtype: DType) -> tuple[Any, Any]:
+    """One kernel for the router's softmax, top-k and renormalization; the op's chain of kernels otherwise."""
+    n = logits.shape[-1] if logits.ndim else 0
+    out_dtype = np.dtype(dtype.numpy)
+    if not (logits.ndim and 0 < k <= min(n, ROUTE_K_MAX) and n <= 32 * TOPK_HELD and logits.size
+            and contiguous(logits) and nvrtc.supports(logits) and out_dtype in (logits.dtype, np.float32)):
+        return composite.route_experts(CUDA_KERNELS.kernels, logits, k, normalize, dtype)
+    rows = logits.size // n
+    weights = cp.empty(logits.shape[:-1] + (k,), dtype=out_dtype)
+    indices = cp.empty(logits.shape[:-1] + (k,), dtype=np.int64)
+    nvrtc.function("topk", "route_rows", logits.dtype, TOPK_HELD)(
+        (-(-rows // TOPK_WARPS),), (32 * TOPK_WARPS,),
+        (logits, weights, indices, np.int64(rows), np.int32(n), np.int32(k), np.int32(normalize),
+         np.int32(out_dtype == np.float32)))
+    return weights, indices
+
+
+def _rows(x: Any) -> Any | None:
+    """x [S, K] with unit stride along K and 16-byte aligned rows (a view when x is one already, else a copy)."""
+    if x.ndim != 2:
+        return None
+    if not (x.strides[1] == x.itemsize and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0):
+        x = cp.ascontiguousarray(x)
+    return x if x.data.ptr % 16 == 0 and (x.shape[1] * x.itemsize) % 16 == 0 else None
+
+
+def _index(index: Any) -> Any:
+    return cp.ascontiguousarray(index.reshape(-1), dtype=np.int64)
+
+
+def _plan(index: Any, experts: int) -> tuple[Any, Any, int]:
+    """(order, tiles, tile count) of experts.cu's expert_plan: the rows grouped by expert, 64 at a time."""
+    rows = index.shape[0]
+    max_tiles = -(-rows // EXPERT_TILE_M) + min(experts + 1, rows)
+    order = cp.empty(rows, dtype=np.int32)
+    tiles = cp.empty((max_tiles, 3), dtype=np.int32)
+    nvrtc.function("experts", "expert_plan", np.float32)(
+        (1,), (1024,), (index, np.int32(rows), np.int32(experts), order, tiles, np.int32(max_tiles)))
+    return order, tiles, max_tiles
+
+
+def _grouped(x2: Any, weight: Any, index: Any, bias: Any) -> Any:
+    """x2 [S, K] through its rows' experts, grouped on the tensor cores (experts.cu)."""
+    experts, n, k = weight.shape
+    order, tiles, max_tiles = _plan(index, experts)
+    out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
+    nvrtc.function("experts", "expert_gemm", x2.dtype)(
+        (-(-n // EXPERT_TILE_N), max_tiles), (128,),
+        (x2, np.int64(x2.strides[0] // x2.itemsize), weight, weight if bias is None else bias, order, tiles, out,
+         np.int32(n), np.int32(k), np.int32(experts), np.int32(bias is not None)))
+    return out
+
+
+def _grouped_applies(x2: Any, weight: Any) -> bool:
+    return (x2.dtype in _TENSOR_CORE_TYPES and weight.shape[0] <= EXPERT_MAX
+            and weight.shape[2] % EXPERT_TILE_K == 0 and weight.data.ptr % 16 == 0)
+
+
+def _gathered_gemv(x2: Any, weight: Any, index: Any, bias: Any) -> Any:
+    """Each row of x2 through its expert by gemv.cu's gathered_gemv (a warp per output row of the picked expert)."""
+    experts, n, k = weight.shape
+    out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
+    log2_split, log2_rows = _gemv_split(n, k, x2.itemsize), 0
+    pieces = k * x2.itemsize // 16
+    while (not log2_split and log2_rows < 2 and n % (2 << log2_rows) == 0
+           and (2 << log2_rows) * pieces <= GATHERED_ROW_PIECES):
+        log2_rows += 1
+    nvrtc.function("gemv", "gathered_gemv", x2.dtype, log2_split | log2_rows << 2)(
+        (-(-n // ((GEMV_WARPS >> log2_split) << log2_rows)), x2.shape[0]), (32 * GEMV_WARPS,),
+        (x2, np.int64(x2.strides[0] // x2.itemsize), index, weight, weight if bias is None else bias, out,
+         np.int32(n), np.int32(k), np.int32(experts), np.int32(bias is not None)))
+    return out
+
+
+@kernel("gathered_linear")
+def gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None) -> Any:
+    x2 = _rows(x)
+    if (x2 is None or not x2.shape[0] or index.size != x2.shape[0] or weight.ndim != 3
+            or not nvrtc.supports(x2, weight, *(() if bias is None else (bias,)))
+            or not contiguous(weight, *(() if bias is None else (bias,)))
+            or weight.shape[2] % (16 // weight.itemsize) or weight.data.ptr % 16):
+        return portable_gathered_linear(cp, x, weight, index, bias)
+    index = _index(index)
+    if x2.shape[0] > GATHERED_GEMV_ROWS and _grouped_applies(x2, weight):
+        return _grouped(x2, weight, index, bias)
+    return _gathered_gemv(x2, weight, index, bias)
+
+
+@kernel("gathered_quantized_linear")
+def gathered_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, index: Any, bias: Any = None, *, bits: int,
+                              group_size: int, offset: bool = False) -> Any:
+    experts, n = q.shape[:2]
+    k = x.shape[-1]
+    parts = (scale,) + tuple(a for a in (zero, bias) if a is not None)
+    x2 = _rows(x)
+    if (x2 is None or not x2.shape[0] or index.size != x2.shape[0] or not nvrtc.supports(x2, *parts)
+            or not contiguous(q, *parts) or not _qgemv_applies(x2, q, bits, group_size)):
+        return portable_gathered_quantized(cp, x, q, scale, zero, index, bias, bits=bits, group_size=group_size,
+                                           offset=offset)
+    x2, index = cp.ascontiguousarray(x2), _index(index)  # (gathered_qgemv reads rows K apart)
+    zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))  # quant.cu's modes
+    if x2.shape[0] > GATHERED_GEMV_ROWS and x2.dtype in _TENSOR_CORE_TYPES and experts <= EXPERT_MAX \
+            and k % EXPERT_TILE_K == 0:
+        weight = cp.empty((experts, n, k), dtype=x2.dtype)  # every expert: a prompt's rows pick most of them
+        nvrtc.function("quant", "dequantize", x2.dtype)(
+            grid(experts * n * k), (256,), (q, scale, zero if zero is not None else scale, weight,
+                                            np.int64(experts * n), np.int32(k), np.int32(bits),
+                                            np.int32(group_size), zero_mode))
+        return _grouped(x2, weight, index, bias)
+    out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
+    nvrtc.function("quant", "gathered_qgemv", x2.dtype, bits)(
+        (-(-n // QUANT_WARPS), x2.shape[0]), (32 * QUANT_WARPS,),
+        (x2, index, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
+         np.int32(n), np.int32(k), np.int32(group_size), zero_mode, np.int32(bias is not None),
+         np.int32(experts)))
+    return out

@@ -1,0 +1,193 @@
+"""The GPU's mixture-of-experts kernels (kiln.runtime.backends.cuda.kernels.experts) against the op's float64
+definition: the gathered GEMV (a decode step's few rows), the grouped tensor-core product (a prompt's rows, grouped
+by expert on the GPU), the quantized forms of both, out-of-range indices, and a capture as a CUDA graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.export.quantize import quantize_rows
+from kiln.runtime.backends.array_api import BFLOAT16
+from kiln.runtime.backends.array_api.quant import dequantize
+from tests.conftest import BACKENDS
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif("cuda" not in BACKENDS, reason="needs an NVIDIA GPU with CuPy")]
+
+DTYPES = [np.float32, np.float16, BFLOAT16]
+ULP = {np.dtype(np.float32): 2.5e-6, np.dtype(np.float16): 1e-3, BFLOAT16: 8e-3}
+"""Relative tolerance per storage type: the output is rounded once, sums in float32."""
+
+
+def _index(rng, rows: int, experts: int) -> np.ndarray:
+    """Rows routed as top-k routes them: mostly distinct experts, some repeated, some experts never picked."""
+    return rng.integers(0, experts, rows).astype(np.int64)
+
+
+def _check(got, want, dtype) -> None:
+    import cupy as cp
+
+    got = cp.asnumpy(got).astype(np.float64)
+    scale = np.abs(want).max(axis=-1, keepdims=True) + 1e-6
+    np.testing.assert_array_less(np.abs(got - want) / scale, ULP[np.dtype(dtype)] * 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 100, 300])
+@pytest.mark.parametrize("experts,n,k", [(5, 40, 64), (130, 200, 96), (9, 72, 40), (4, 45, 32), (6, 2048, 768)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gathered_linear_matches_definition(dtype, rows, experts, n, k, with_bias) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_linear
+
+    rng = np.random.default_rng(rows + n)
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    w = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(dtype)
+    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
+    index = _index(rng, rows, experts)
+    f64 = [None if a is None else a.astype(np.float64) for a in (x, w, bias)]
+    want = np.einsum("sk,snk->sn", f64[0], f64[1][index]) + (f64[2][index] if with_bias else 0.0)
+    got = gathered_linear(cp.asarray(x), cp.asarray(w), cp.asarray(index),
+                          None if bias is None else cp.asarray(bias))
+    assert got.shape == (rows, n) and got.dtype == x.dtype
+    _check(got, want, dtype)
+
+
+def test_gathered_linear_takes_strided_rows_and_int32_indices() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_linear
+
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((40, 256)).astype(BFLOAT16)
+    w = rng.standard_normal((7, 48, 128)).astype(BFLOAT16)
+    index = rng.integers(0, 7, 40).astype(np.int32)
+    for rows in (4, 40):
+        x = cp.asarray(wide)[:rows, 64:192]  # rows 512 bytes apart, K 128
+        want = np.einsum("sk,snk->sn", wide[:rows, 64:192].astype(np.float64), w.astype(np.float64)[index[:rows]])
+        _check(gathered_linear(x, cp.asarray(w), cp.asarray(index[:rows])), want, BFLOAT16)
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+def test_out_of_range_experts_give_nan_rows(rows, dtype) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_linear
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((rows, 64)).astype(dtype)
+    w = rng.standard_normal((4, 32, 64)).astype(dtype)
+    index = _index(rng, rows, 4)
+    index[1], index[2] = 4, -1
+    got = cp.asnumpy(gathered_linear(cp.asarray(x), cp.asarray(w), cp.asarray(index))).astype(np.float64)
+    assert np.isnan(got[1:3]).all()
+    keep = np.ones(rows, bool)
+    keep[1:3] = False
+    want = np.einsum("sk,snk->sn", x[keep].astype(np.float64), w.astype(np.float64)[index[keep]])
+    np.testing.assert_allclose(got[keep], want, rtol=0.05, atol=0.05 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(8, 64, True), (4, 32, False), (4, 64, "offset"), (8, 32, False)])
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gathered_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype, with_bias) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_quantized_linear
+
+    rng = np.random.default_rng(rows * 3 + bits)
+    experts, n, k = 6, 72, 4 * group
+    w = rng.standard_normal((experts * n, k)).astype(np.float32)
+    offset = symmetric == "offset"
+    q, scale, zero = quantize_rows(w, bits, group, symmetric is True)
+    if offset:
+        zero = -zero * scale
+    scale, zero = scale.astype(dtype), None if zero is None else zero.astype(dtype)
+    weight = dequantize(np, q, scale.astype(np.float32), None if zero is None else zero.astype(np.float32), bits,
+                        group, offset).astype(np.float64).reshape(experts, n, k)
+    stack = [None if a is None else a.reshape(experts, n, -1) for a in (q, scale, zero)]
+    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    index = _index(rng, rows, experts)
+    want = np.einsum("sk,snk->sn", x.astype(np.float64), weight[index])
+    if with_bias:
+        want += bias.astype(np.float64)[index]
+    got = gathered_quantized_linear(cp.asarray(x), *(None if a is None else cp.asarray(a) for a in stack),
+                                    cp.asarray(index), None if bias is None else cp.asarray(bias), bits=bits,
+                                    group_size=group, offset=offset)
+    assert got.shape == (rows, n) and got.dtype == x.dtype
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("rows", [8, 200])
+def test_gathered_linear_is_captured_as_a_graph(rows) -> None:
+    """Both paths keep the index on the GPU: the kernels run inside a CUDA graph capture and its replays follow
+    new indices written into the same buffer."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda import CUDABackend
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_linear
+
+    rng = np.random.default_rng(rows)
+    x = cp.asarray(rng.standard_normal((rows, 128)).astype(BFLOAT16))
+    w = rng.standard_normal((16, 96, 128)).astype(BFLOAT16)
+    index = cp.asarray(_index(rng, rows, 16))
+    gathered_linear(x, cp.asarray(w), index)  # compiles the kernels outside the capture
+    weight = cp.asarray(w)
+    graph, (out,) = CUDABackend(None).capture(lambda: [gathered_linear(x, weight, index)])
+    for seed in range(3):
+        picked = _index(np.random.default_rng(seed), rows, 16)
+        index[...] = cp.asarray(picked)
+        graph.launch()
+        want = np.einsum("sk,snk->sn", cp.asnumpy(x).astype(np.float64), w.astype(np.float64)[picked])
+        _check(out, want, BFLOAT16)
+
+
+@pytest.mark.parametrize("n,k", [(128, 8), (60, 4), (1024, 32), (8, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("largest", [True, False], ids=["largest", "smallest"])
+def test_router_topk_equals_the_stable_order(n, k, dtype, largest) -> None:
+    """topk.cu (a warp per row) picks what the CPU kernel's stable order picks: ties by position, NaN above +inf
+    for largest and last for smallest, -0.0 tied with 0.0."""
+    import cupy as cp
+
+    from kiln.runtime.backends.array_api.sort import topk as portable_topk
+    from kiln.runtime.backends.cuda.kernels.sort import topk
+
+    rng = np.random.default_rng(n + k)
+    x = rng.integers(-6, 6, (5, n)).astype(np.float32) / 4  # many ties
+    x[1, rng.integers(0, n, 3)] = np.nan
+    x[2, :4] = [0.0, -0.0, np.inf, -np.inf]
+    x = x.astype(dtype)
+    want_values, want_indices = portable_topk(np, x, k, 1, largest)
+    values, indices = topk(cp.asarray(x), k, -1, largest)
+    np.testing.assert_array_equal(cp.asnumpy(indices), want_indices)
+    np.testing.assert_array_equal(cp.asnumpy(values).astype(np.float32), want_values.astype(np.float32))
+
+
+@pytest.mark.parametrize("n,k", [(128, 8), (60, 4), (256, 32), (8, 1)])
+@pytest.mark.parametrize("dtype,out", [(BFLOAT16, BFLOAT16), (np.float32, np.float32), (BFLOAT16, np.float32)],
+                         ids=["bfloat16", "float32", "bfloat16-float32"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "raw"])
+def test_route_experts_kernel_equals_the_chain(n, k, dtype, out, normalize) -> None:
+    """topk.cu's route_rows (softmax, top-k, renormalization in one warp) against the op's chain of CPU kernels:
+    the same experts (ties to the lower index, a NaN row's first k), the same weights to a float32 rounding."""
+    import cupy as cp
+
+    from kiln.ir.dtypes import DType
+    from kiln.runtime.backends import composite
+    from kiln.runtime.backends.cpu import CPU_KERNELS
+    from kiln.runtime.backends.cuda.kernels.experts import route_experts
+
+    rng = np.random.default_rng(n * k)
+    logits = (rng.integers(-40, 40, (33, n)) / 8).astype(dtype)  # ties in every row
+    logits[3, 5] = np.nan
+    want_weights, want_ids = composite.route_experts(CPU_KERNELS.kernels, logits, k, normalize, DType.from_numpy(out))
+    weights, ids = route_experts(cp.asarray(logits), k, normalize, DType.from_numpy(out))
+    assert weights.dtype == np.dtype(out) and ids.dtype == np.int64
+    np.testing.assert_array_equal(cp.asnumpy(ids), want_ids)
+    np.testing.assert_allclose(cp.asnumpy(weights).astype(np.float32), want_weights.astype(np.float32),
+                               rtol=8e-3 if out == BFLOAT16 else 1e-5)
