@@ -191,3 +191,60 @@ def test_route_experts_kernel_equals_the_chain(n, k, dtype, out, normalize) -> N
     np.testing.assert_array_equal(cp.asnumpy(ids), want_ids)
     np.testing.assert_allclose(cp.asnumpy(weights).astype(np.float32), want_weights.astype(np.float32),
                                rtol=8e-3 if out == BFLOAT16 else 1e-5)
+
+
+def _combined(rows64: np.ndarray, combine: np.ndarray, dtype) -> np.ndarray:
+    """The op's combine on exact rows: each row and each product rounded to dtype, the sum in float64."""
+    tokens, k = combine.shape
+    rounded = rows64.astype(dtype).astype(np.float64).reshape(tokens, k, -1)
+    products = (rounded * combine.astype(np.float64)[:, :, None]).astype(dtype).astype(np.float64)
+    return products.sum(axis=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+@pytest.mark.parametrize("experts,n,k,topk", [(6, 2048, 768, 8), (9, 45, 64, 3), (130, 200, 96, 8)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gathered_linear_with_combine_matches_definition(dtype, tokens, experts, n, k, topk, with_bias) -> None:
+    """gemv.cu's gathered_combine (a decode step's tokens: the k rows summed in the block) and combine_rows after
+    the grouped product (a prompt's) against the op's definition."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_linear
+
+    rng = np.random.default_rng(tokens * n + topk)
+    rows = tokens * topk
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    w = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(dtype)
+    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
+    combine = rng.uniform(0.0, 1.0, (tokens, topk)).astype(dtype)
+    index = _index(rng, rows, experts)
+    f64 = [None if a is None else a.astype(np.float64) for a in (x, w, bias)]
+    exact = np.einsum("sk,snk->sn", f64[0], f64[1][index]) + (f64[2][index] if with_bias else 0.0)
+    want = _combined(exact, combine, dtype)
+    got = gathered_linear(cp.asarray(x), cp.asarray(w), cp.asarray(index),
+                          None if bias is None else cp.asarray(bias), cp.asarray(combine))
+    assert got.shape == (tokens, n) and got.dtype == x.dtype
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 10])
+def test_gathered_quantized_linear_with_combine(tokens) -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gathered_quantized_linear
+
+    rng = np.random.default_rng(tokens)
+    experts, n, k, topk, bits, group = 5, 64, 128, 4, 4, 32
+    q, scale, zero = quantize_rows(rng.standard_normal((experts * n, k)).astype(np.float32), bits, group, False)
+    scale, zero = scale.astype(BFLOAT16), zero.astype(BFLOAT16)
+    weight = dequantize(np, q, scale.astype(np.float32), zero.astype(np.float32), bits, group).astype(
+        np.float64).reshape(experts, n, k)
+    x = rng.standard_normal((tokens * topk, k)).astype(BFLOAT16)
+    combine = rng.uniform(0.0, 1.0, (tokens, topk)).astype(BFLOAT16)
+    index = _index(rng, tokens * topk, experts)
+    want = _combined(np.einsum("sk,snk->sn", x.astype(np.float64), weight[index]), combine, BFLOAT16)
+    got = gathered_quantized_linear(cp.asarray(x), *(cp.asarray(a.reshape(experts, n, -1)) for a in (q, scale, zero)),
+                                    cp.asarray(index), None, cp.asarray(combine), bits=bits, group_size=group)
+    assert got.shape == (tokens, n)
+    _check(got, want, BFLOAT16)

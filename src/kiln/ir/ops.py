@@ -29,7 +29,8 @@ additive per-group term, so files quantized elsewhere are stored exactly); 9 gat
 add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear's forms for quantized weights);
 10 gathered_linear and gathered_quantized_linear were added (a mixture-of-experts layer's experts: each row
 through the expert its router picked); 11 route_experts was added (a mixture-of-experts router's softmax, top-k
-and renormalization as one node)."""
+and renormalization as one node) and gathered_linear and gathered_quantized_linear gained combine (the weighted sum
+of each token's k expert rows)."""
 
 
 class AttrType(enum.IntEnum):
@@ -230,13 +231,16 @@ define("add_rms_norm_quantized_linear", "x residual norm_weight? q scale zero? b
 _GATHERED_DOC = ("A linear layer chosen per row from a stack of E of them (a mixture-of-experts layer's experts): x "
                  "[S, K], index int64 [S] with values in [0, E), out[s] = x[s] @ W[index[s]].T + bias[index[s]], "
                  "[S, N]. A backend reads only the weights of the experts the rows pick, once per expert however "
-                 "many rows pick it.")
-define("gathered_linear", "x weight index bias?",
+                 "many rows pick it. With combine [T, k] (S = T * k, a token's k rows consecutive) the result is "
+                 "each token's weighted sum instead, [T, N]: out[t] = sum over j of combine[t, j] * row t * k + j, "
+                 "each row and each product rounded to the output dtype, the sum in float32 rounded once (the "
+                 "multiply and the sum of the MoE layer it stands for).")
+define("gathered_linear", "x weight index bias? combine?",
        doc=f"{_GATHERED_DOC} weight [E, N, K] and bias [E, N] share x's float dtype.")
-define("gathered_quantized_linear", "x q scale zero? index bias?", *_QUANT_ATTRS,
+define("gathered_quantized_linear", "x q scale zero? index bias? combine?", *_QUANT_ATTRS,
        doc=f"{_GATHERED_DOC} Each expert's weight is quantized as quantized_linear's: q [E, N, K] (int8) or [E, N, "
            "K / 2] (int4), scale and zero [E, N, K / group_size], W[e] = quantized_linear's W of (q[e], scale[e], "
-           "zero[e]); bias [E, N]; out in scale's dtype.")
+           "zero[e]); bias [E, N] and combine in scale's dtype, as out.")
 define("batch_norm", "x weight? bias? mean var", A("eps", T.FLOAT, 1e-5),
        doc="Inference batch norm over dim 1: (x - mean) / sqrt(var + eps) * weight + bias.")
 

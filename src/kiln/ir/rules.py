@@ -651,19 +651,30 @@ def gathered_rows(x: Spec | None, index: Spec | None, experts: int, n: int, k: i
     return x.shape[0]
 
 
+def combined_rows(rows: Any, combine: Spec | None) -> Any:
+    """The output rows of a gathered linear: S, or T where combine [T, k] sums each token's k rows."""
+    if combine is None:
+        return rows
+    need(len(combine.shape) == 2, f"combine {list(combine.shape)} is not [T, k]")
+    tokens, k = combine.shape
+    if all(isinstance(d, int) for d in (rows, tokens, k)):
+        need(tokens * k == rows, f"combine {list(combine.shape)} does not cover the {rows} rows")
+    return tokens
+
+
 @rule("gathered_linear")
 def _gathered_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    x, weight, index, bias = ins + [None] * (4 - len(ins))
+    x, weight, index, bias, combine = ins + [None] * (5 - len(ins))
     need(weight is not None and len(weight.shape) == 3, f"weight {weight} is not [E, N, K]")
     experts, n, k = weight.shape
     rows = gathered_rows(x, index, experts, n, k, bias)
     floating(weight, "weight")
-    return [Spec(same_dtype(x, weight, bias), (rows, n))]
+    return [Spec(same_dtype(x, weight, bias, combine), (combined_rows(rows, combine), n))]
 
 
 @rule("gathered_quantized_linear")
 def _gathered_quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    x, q, scale, zero, index, bias = ins + [None] * (6 - len(ins))
+    x, q, scale, zero, index, bias, combine = ins + [None] * (7 - len(ins))
     need(q is not None and scale is not None and len(q.shape) == 3 and len(scale.shape) == 3,
          "q or scale is absent or not 3-d")
     experts = q.shape[0]
@@ -673,7 +684,8 @@ def _gathered_quantized_linear(ins: list[Spec | None], attrs: dict[str, Any]) ->
                             None if zero is None else Spec(zero.dtype, zero.shape[1:]), attrs["bits"],
                             attrs["group_size"])
     rows = gathered_rows(x, index, experts, n, k, bias)
-    return [Spec(scale.dtype, (rows, n))]
+    need(combine is None or combine.dtype == scale.dtype, f"combine is {combine and combine.dtype}, not scale's dtype")
+    return [Spec(scale.dtype, (combined_rows(rows, combine), n))]
 
 
 @rule("quantized_embedding")

@@ -20,6 +20,7 @@ from kiln.export.passes.dce import eliminate_dead_code
 from kiln.export.passes.fold_batch_norm import fold_batch_norm
 from kiln.export.passes.fold_constants import fold_constants
 from kiln.export.passes.fuse_attention import absorb_repeat_kv
+from kiln.export.passes.fuse_combine import fuse_combine
 from kiln.export.passes.fuse_conv import fuse_conv
 from kiln.export.passes.fuse_experts import fuse_experts
 from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
@@ -95,6 +96,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_gated_mlp", _method_only(fuse_gated_mlp), "act(gate) * up as one gated_activation node"),
     Pass("quantize_weights", _quantize, "linear/embedding weights quantized as the export asked (quantize=)"),
     Pass("remove_noops_after", _method_only(remove_noops), "no-ops the fusions exposed"),
+    Pass("fuse_combine", _method_only(fuse_combine),
+         "a mixture-of-experts layer's weighted sum of each token's expert rows folded into its gathered linear"),
     Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),
     Pass("fuse_rope_cache_update", _method_only(fuse_rope_cache_update),
          "RoPE of q and k and the KV-cache writes before an attention as one rope_cache_update node"),

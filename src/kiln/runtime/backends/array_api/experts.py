@@ -33,6 +33,15 @@ def expert_groups(index: np.ndarray, experts: int) -> Iterator[tuple[int, np.nda
             yield int(flat[rows[0]]), rows
 
 
+def combine_rows(xp: Any, rows: Any, combine: Any) -> Any:
+    """out[t] = sum over j of combine[t, j] * rows[t * k + j] for combine [T, k]: each product rounded to the rows'
+    dtype, the sum in float32 (float64 for float64) rounded once, as the multiply and the sum it stands for."""
+    tokens, k = combine.shape
+    products = rows.reshape(tokens, k, rows.shape[-1]) * combine[:, :, None]
+    wide = np.float32 if rows.dtype in LOW_PRECISION else rows.dtype
+    return products.astype(wide).sum(axis=1).astype(rows.dtype)
+
+
 def _gathered(xp: Any, x: Any, index: Any, bias: Any, experts: int, n: int, out_dtype: Any,
               expert_weight: Callable[[int], Any], row_weights: Callable[[Any], Any]) -> Any:
     """x [S, K] through each row's expert, in float32 for low-precision inputs and rounded once to out_dtype.
@@ -51,15 +60,16 @@ def _gathered(xp: Any, x: Any, index: Any, bias: Any, experts: int, n: int, out_
 
 
 @portable("gathered_linear")
-def gathered_linear(xp: Any, x: Any, weight: Any, index: Any, bias: Any = None) -> Any:
+def gathered_linear(xp: Any, x: Any, weight: Any, index: Any, bias: Any = None, combine: Any = None) -> Any:
     experts, n, _ = weight.shape
-    return _gathered(xp, x, index, bias, experts, n, x.dtype, lambda e: weight[e],
+    rows = _gathered(xp, x, index, bias, experts, n, x.dtype, lambda e: weight[e],
                      lambda rows: xp.take(weight, rows, axis=0))
+    return rows if combine is None else combine_rows(xp, rows, combine)
 
 
 @portable("gathered_quantized_linear")
-def gathered_quantized_linear(xp: Any, x: Any, q: Any, scale: Any, zero: Any, index: Any, bias: Any = None, *,
-                              bits: int, group_size: int, offset: bool = False) -> Any:
+def gathered_quantized_linear(xp: Any, x: Any, q: Any, scale: Any, zero: Any, index: Any, bias: Any = None,
+                              combine: Any = None, *, bits: int, group_size: int, offset: bool = False) -> Any:
     """Each picked expert dequantized (once, on the host) as quantized_linear defines its weight."""
     experts, n = q.shape[:2]
 
@@ -72,4 +82,5 @@ def gathered_quantized_linear(xp: Any, x: Any, q: Any, scale: Any, zero: Any, in
                  for a in (q, scale, zero)]
         return dequantize(xp, *parts, bits, group_size, offset).reshape(s, n, -1)
 
-    return _gathered(xp, x, index, bias, experts, n, scale.dtype, expert_weight, row_weights)
+    rows = _gathered(xp, x, index, bias, experts, n, scale.dtype, expert_weight, row_weights)
+    return rows if combine is None else combine_rows(xp, rows, combine)

@@ -160,3 +160,33 @@ __global__ void __launch_bounds__(128) expert_gemm(const typename S::T* __restri
         }
     }
 }
+
+// combine_rows<S>: F32 F16 BF16
+// A gathered linear's combine on its own (the rows of a prompt, made by expert_gemm or the gathered GEMV):
+// out[t, :] = sum over j of round(rows[t k + j, :] * combine[t, j]), the products rounded to the storage type and
+// summed in float32 in j order, rounded once; a thread per 16-byte piece of an output row. Needs N a multiple of
+// the piece and 16-byte aligned rows (experts.py checks).
+template <class S>
+__global__ void combine_rows(const typename S::T* __restrict__ rows, const typename S::T* __restrict__ combine,
+                             typename S::T* __restrict__ out, long long tokens, int n, int topk) {
+    typedef typename S::T T;
+    constexpr int V = S::PER16;
+    grid_dependency_sync();
+    const int pieces = n / V;
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= tokens * pieces) return;
+    const long long t = i / pieces, p = i % pieces;
+    float acc[V] = {};
+    for (int j = 0; j < topk; ++j) {
+        const float c = S::load(combine[t * topk + j]);
+        float v[V];
+        S::unpack(*reinterpret_cast<const U4*>(rows + (t * topk + j) * n + p * V), v);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += S::load(S::store(v[e] * c));
+    }
+    U4 packed;
+    T* values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int e = 0; e < V; ++e) values[e] = S::store(acc[e]);
+    *reinterpret_cast<U4*>(out + t * n + p * V) = packed;
+}

@@ -11,6 +11,9 @@ host, so a decode step is still one captured graph).
   dequantized whole first (quant.cu's dequantize: a prompt's rows pick most experts anyway).
 - Anything else (float32 prompts, layouts the kernels do not take) runs the GEMV over every row: each row reads its
   expert's weight, slower but never the [rows, N, K] copy of the picked weights the portable path makes.
+- With combine (the weighted sum of each token's k rows, folded into the down projection at export), a decode
+  step's rows run gemv.cu's gathered_combine: a block per few outputs of a token, a warp per expert row, the sum in
+  the block, so the [k, N] rows never reach memory; a prompt's rows are summed by experts.cu's combine_rows.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from kiln.ir.dtypes import DType
 from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import BFLOAT16
+from kiln.runtime.backends.array_api.experts import combine_rows as portable_combine_rows
 from kiln.runtime.backends.array_api.experts import gathered_linear as portable_gathered_linear
 from kiln.runtime.backends.array_api.experts import gathered_quantized_linear as portable_gathered_quantized
 from kiln.runtime.backends.cuda import nvrtc
@@ -124,31 +128,66 @@ def _gathered_gemv(x2: Any, weight: Any, index: Any, bias: Any) -> Any:
     return out
 
 
+def _combine(rows: Any, combine: Any) -> Any:
+    """experts.cu's combine_rows: each token's k rows weighted and summed (the op's combine)."""
+    if combine is None:
+        return rows
+    tokens, k = combine.shape
+    n = rows.shape[1]
+    if not (nvrtc.supports(rows, combine) and contiguous(rows, combine) and (n * rows.itemsize) % 16 == 0
+            and rows.data.ptr % 16 == 0):
+        return portable_combine_rows(cp, rows, combine)
+    out = cp.empty((tokens, n), dtype=rows.dtype)
+    pieces = tokens * (n * rows.itemsize // 16)
+    nvrtc.function("experts", "combine_rows", rows.dtype)(
+        grid(pieces), (256,), (rows, combine, out, np.int64(tokens), np.int32(n), np.int32(k)))
+    return out
+
+
+def _gathered_combine(x2: Any, weight: Any, index: Any, bias: Any, combine: Any) -> Any | None:
+    """gemv.cu's gathered_combine for a few tokens' rows, or None where it does not apply."""
+    experts, n, k = weight.shape
+    tokens, topk = combine.shape
+    if not (topk <= ROUTE_K_MAX and nvrtc.supports(x2, combine) and contiguous(combine)):
+        return None
+    pieces, log2_rows = k * x2.itemsize // 16, 0
+    while log2_rows < 2 and n % (2 << log2_rows) == 0 and (2 << log2_rows) * pieces <= GATHERED_ROW_PIECES:
+        log2_rows += 1
+    out = cp.empty((tokens, n), dtype=x2.dtype)
+    nvrtc.function("gemv", "gathered_combine", x2.dtype, log2_rows)(
+        (n >> log2_rows, tokens), (32 * GEMV_WARPS,),
+        (x2, np.int64(x2.strides[0] // x2.itemsize), index, weight, weight if bias is None else bias, combine, out,
+         np.int32(n), np.int32(k), np.int32(experts), np.int32(topk), np.int32(bias is not None)))
+    return out
+
+
 @kernel("gathered_linear")
-def gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None) -> Any:
+def gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None, combine: Any = None) -> Any:
     x2 = _rows(x)
     if (x2 is None or not x2.shape[0] or index.size != x2.shape[0] or weight.ndim != 3
             or not nvrtc.supports(x2, weight, *(() if bias is None else (bias,)))
             or not contiguous(weight, *(() if bias is None else (bias,)))
             or weight.shape[2] % (16 // weight.itemsize) or weight.data.ptr % 16):
-        return portable_gathered_linear(cp, x, weight, index, bias)
+        return portable_gathered_linear(cp, x, weight, index, bias, combine)
     index = _index(index)
     if x2.shape[0] > GATHERED_GEMV_ROWS and _grouped_applies(x2, weight):
-        return _grouped(x2, weight, index, bias)
-    return _gathered_gemv(x2, weight, index, bias)
+        return _combine(_grouped(x2, weight, index, bias), combine)
+    if combine is not None and (out := _gathered_combine(x2, weight, index, bias, combine)) is not None:
+        return out
+    return _combine(_gathered_gemv(x2, weight, index, bias), combine)
 
 
 @kernel("gathered_quantized_linear")
-def gathered_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, index: Any, bias: Any = None, *, bits: int,
-                              group_size: int, offset: bool = False) -> Any:
+def gathered_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, index: Any, bias: Any = None,
+                              combine: Any = None, *, bits: int, group_size: int, offset: bool = False) -> Any:
     experts, n = q.shape[:2]
     k = x.shape[-1]
     parts = (scale,) + tuple(a for a in (zero, bias) if a is not None)
     x2 = _rows(x)
     if (x2 is None or not x2.shape[0] or index.size != x2.shape[0] or not nvrtc.supports(x2, *parts)
             or not contiguous(q, *parts) or not _qgemv_applies(x2, q, bits, group_size)):
-        return portable_gathered_quantized(cp, x, q, scale, zero, index, bias, bits=bits, group_size=group_size,
-                                           offset=offset)
+        return portable_gathered_quantized(cp, x, q, scale, zero, index, bias, combine, bits=bits,
+                                           group_size=group_size, offset=offset)
     x2, index = cp.ascontiguousarray(x2), _index(index)  # (gathered_qgemv reads rows K apart)
     zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))  # quant.cu's modes
     if x2.shape[0] > GATHERED_GEMV_ROWS and x2.dtype in _TENSOR_CORE_TYPES and experts <= EXPERT_MAX \
@@ -158,11 +197,11 @@ def gathered_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, index: Any,
             grid(experts * n * k), (256,), (q, scale, zero if zero is not None else scale, weight,
                                             np.int64(experts * n), np.int32(k), np.int32(bits),
                                             np.int32(group_size), zero_mode))
-        return _grouped(x2, weight, index, bias)
+        return _combine(_grouped(x2, weight, index, bias), combine)
     out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
     nvrtc.function("quant", "gathered_qgemv", x2.dtype, bits)(
         (-(-n // QUANT_WARPS), x2.shape[0]), (32 * QUANT_WARPS,),
         (x2, index, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
          np.int32(n), np.int32(k), np.int32(group_size), zero_mode, np.int32(bias is not None),
          np.int32(experts)))
-    return out
+    return _combine(out, combine)

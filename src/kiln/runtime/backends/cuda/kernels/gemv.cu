@@ -317,3 +317,53 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename 
         }
     }
 }
+
+#define GEMV_COMBINE_MAX 32  // rows a token's combine sums at most (experts.py's ROUTE_K_MAX)
+
+// gathered_combine<N>: 0 1 2
+// gathered_linear with combine over a few tokens (a decode step's down projection and the weighted sum of the k
+// expert rows after it, in one kernel: no [k, N] intermediate, no product and sum kernels): block (blockIdx.x,
+// token t = blockIdx.y) computes the WR = 2^N consecutive outputs from WR blockIdx.x of token t. Its warp j takes
+// the token's row t k + j (and j + GEMV_WARPS ...), streams the WR weight rows of that row's expert as
+// gathered_gemv does, and rounds each result (bias added) and then its product with combine[t, j] to the storage
+// type, as the ops it stands for round them; the block's first warp adds the products in j order in float32 and
+// rounds once. An index outside 0 .. E - 1 makes the token's outputs NaN. Needs N a multiple of WR (experts.py).
+template <class S, int N>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typename S::T* __restrict__ x,
+                                                                    long long x_row,
+                                                                    const long long* __restrict__ index,
+                                                                    const typename S::T* __restrict__ w,
+                                                                    const typename S::T* __restrict__ bias,
+                                                                    const typename S::T* __restrict__ combine,
+                                                                    typename S::T* __restrict__ out, int n, int k,
+                                                                    int experts, int topk, int has_bias) {
+    typedef typename S::T T;
+    constexpr int WR = 1 << N;
+    __shared__ float products[GEMV_COMBINE_MAX][WR];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pieces = k / S::PER16;
+    const long long t = blockIdx.y, o = (long long)blockIdx.x * WR;
+    grid_dependency_sync();
+    for (int j = warp; j < topk; j += GEMV_WARPS) {
+        const long long s = t * topk + j, e = index[s];
+        const bool valid = e >= 0 && e < experts;
+        float acc[WR][GEMV_ROWS] = {};
+        if (valid) {
+            U4 wv[WR][1][GEMV_LOADS];
+            const T* row = w + (e * n + o) * k;
+            issue_first<WR, 1>(wv, row, (long long)k * sizeof(T), pieces, lane);
+            rows_dot<S, WR, 1>(row, k, x + s * x_row, x_row, 1, pieces, lane, wv, acc);
+        }
+        const float c = S::load(combine[s]);
+#pragma unroll
+        for (int r = 0; r < WR; ++r) {
+            const float y = warp_sum(acc[r][0]) + (valid && has_bias ? S::load(bias[e * n + o + r]) : 0.0f);
+            if (lane == 0) products[j][r] = valid ? S::load(S::store(S::load(S::store(y)) * c)) : __int_as_float(0x7fc00000);
+        }
+    }
+    __syncthreads();
+    if (warp == 0 && lane < WR) {
+        float sum = 0.0f;
+        for (int j = 0; j < topk; ++j) sum += products[j][lane];
+        out[t * n + o + lane] = S::store(sum);
+    }
+}
