@@ -99,3 +99,69 @@ def write_llama(path: Path, types: dict[str, str] | None = None, d: int = 256, f
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_qwen3_moe(path: Path, expert_type: str = "Q8_0", d: int = 256, ff: int = 256, experts: int = 8,
+                    used: int = 2, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 64,
+                    seed: int = 0) -> Path:
+    """A Qwen3-MoE GGUF as llama.cpp lays one out ("qwen3moe": the router as ffn_gate_inp, the experts as
+    [E, ff, d] / [E, d, ff] stacks ffn_{gate,up,down}_exps in `expert_type`, q/k norms), attention in Q8_0, a
+    GPT-2-style byte vocabulary; the layout of the Qwen3-30B-A3B files people run with llama.cpp, at a small size."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    head_dim = d // heads
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_context_length(128)
+    writer.add_embedding_length(d)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ff)
+    writer.add_expert_feed_forward_length(ff)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    tokens = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab - 2)] + ["<|im_start|>", "<|im_end|>"]
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 2) + [3, 3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(vocab - 2)
+    writer.add_eos_token_id(vocab - 1)
+
+    def tensor(name: str, shape: tuple[int, ...], kind: str) -> None:
+        rows, k = int(np.prod(shape[:-1])), shape[-1]
+        if kind == "F32":
+            writer.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+            return
+        data = quantized(kind, rows, k, rng).reshape(*shape[:-1], -1)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    def norm(name: str, size: int = d) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    tensor("token_embd.weight", (vocab, d), "Q8_0")
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+        norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        for name, shape in (("attn_q", (heads * head_dim, d)), ("attn_k", (kv_heads * head_dim, d)),
+                            ("attn_v", (kv_heads * head_dim, d)), ("attn_output", (d, heads * head_dim))):
+            tensor(f"blk.{i}.{name}.weight", shape, "Q8_0")
+        tensor(f"blk.{i}.ffn_gate_inp.weight", (experts, d), "F32")
+        tensor(f"blk.{i}.ffn_gate_exps.weight", (experts, ff, d), expert_type)
+        tensor(f"blk.{i}.ffn_up_exps.weight", (experts, ff, d), expert_type)
+        tensor(f"blk.{i}.ffn_down_exps.weight", (experts, d, ff), expert_type)
+    norm("output_norm.weight")
+    tensor("output.weight", (vocab, d), "Q8_0")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -194,9 +194,15 @@ def _quantized_parts(method: Method, builder: ProgramBuilder, value: int, config
     weight = method.values[value]
     data = None
     if len(weight.shape) == 3:
+        stack = constant_value(method, builder, value)
+        if known is not None and (stored := known.lookup(stack.reshape(-1, stack.shape[-1]))) is not None:
+            experts = [a if a is None else a.reshape(stack.shape[:2] + a.shape[-1:])
+                       for a in (stored.q, stored.scale, stored.zero)]
+            return _add_parts(method, builder, weight, QuantizedWeight(*experts, stored.bits, stored.group,
+                                                                       stored.offset, stored.source),
+                              stored.source.replace(" ", "_").lower())
         if config is None or config.bits == 16 or (group := config.group_for(weight.shape[-1])) is None:
             return None
-        stack = constant_value(method, builder, value)
         q, scale, zero = quantize_rows(stack.reshape(-1, stack.shape[-1]), config.bits, group, config.symmetric)
         experts = [a if a is None else a.reshape(stack.shape[:2] + a.shape[-1:]) for a in (q, scale, zero)]
         return _add_parts(method, builder, weight, QuantizedWeight(*experts, config.bits, group, False, ""),

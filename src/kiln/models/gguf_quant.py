@@ -197,7 +197,8 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 class GGUFQuantization(RowIndex):
-    """A GGUF file's quantized 2-d tensors, found again among a model's float weights by their rows (RowIndex).
+    """A GGUF file's quantized 2-d tensors (and expert stacks, as their rows), found again among a model's float
+    weights by their rows (RowIndex).
 
     transformers loads a GGUF model by dequantizing it (and reorders the rows of Llama's query and key weights, and
     the export stacks projections), so a weight of the exported graph is some rows of some GGUF tensors. Tensors of
@@ -217,9 +218,11 @@ class GGUFQuantization(RowIndex):
         self.mismatched: list[str] = []
         for t in check_gguf(path).tensors:
             qtype = gguf.GGMLQuantizationType(t.ggml_type)
-            if len(t.dims) != 2 or qtype.name in FLOAT_TYPES:
+            if len(t.dims) not in (2, 3) or qtype.name in FLOAT_TYPES:
                 continue
-            shape = (int(t.dims[1]), int(t.dims[0]))  # GGUF lists the fastest dimension first
+            # GGUF lists the fastest dimension first; a mixture-of-experts stack [E, R, K] (ffn_*_exps) is its
+            # E * R rows, as the export quantizes an expert stack by rows
+            shape = (int(np.prod(t.dims[1:])), int(t.dims[0]))
             raw = np.asarray(data[t.offset:t.offset + t.nbytes]).reshape(shape[0], -1)
             values = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(shape)
             weight = None

@@ -79,15 +79,32 @@ def load_causal_lm(source: PreTrainedModel | str | os.PathLike, tokenizer: Any =
     return model.eval(), tokenizer
 
 
+GGUF_CONFIG_GAPS = {
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+}
+"""GGUF metadata (under the file's architecture) that transformers' GGUF config mapping leaves out, by the config
+attribute it sets: without them a mixture-of-experts file loads with transformers' default expert width (768, so
+only files of Qwen3-30B-A3B's width loaded) and fails on every other size."""
+
+
+def _gguf_config_gaps(summary: Any) -> dict[str, Any]:
+    """The config attributes GGUF_CONFIG_GAPS finds in the file, as from_pretrained overrides."""
+    arch = summary.metadata.get("general.architecture", "")
+    return {attribute: summary.metadata[f"{arch}.{key}"] for key, attribute in GGUF_CONFIG_GAPS.get(arch, {}).items()
+            if f"{arch}.{key}" in summary.metadata}
+
+
 def _from_pretrained(path: Path, where: Path, dtype: torch.dtype, options: dict[str, Any]) -> PreTrainedModel:
     """transformers' from_pretrained; for a GGUF file, after check_gguf has held its layout and sizes to what the
     file holds, with whatever transformers still raises on it (an architecture it does not know, metadata it
     cannot map) reported as a GGUFFormatError naming the file, not as transformers' own traceback."""
     if "gguf_file" not in options:
         return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **options)
-    check_gguf(path)
+    overrides = _gguf_config_gaps(check_gguf(path))
     try:
-        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **options)
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **options, **overrides)
     except Exception as e:  # transformers' GGUF mapping raises KeyError, ValueError, RuntimeError, ... on odd files
         cause = " ".join(str(e).split())[:500]  # (one line: the command line prints it as its error)
         raise GGUFFormatError(f"{path}: transformers cannot load this GGUF file: {type(e).__name__}: {cause}") from e

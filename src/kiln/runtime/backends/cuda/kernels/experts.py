@@ -112,15 +112,21 @@ def _grouped_applies(x2: Any, weight: Any) -> bool:
             and weight.shape[2] % EXPERT_TILE_K == 0 and weight.data.ptr % 16 == 0)
 
 
+def _log2_rows_per_warp(n: int, k: int, itemsize: int) -> int:
+    """log2 of the consecutive output rows a warp of the gathered GEMV takes (gemv.cu's WR: up to 4, while they hold
+    at most GATHERED_ROW_PIECES 16-byte pieces together and divide N)."""
+    pieces, log2 = k * itemsize // 16, 0
+    while log2 < 2 and n % (2 << log2) == 0 and (2 << log2) * pieces <= GATHERED_ROW_PIECES:
+        log2 += 1
+    return log2
+
+
 def _gathered_gemv(x2: Any, weight: Any, index: Any, bias: Any) -> Any:
     """Each row of x2 through its expert by gemv.cu's gathered_gemv (a warp per output row of the picked expert)."""
     experts, n, k = weight.shape
     out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
-    log2_split, log2_rows = _gemv_split(n, k, x2.itemsize), 0
-    pieces = k * x2.itemsize // 16
-    while (not log2_split and log2_rows < 2 and n % (2 << log2_rows) == 0
-           and (2 << log2_rows) * pieces <= GATHERED_ROW_PIECES):
-        log2_rows += 1
+    log2_split = _gemv_split(n, k, x2.itemsize)
+    log2_rows = 0 if log2_split else _log2_rows_per_warp(n, k, x2.itemsize)
     nvrtc.function("gemv", "gathered_gemv", x2.dtype, log2_split | log2_rows << 2)(
         (-(-n // ((GEMV_WARPS >> log2_split) << log2_rows)), x2.shape[0]), (32 * GEMV_WARPS,),
         (x2, np.int64(x2.strides[0] // x2.itemsize), index, weight, weight if bias is None else bias, out,
@@ -150,9 +156,7 @@ def _gathered_combine(x2: Any, weight: Any, index: Any, bias: Any, combine: Any)
     tokens, topk = combine.shape
     if not (topk <= ROUTE_K_MAX and nvrtc.supports(x2, combine) and contiguous(combine)):
         return None
-    pieces, log2_rows = k * x2.itemsize // 16, 0
-    while log2_rows < 2 and n % (2 << log2_rows) == 0 and (2 << log2_rows) * pieces <= GATHERED_ROW_PIECES:
-        log2_rows += 1
+    log2_rows = _log2_rows_per_warp(n, k, x2.itemsize)
     out = cp.empty((tokens, n), dtype=x2.dtype)
     nvrtc.function("gemv", "gathered_combine", x2.dtype, log2_rows)(
         (n >> log2_rows, tokens), (32 * GEMV_WARPS,),
