@@ -101,17 +101,19 @@ def write_llama(path: Path, types: dict[str, str] | None = None, d: int = 256, f
     return path
 
 
-def write_qwen3_moe(path: Path, expert_type: str = "Q8_0", d: int = 256, ff: int = 256, experts: int = 8,
-                    used: int = 2, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 64,
-                    seed: int = 0) -> Path:
-    """A Qwen3-MoE GGUF as llama.cpp lays one out ("qwen3moe": the router as ffn_gate_inp, the experts as
-    [E, ff, d] / [E, d, ff] stacks ffn_{gate,up,down}_exps in `expert_type`, q/k norms), attention in Q8_0, a
-    GPT-2-style byte vocabulary; the layout of the Qwen3-30B-A3B files people run with llama.cpp, at a small size."""
+def write_qwen_moe(path: Path, expert_type: str = "Q8_0", arch: str = "qwen3moe", d: int = 256, ff: int = 256,
+                   experts: int = 8, used: int = 2, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                   vocab: int = 64, seed: int = 0) -> Path:
+    """A Qwen MoE GGUF as llama.cpp lays one out: the router as ffn_gate_inp, the experts as [E, ff, d] / [E, d, ff]
+    stacks ffn_{gate,up,down}_exps in `expert_type`, attention in Q8_0, a GPT-2-style vocabulary. "qwen3moe" (the
+    Qwen3-30B-A3B files people run with llama.cpp) has q/k norms; "qwen2moe" has q/k/v biases and a shared expert
+    (ffn_*_shexp, 2 ff wide, with its sigmoid gate ffn_gate_inp_shexp)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     head_dim = d // heads
-    writer = gguf.GGUFWriter(path, "qwen3moe")
+    qwen2 = arch == "qwen2moe"
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(128)
     writer.add_embedding_length(d)
     writer.add_block_count(layers)
@@ -119,6 +121,8 @@ def write_qwen3_moe(path: Path, expert_type: str = "Q8_0", d: int = 256, ff: int
     writer.add_expert_feed_forward_length(ff)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(used)
+    if qwen2:
+        writer.add_expert_shared_feed_forward_length(2 * ff)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
@@ -149,8 +153,17 @@ def write_qwen3_moe(path: Path, expert_type: str = "Q8_0", d: int = 256, ff: int
     for i in range(layers):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
-        norm(f"blk.{i}.attn_q_norm.weight", head_dim)
-        norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        if qwen2:
+            for name, size in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                               ("attn_v", kv_heads * head_dim)):
+                writer.add_tensor(f"blk.{i}.{name}.bias", (0.05 * rng.standard_normal(size)).astype(np.float32))
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", (0.05 * rng.standard_normal(d)).astype(np.float32))
+            tensor(f"blk.{i}.ffn_gate_shexp.weight", (2 * ff, d), "Q8_0")
+            tensor(f"blk.{i}.ffn_up_shexp.weight", (2 * ff, d), "Q8_0")
+            tensor(f"blk.{i}.ffn_down_shexp.weight", (d, 2 * ff), "Q8_0")
+        else:
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
         for name, shape in (("attn_q", (heads * head_dim, d)), ("attn_k", (kv_heads * head_dim, d)),
                             ("attn_v", (kv_heads * head_dim, d)), ("attn_output", (d, heads * head_dim))):
             tensor(f"blk.{i}.{name}.weight", shape, "Q8_0")
