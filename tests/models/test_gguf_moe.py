@@ -1,7 +1,8 @@
 """Mixture-of-experts GGUF files as llama.cpp users bring them (Qwen3-MoE "qwen3moe" and Qwen2-MoE "qwen2moe": the
 experts as ffn_{gate,up,down}_exps stacks): loaded at their own expert widths (transformers' GGUF mapping leaves
-expert_feed_forward_length and the shared expert's out), the expert stacks kept in the file's quantization exactly (gathered_quantized_linear
-over the stack's rows), and the logits and greedy tokens what transformers computes from the dequantized file."""
+expert_feed_forward_length and the shared expert's out), the expert stacks kept in the file's quantization exactly
+(gathered_quantized_linear over the stack's rows), and the logits and greedy tokens what transformers computes from
+the dequantized file."""
 
 from __future__ import annotations
 
