@@ -16,6 +16,7 @@ are what it must read (attention, router, 8 experts a layer, the LM head and one
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,34 @@ def step_bytes(config) -> int:
     per_layer = attention + d * config.num_experts + experts + 2 * d
     return 4 * (config.num_hidden_layers * per_layer + config.vocab_size * d + 2 * d)
 
+
+
+PYTHON_PLAN = "kiln, Python plan (no native executor)"
+
+
+class PythonPlan:
+    """A session whose plans are built with KILN_EXECUTOR=python (each run sets it, so plans built on a later first
+    run of a new signature are Python plans too): the native executor's A/B in the same process."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.session, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            before = os.environ.get("KILN_EXECUTOR")
+            os.environ["KILN_EXECUTOR"] = "python"
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                if before is None:
+                    del os.environ["KILN_EXECUTOR"]
+                else:
+                    os.environ["KILN_EXECUTOR"] = before
+        return call
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         program = export_llama(model, max_context, chunk, skip_passes=skip).load()
         print(f"{name}: exported in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         sessions[name] = program.session("cpu")
+        if not skip:  # the same program with its plans built for the Python loop (KILN_EXECUTOR=python)
+            sessions[PYTHON_PLAN] = PythonPlan(program.session("cpu"))
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, context).astype(np.int64)
     eagers = {}
     for implementation in ("grouped_mm", "eager"):

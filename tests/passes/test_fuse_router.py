@@ -100,3 +100,26 @@ class ProbabilitiesReadElsewhere(torch.nn.Module):
 def test_other_chains_are_left_alone(module):
     ops = _ops(_export(module, torch.float32))
     assert "route_experts" not in ops and "topk" in ops and "softmax" in ops
+
+
+@pytest.mark.parametrize("n,k", [(128, 8), (12, 3), (5, 5)])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "raw"])
+def test_cpu_route_kernel_equals_the_chain(n, k, normalize):
+    """native/experts.c's route_experts (the CPU kernel and the executor's instruction) against the op's chain of
+    NumPy kernels: the same experts on tied logits and NaN rows, the same weights to float32 rounding."""
+    from kiln.ir.dtypes import DType
+    from kiln.runtime.backends import composite
+    from kiln.runtime.backends.array_api import PORTABLE, bind
+    from kiln.runtime.backends.cpu import native
+    from kiln.runtime.backends.cpu.experts import route_experts
+
+    if native.library() is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(n + k)
+    logits = (rng.integers(-20, 20, (9, n)) / 4).astype(np.float32)
+    logits[2, 1] = np.nan
+    portable = {name: bind(fn, np) for name, fn in PORTABLE.kernels.items()}
+    want_weights, want_ids = composite.route_experts(portable, logits, k, normalize, DType.float32)
+    weights, ids = route_experts(logits, k, normalize, DType.float32)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)

@@ -36,6 +36,7 @@ from kiln.registry import register_once
 from kiln.runtime.backends.array_api.conv import pool_geometry
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cpu import conv, forms, linalg, native, quant, resident
+from kiln.runtime.backends.cpu import experts as cpu_experts
 from kiln.runtime.backends.cpu.reduce import reduced_shape, trailing_rows
 from kiln.runtime.program import Program
 
@@ -43,7 +44,8 @@ log = logging.getLogger("kiln.runtime.cpu")
 
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
       "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
-      "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19, "gemm_rows": 20}
+      "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19, "gemm_rows": 20, "route": 21,
+      "gathered": 22}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -388,6 +390,35 @@ def emit_rms_norm(lw: Lowering, x: Loc, residual: Loc | None, weight: Loc | None
     lw.emit("rms_norm", x, residual, weight, total, out, x.size // max(n, 1), n,
             as_float_word(rms_norm_eps(eps, np.dtype(np.float32))))
     return total, out
+
+
+@lowering("route_experts")
+def _route_experts(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As cpu/experts.py's route_experts: float32 logits and weights by native/experts.c."""
+    (logits,) = _inputs(lw, node)
+    k, n = int(attrs["k"]), logits.shape[-1] if logits.shape else 0
+    _need(logits.dtype == F32 and attrs["dtype"].numpy == F32 and 0 < k <= n, "float32 logits and weights")
+    logits = lw.contiguous(logits)
+    weights, ids = lw.new(logits.shape[:-1] + (k,), F32), lw.new(logits.shape[:-1] + (k,), I64)
+    lw.emit("route", logits, weights, ids, lw.work(4 * n), _rows(logits), n, k, int(attrs["normalize"]))
+    lw.output(node, weights, ids)
+
+
+@lowering("gathered_linear")
+def _gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As cpu/experts.py's native path: a decode step's float32 rows (and their combine) by native/experts.c."""
+    x, weight, index, bias, combine = (_inputs(lw, node) + [None] * 5)[:5]
+    _need(x.dtype == F32 and weight.dtype == F32 and len(weight.shape) == 3 and index.dtype == I64, "float32 rows")
+    _need(all(a is None or a.dtype == F32 for a in (bias, combine)), "float32 bias and combine")
+    s, (experts, n, k) = x.shape[0], weight.shape
+    _need(len(x.shape) == 2 and s <= cpu_experts.GATHERED_ROWS_MAX, "a decode step's few rows")
+    x, weight, index = lw.contiguous(x), lw.contiguous(weight), lw.contiguous(index)
+    bias, combine = (None if a is None else lw.contiguous(a) for a in (bias, combine))
+    topk = 0 if combine is None else combine.shape[1]
+    out = lw.new((combine.shape[0] if topk else s, n), F32)
+    work = lw.work(4 * cpu_experts.GATHERED_ROWS_MAX * (k + 2 * n))
+    lw.emit("gathered", x, index, weight, bias, combine, out, work, s, n, k, experts, topk)
+    lw.output(node, out)
 
 
 @lowering("linear")

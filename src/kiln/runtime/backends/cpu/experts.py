@@ -1,21 +1,69 @@
-"""A mixture-of-experts layer's experts on the CPU: the rows grouped by the expert they picked (array_api.experts),
-each group through that expert's weight by the CPU's own linear kernels, so a decode step's few rows per expert
-take the compiled few-row helpers (the float GEMV reading the weight rows sequentially, the quantized row stream
-with its byte dot products) instead of a NumPy product per expert."""
+"""A mixture-of-experts layer on the CPU. The experts: the rows grouped by the expert they picked
+(array_api.experts), each group through that expert's weight by the CPU's own linear kernels, so a decode step's
+few rows per expert take the compiled few-row helpers (the float GEMV reading the weight rows sequentially, the
+quantized row stream with its byte dot products) instead of a NumPy product per expert; a float32 decode step's
+rows (and their combine) in one call of native/experts.c, which the native executor calls too. The router's pick
+(route_experts) for float32 logits by native/experts.c as well, so a MoE decode step lowers whole into the
+executor with the same results as here."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kiln.ir.dtypes import DType
+from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api.experts import combine_rows, expert_groups
+from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.linalg import linear
 from kiln.runtime.backends.cpu.quant import FEW_ROWS, quantized_linear
-from kiln.runtime.backends.cpu.registry import kernel
+from kiln.runtime.backends.cpu.registry import CPU_KERNELS, kernel
+
+GATHERED_ROWS_MAX = 8
+"""Rows up to which native/experts.c runs a float32 gathered linear (its GATHERED_ROWS_MAX: a decode step's top-k)."""
+
+
+@kernel("route_experts")
+def route_experts(logits: np.ndarray, k: int, normalize: bool, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
+    lib = native.library()
+    if not (lib is not None and logits.dtype == np.float32 and dtype == DType.float32 and logits.ndim
+            and 0 < k <= logits.shape[-1]):
+        return composite.route_experts(CPU_KERNELS.kernels, logits, k, normalize, dtype)
+    n = logits.shape[-1]
+    x = np.ascontiguousarray(logits)
+    weights = np.empty(logits.shape[:-1] + (k,), dtype=np.float32)
+    ids = np.empty(logits.shape[:-1] + (k,), dtype=np.int64)
+    work = np.empty(n, dtype=np.float32)
+    lib.kiln_route_experts_f32(x.ctypes.data, weights.ctypes.data, ids.ctypes.data, x.size // n, n, k,
+                               int(normalize), work.ctypes.data)
+    return weights, ids
+
+
+def _native_gathered(x: np.ndarray, weight: np.ndarray, index: np.ndarray, bias: np.ndarray | None,
+                     combine: np.ndarray | None) -> np.ndarray | None:
+    """native/experts.c's gathered linear (and combine) for a decode step's float32 rows, or None."""
+    lib = native.library()
+    s = x.shape[0]
+    if not (lib is not None and s <= GATHERED_ROWS_MAX and x.dtype == np.float32 and index.dtype == np.int64
+            and native.float32_contiguous(weight, bias, *(() if combine is None else (combine,)))):
+        return None
+    experts, n, k = weight.shape
+    topk = 0 if combine is None else combine.shape[1]
+    x, index = np.ascontiguousarray(x), np.ascontiguousarray(index)
+    out = np.empty((s // topk if topk else s, n), dtype=np.float32)
+    work = np.empty(GATHERED_ROWS_MAX * (k + 2 * n), dtype=np.float32)
+    if not lib.kiln_gathered_linear_f32(x.ctypes.data, index.ctypes.data, weight.ctypes.data, native.address(bias),
+                                        native.address(combine), out.ctypes.data, work.ctypes.data, s, n, k, experts,
+                                        topk, native.threads()):
+        return None  # (an index out of range: the Python path raises the op's error)
+    return out
 
 
 @kernel("gathered_linear")
 def gathered_linear(x: np.ndarray, weight: np.ndarray, index: np.ndarray, bias: np.ndarray | None = None,
                     combine: np.ndarray | None = None) -> np.ndarray:
+    done = _native_gathered(x, weight, index, bias, combine)
+    if done is not None:
+        return done
     out = np.empty((x.shape[0], weight.shape[1]), dtype=x.dtype)
     for e, rows in expert_groups(index, weight.shape[0]):
         b = None if bias is None else bias[e]

@@ -33,7 +33,8 @@ import numpy as np
 log = logging.getLogger("kiln.native")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c",
-                                                              "gemm.c", "depthwise.c", "direct.c", "conv.c"))
+                                                              "gemm.c", "depthwise.c", "direct.c", "conv.c",
+                                                              "experts.c"))
 """Compiled together into one library; HEADERS are what they include (the build key reads them all)."""
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("pool.h", "vmath.h", "vec16.h", "quant.h"))
 FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
@@ -62,6 +63,8 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_winograd23_input_f32": (_ptr, _ptr) + (_i64,) * 9,
     "kiln_winograd23_output_f32": (_ptr, _ptr, _ptr) + (_i64,) * 7 + (ctypes.c_float, ctypes.c_float, _i64),
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
+    "kiln_route_experts_f32": (_ptr,) * 3 + (_i64,) * 4 + (_ptr,),
+    "kiln_gathered_linear_f32": (_ptr,) * 7 + (_i64,) * 6,
     "kiln_layer_norm_f32": (_ptr,) * 4 + (_i64, _i64, ctypes.c_float),
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float, _i64),
@@ -83,7 +86,8 @@ SIGNATURES: dict[str, tuple] = {
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 RESULTS: dict[str, type] = {name: _i64 for name in (
     "kiln_qdot_level", "kiln_conv2d_f32", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32", "kiln_rope_cache_update_f32",
-    "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32")}
+    "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32",
+    "kiln_gathered_linear_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()

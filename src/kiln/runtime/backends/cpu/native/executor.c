@@ -42,6 +42,8 @@ enum {
     OP_MAX_POOL = 18,       /* x out | planes h w kh kw sh sw ph pw dh dw oh ow */
     OP_CLAMP = 19,          /* x out | n lo hi (float bits) */
     OP_GEMM_ROWS = 20,      /* x packed bias out work | m n k: out[m][n] = x W^T + bias, W packed (linalg.linear) */
+    OP_ROUTE = 21,          /* logits weights ids work | rows n k normalize (experts.c) */
+    OP_GATHERED = 22,       /* x index w bias combine out work | s n k experts topk (experts.c; 0: an index is out) */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -124,6 +126,11 @@ i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, co
 void kiln_dequantize_f32(const void *qv, const float *scale, const float *zero, float *w, i64 rows, i64 k, i64 format,
                          i64 group);
 void kiln_layer_norm_f32(const float *x, const float *w, const float *b, float *out, i64 rows, i64 n, float eps);
+void kiln_route_experts_f32(const float *logits, float *weights, i64 *ids, i64 rows, i64 n, i64 k, i64 normalize,
+                            float *work);
+i64 kiln_gathered_linear_f32(const float *x, const i64 *index, const float *w, const float *bias,
+                             const float *combine, float *out, float *work, i64 s, i64 n, i64 k, i64 experts,
+                             i64 topk, i64 threads);
 void kiln_sigmoid_f32(const float *x, float *y, i64 n);
 void kiln_silu_f32(const float *x, float *y, i64 n);
 void kiln_hardsigmoid_f32(const float *x, float *y, i64 n);
@@ -327,6 +334,12 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
         case OP_CLAMP:
             kiln_clamp_f32(PTR(1), PTR(3), a[5], as_float(a[6]), as_float(a[7]));
             return 1;
+        case OP_ROUTE:
+            kiln_route_experts_f32(PTR(1), PTR(3), PTR(5), a[9], a[10], a[11], a[12], PTR(7));
+            return 1;
+        case OP_GATHERED:
+            return (int)kiln_gathered_linear_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), a[15],
+                                                 a[16], a[17], a[18], a[19], threads);
         default: return 0;
     }
 #undef PTR
