@@ -109,3 +109,38 @@ def test_voxtral_commands(tmp_path, beckett):
     assert code == 2 and "answered greedily" in err
     code, _, err = cli("export-voxtral", tmp_path / "missing", "-o", tmp_path / "x.kiln")
     assert code == 2 and "not a folder" in err
+
+
+def _tekken_json(folder) -> None:
+    """A small tekken.json (Mistral's own tokenizer file, what real Voxtral checkpoints ship instead of a
+    tokenizer.json) with the tiny Voxtral's special words at their ids and byte-level tokens after them."""
+    import base64
+    import json
+
+    from kiln.models.zoo import VOCAB, VOXTRAL_WORDS
+
+    merged = [b"th", b"he", b"the", b" t", b" th", b" the", b"in", b"an", b"er", b"on"]
+    tokens = ([bytes([b]) for b in range(32, 127)] + merged)[:VOCAB - len(VOXTRAL_WORDS)]
+    pattern = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    (folder / "tekken.json").write_text(json.dumps({
+        "config": {"pattern": pattern, "num_vocab_tokens": len(tokens), "default_vocab_size": VOCAB,
+                   "default_num_special_tokens": len(VOXTRAL_WORDS), "version": "v7"},
+        "vocab": [{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("latin-1")}
+                  for i, t in enumerate(tokens)],
+        "special_tokens": [{"rank": i, "token_str": word, "is_control": True} for i, word in enumerate(VOXTRAL_WORDS)],
+    }))
+
+
+def test_a_checkpoint_with_tekken_json_only_exports_and_transcribes(tmp_path, beckett, program):
+    """Real Voxtral folders ship Mistral's tekken.json, no tokenizer.json: transformers reads it (its tekken
+    converter), the export stores it as a tokenizer.json, and the program transcribes as one exported with the
+    word-level tokenizer of the same ids does; the torch-free runtime encodes text with it."""
+    folder = tmp_path / "voxtral"
+    tiny_voxtral().save_pretrained(folder)
+    _tekken_json(folder)
+    assert not (folder / "tokenizer.json").exists()
+    tekken = export_voxtral(folder, MAX_CONTEXT, CHUNK).load()
+    tekken_transcriber, words = VoxtralTranscriber(tekken), VoxtralTranscriber(program)
+    assert tekken_transcriber.generate(beckett, None, 6) == words.generate(beckett, None, 6)
+    ids = tekken_transcriber.tokenizer.encode("the cat")
+    assert ids and tekken_transcriber.tokenizer.decode(ids) == "the cat"

@@ -40,9 +40,9 @@ EXPORTS = (
 Export a Voxtral model (a Whisper-style audio encoder, a projector and a Llama decoder) from a checkpoint folder to
 one .kiln file: `encode` (a 30 s window of 128-bin log-mel features to 375 decoder embedding rows), `embed`,
 `prefill_embeds` (a prompt from embedding rows, the audio placeholders' rows the encoder's), `prefill` and `decode`
-over a KV cache in state buffers, with the tokenizer and Voxtral's prompt tokens in the file's metadata. The folder
-needs a fast tokenizer (tokenizer.json) with Voxtral's prompt tokens ([INST], [/INST], [BEGIN_AUDIO], [AUDIO],
-[TRANSCRIBE]); Mistral's own tekken.json alone is not read yet.""",
+over a KV cache in state buffers, with the tokenizer and Voxtral's prompt tokens in the file's metadata. The folder's
+tokenizer (Mistral's tekken.json, as Voxtral checkpoints ship it, or a tokenizer.json) must have Voxtral's prompt
+tokens ([INST], [/INST], [BEGIN_AUDIO], [AUDIO], [TRANSCRIBE]); it is stored as a tokenizer.json.""",
         epilog="""\
 examples:
   kiln export-voxtral Voxtral-Mini-3B-2507/ -o voxtral.kiln --quantize int4

@@ -83,7 +83,8 @@ def export_voxtral(model_or_path: PreTrainedModel | str | os.PathLike, max_conte
 
     max_context: decoder cache slots (a 30 s window takes 375 of them, plus the prompt and the answer).
     prefill_chunk: the most prompt rows one prefill call takes. tokenizer: a fast transformers tokenizer with
-    Voxtral's prompt tokens (PROMPT_TOKENS), by default the one beside the model. quantize: weight-only
+    Voxtral's prompt tokens (PROMPT_TOKENS), by default the one beside the model (a tokenizer.json, or Mistral's
+    tekken.json, which transformers converts: what Voxtral checkpoints ship). quantize: weight-only
     quantization of the linear and embedding weights (kiln.export.Quantize).
     """
     from transformers import VoxtralForConditionalGeneration
