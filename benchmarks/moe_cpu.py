@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round (default 8)")
+    parser.add_argument("--quantize", choices=("int8", "int4"),
+                        help="quantize kiln's weights (experts included; int4 in groups of 32); eager stays float32")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
     configure_threads(args.threads)
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from kiln.export import Quantize
     from kiln.models.llm import StaticCacheLM, export_llama
     from kiln.runtime.llm.decoding import greedy_generate
 
@@ -92,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     sessions = {}
     for name, skip in (("kiln", ()), ("kiln, experts gathered out", ("fuse_experts",))):
         t0 = time.perf_counter()
-        program = export_llama(model, max_context, chunk, skip_passes=skip).load()
+        quantize = None if args.quantize is None else Quantize(args.quantize,
+                                                                group_size=32 if args.quantize == "int4" else None)
+        program = export_llama(model, max_context, chunk, skip_passes=skip, quantize=quantize).load()
         print(f"{name}: exported in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         sessions[name] = program.session("cpu")
         if not skip:  # the same program with its plans built for the Python loop (KILN_EXECUTOR=python)
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = step_bytes(config)
     machine = machine_report()
     print(f"Qwen3-MoE shape ({args.layers} layers, d {config.hidden_size}, {config.num_experts} experts, "
-          f"{config.num_experts_per_tok} active, expert MLP {config.moe_intermediate_size}), float32, "
+          f"{config.num_experts_per_tok} active, expert MLP {config.moe_intermediate_size}), "
+          f"{'kiln ' + args.quantize + ', eager float32' if args.quantize else 'float32'}, "
           f"{args.threads} thread(s), {machine['cpu']}; decode at context {context} (a step reads "
           f"{nbytes / 1e6:.1f} MB), prefill of {context} tokens; medians of {args.rounds} rounds")
     header = ["contestant", "decode ms", "tokens/s", "GB/s", "x eager (grouped_mm)", "prefill ms", "prefill tok/s"]

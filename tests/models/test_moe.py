@@ -88,19 +88,22 @@ def test_int8_experts_equal_the_dequantized_model(family, backend, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
-def test_cpu_decode_lowers_whole_into_the_native_executor(family, monkeypatch):
-    """route_experts and the gathered linears (with their combine) have executor instructions: a MoE decode step is
-    one native call, and it generates what the Python plan does (both call native/experts.c)."""
+@pytest.mark.parametrize("mode", [None, "int8", "int4"], ids=["float32", "int8", "int4"])
+def test_cpu_decode_lowers_whole_into_the_native_executor(family, mode, monkeypatch):
+    """route_experts and the gathered linears, float and quantized, with their combine, have executor
+    instructions: a MoE decode step is one native call, and it generates what the Python plan does (both call
+    native/experts.c)."""
     from kiln.runtime.backends.cpu import native
     from kiln.runtime.llm.decoding import greedy_generate
 
     if native.library() is None:
         pytest.skip("no C compiler: no native executor")
-    program = export_llama(tiny_decoder(family), MAX_CONTEXT, CHUNK).load()
+    config = None if mode is None else Quantize(mode, group_size=16 if mode == "int4" else None)
+    program = export_llama(tiny_decoder(family), MAX_CONTEXT, CHUNK, quantize=config).load()
     results = {}
-    for mode in ("native", "python"):
-        monkeypatch.setenv("KILN_EXECUTOR", mode)
+    for executor in ("native", "python"):
+        monkeypatch.setenv("KILN_EXECUTOR", executor)
         session = program.session("cpu")
         tokens = greedy_generate(session, PROMPT, 6)
-        results[mode] = tokens, next(iter(session._plans["decode"].values())).lowered is not None
+        results[executor] = tokens, next(iter(session._plans["decode"].values())).lowered is not None
     assert results["native"] == (results["python"][0], True) and results["python"][1] is False

@@ -45,7 +45,7 @@ log = logging.getLogger("kiln.runtime.cpu")
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
       "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
       "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19, "gemm_rows": 20, "route": 21,
-      "gathered": 22}
+      "gathered": 22, "gathered_q": 23}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -416,8 +416,29 @@ def _gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     bias, combine = (None if a is None else lw.contiguous(a) for a in (bias, combine))
     topk = 0 if combine is None else combine.shape[1]
     out = lw.new((combine.shape[0] if topk else s, n), F32)
-    work = lw.work(4 * cpu_experts.GATHERED_ROWS_MAX * (k + 2 * n))
-    lw.emit("gathered", x, index, weight, bias, combine, out, work, s, n, k, experts, topk)
+    lw.emit("gathered", x, index, weight, bias, combine, out, lw.work(4 * cpu_experts.gathered_work(n, k)), s, n, k,
+            experts, topk)
+    lw.output(node, out)
+
+
+@lowering("gathered_quantized_linear")
+def _gathered_quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As cpu/experts.py's native path, quantized: each expert group through the quantized few-row linear."""
+    x, q, scale, zero, index, bias, combine = (_inputs(lw, node) + [None] * 7)[:7]
+    bits, group = int(attrs["bits"]), int(attrs["group_size"])
+    _need(x.dtype == F32 and scale.dtype == F32 and index.dtype == I64 and len(q.shape) == 3, "float32 rows")
+    _need(all(a is None or a.dtype == F32 for a in (zero, bias, combine)), "float32 scales, bias and combine")
+    s, k, (experts, n) = x.shape[0], x.shape[-1], q.shape[:2]
+    _need(len(x.shape) == 2 and s <= cpu_experts.GATHERED_ROWS_MAX, "a decode step's few rows")
+    _need(bits in (4, 8) and group > 0 and k % group == 0 and q.shape[2] == k * bits // 8, "weight layout")
+    x, q, scale, index = (lw.contiguous(a) for a in (x, q, scale, index))
+    zero, bias, combine = (None if a is None else lw.contiguous(a) for a in (zero, bias, combine))
+    topk = 0 if combine is None else combine.shape[1]
+    out = lw.new((combine.shape[0] if topk else s, n), F32)
+    form = native.quant_format(bits, attrs.get("offset", False))
+    lw.emit("gathered_q", x, index, q, scale, zero, bias, combine, out,
+            lw.work(4 * cpu_experts.gathered_work(n, k, group)), s, n, k, experts, topk, form, group,
+            int(native.integer_dot()))
     lw.output(node, out)
 
 

@@ -38,30 +38,43 @@ def route_experts(logits: np.ndarray, k: int, normalize: bool, dtype: DType) -> 
     return weights, ids
 
 
-def _native_gathered(x: np.ndarray, weight: np.ndarray, index: np.ndarray, bias: np.ndarray | None,
-                     combine: np.ndarray | None) -> np.ndarray | None:
-    """native/experts.c's gathered linear (and combine) for a decode step's float32 rows, or None."""
+def gathered_work(n: int, k: int, group: int | None = None) -> int:
+    """Floats of scratch native/experts.c's gathered linear takes (with a quantized weight's group: its own too)."""
+    return GATHERED_ROWS_MAX * (k + 2 * n) + (0 if group is None else 2 * GATHERED_ROWS_MAX * (k + k // group))
+
+
+def _native_gathered(x: np.ndarray, index: np.ndarray, parts: tuple, bias: np.ndarray | None,
+                     combine: np.ndarray | None, n: int, experts: int,
+                     quant: tuple[int, int] | None = None) -> np.ndarray | None:
+    """native/experts.c's gathered linear (and combine) for a decode step's float32 rows, or None where it does
+    not apply. parts: (weight,) float32, or (q, scale, zero) with quant = (format, group)."""
     lib = native.library()
-    s = x.shape[0]
+    s, k = x.shape
+    floats = parts if quant is None else parts[1:]
     if not (lib is not None and s <= GATHERED_ROWS_MAX and x.dtype == np.float32 and index.dtype == np.int64
-            and native.float32_contiguous(weight, bias, *(() if combine is None else (combine,)))):
+            and native.float32_contiguous(*floats, bias, *(() if combine is None else (combine,)))
+            and parts[0].flags.c_contiguous):
         return None
-    experts, n, k = weight.shape
     topk = 0 if combine is None else combine.shape[1]
     x, index = np.ascontiguousarray(x), np.ascontiguousarray(index)
     out = np.empty((s // topk if topk else s, n), dtype=np.float32)
-    work = np.empty(GATHERED_ROWS_MAX * (k + 2 * n), dtype=np.float32)
-    if not lib.kiln_gathered_linear_f32(x.ctypes.data, index.ctypes.data, weight.ctypes.data, native.address(bias),
-                                        native.address(combine), out.ctypes.data, work.ctypes.data, s, n, k, experts,
-                                        topk, native.threads()):
-        return None  # (an index out of range: the Python path raises the op's error)
-    return out
+    work = np.empty(gathered_work(n, k, None if quant is None else quant[1]), dtype=np.float32)
+    pointers = [native.address(a) for a in parts]
+    tail = (out.ctypes.data, work.ctypes.data, s, n, k, experts, topk)
+    if quant is None:
+        done = lib.kiln_gathered_linear_f32(x.ctypes.data, index.ctypes.data, *pointers, native.address(bias),
+                                            native.address(combine), *tail, native.threads())
+    else:
+        done = lib.kiln_gathered_qlinear_f32(x.ctypes.data, index.ctypes.data, *pointers, native.address(bias),
+                                             native.address(combine), *tail, *quant, int(native.integer_dot()),
+                                             native.threads())
+    return out if done else None  # (0: an index out of range; the Python path raises the op's error)
 
 
 @kernel("gathered_linear")
 def gathered_linear(x: np.ndarray, weight: np.ndarray, index: np.ndarray, bias: np.ndarray | None = None,
                     combine: np.ndarray | None = None) -> np.ndarray:
-    done = _native_gathered(x, weight, index, bias, combine)
+    done = _native_gathered(x, index, (weight,), bias, combine, weight.shape[1], weight.shape[0])
     if done is not None:
         return done
     out = np.empty((x.shape[0], weight.shape[1]), dtype=x.dtype)
@@ -79,6 +92,11 @@ def gathered_linear(x: np.ndarray, weight: np.ndarray, index: np.ndarray, bias: 
 def gathered_quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
                               index: np.ndarray, bias: np.ndarray | None = None, combine: np.ndarray | None = None,
                               *, bits: int, group_size: int, offset: bool = False) -> np.ndarray:
+    if scale.dtype == np.float32:
+        done = _native_gathered(x, index, (q, scale, zero), bias, combine, q.shape[1], q.shape[0],
+                                (native.quant_format(bits, offset), group_size))
+        if done is not None:
+            return done
     out = np.empty((x.shape[0], q.shape[1]), dtype=scale.dtype)
     for e, rows in expert_groups(index, q.shape[0]):
         out[rows] = quantized_linear(x[rows], q[e], scale[e], None if zero is None else zero[e],

@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_add_rms_norm_f32": (_ptr,) * 5 + (_i64, _i64, ctypes.c_float),
     "kiln_route_experts_f32": (_ptr,) * 3 + (_i64,) * 4 + (_ptr,),
     "kiln_gathered_linear_f32": (_ptr,) * 7 + (_i64,) * 6,
+    "kiln_gathered_qlinear_f32": (_ptr,) * 9 + (_i64,) * 9,
     "kiln_layer_norm_f32": (_ptr,) * 4 + (_i64, _i64, ctypes.c_float),
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float, _i64),
@@ -87,7 +88,7 @@ SIGNATURES: dict[str, tuple] = {
 RESULTS: dict[str, type] = {name: _i64 for name in (
     "kiln_qdot_level", "kiln_conv2d_f32", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32", "kiln_rope_cache_update_f32",
     "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32",
-    "kiln_gathered_linear_f32")}
+    "kiln_gathered_linear_f32", "kiln_gathered_qlinear_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()

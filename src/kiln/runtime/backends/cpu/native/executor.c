@@ -44,6 +44,7 @@ enum {
     OP_GEMM_ROWS = 20,      /* x packed bias out work | m n k: out[m][n] = x W^T + bias, W packed (linalg.linear) */
     OP_ROUTE = 21,          /* logits weights ids work | rows n k normalize (experts.c) */
     OP_GATHERED = 22,       /* x index w bias combine out work | s n k experts topk (experts.c; 0: an index is out) */
+    OP_GATHERED_Q = 23,     /* x index q scale zero bias combine out work | s n k experts topk format group dot */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -131,6 +132,9 @@ void kiln_route_experts_f32(const float *logits, float *weights, i64 *ids, i64 r
 i64 kiln_gathered_linear_f32(const float *x, const i64 *index, const float *w, const float *bias,
                              const float *combine, float *out, float *work, i64 s, i64 n, i64 k, i64 experts,
                              i64 topk, i64 threads);
+i64 kiln_gathered_qlinear_f32(const float *x, const i64 *index, const void *q, const float *scale, const float *zero,
+                              const float *bias, const float *combine, float *out, float *work, i64 s, i64 n, i64 k,
+                              i64 experts, i64 topk, i64 format, i64 group, i64 dot, i64 threads);
 void kiln_sigmoid_f32(const float *x, float *y, i64 n);
 void kiln_silu_f32(const float *x, float *y, i64 n);
 void kiln_hardsigmoid_f32(const float *x, float *y, i64 n);
@@ -340,6 +344,10 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
         case OP_GATHERED:
             return (int)kiln_gathered_linear_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), a[15],
                                                  a[16], a[17], a[18], a[19], threads);
+        case OP_GATHERED_Q:
+            return (int)kiln_gathered_qlinear_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), PTR(15),
+                                                  PTR(17), a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26],
+                                                  threads);
         default: return 0;
     }
 #undef PTR

@@ -11,15 +11,25 @@
  * expert through kiln_linear_rows_f32 (what the Python kernel calls for a group of a few rows), then, with combine
  * [t, topk], each token's rows weighted and added in order (NumPy's float32 product and its sum over that axis).
  * Returns 0 without writing where an index is outside 0 .. experts - 1 (the caller raises the op's error).
+ *
+ * kiln_gathered_qlinear_f32: gathered_quantized_linear the same way, each group through the quantized few-row
+ * linear the Python kernel calls (kiln_qlinear_dot_f32 where `dot` and the helpers take it, else kiln_qlinear_f32)
+ * on its expert's q, scale and zero rows (format: quant.h's bits and flags).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "quant.h"
+
 typedef int64_t i64;
 
 void kiln_linear_rows_f32(const float *x, const float *w, const float *bias, float *out, i64 m, i64 n, i64 k,
                           i64 threads);
+i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, const float *zero, const float *bias,
+                         float *out, void *work, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
+void kiln_qlinear_f32(const float *x, const void *qv, const float *scale, const float *zero, const float *bias,
+                      float *out, float *xs, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
 
 enum { GATHERED_ROWS_MAX = 8 };
 
@@ -68,18 +78,48 @@ void kiln_route_experts_f32(const float *logits, float *weights, i64 *ids, i64 r
     }
 }
 
-/* (no FMA contraction here: each product is rounded before it is added, as the op's combine defines it) */
-__attribute__((optimize("fp-contract=off"))) i64 kiln_gathered_linear_f32(const float *x, const i64 *index, const float *w, const float *bias,
-                             const float *combine, float *out, float *work, i64 s, i64 n, i64 k, i64 experts,
-                             i64 topk, i64 threads) {
-    if (s > GATHERED_ROWS_MAX) return 0;
-    i64 order[GATHERED_ROWS_MAX];
+/* The rows grouped by expert (ascending, rows in order within a group) into order[]; 0 where an index is out. */
+static int expert_order(const i64 *index, i64 s, i64 experts, i64 *order) {
     for (i64 i = 0; i < s; ++i) {
         if (index[i] < 0 || index[i] >= experts) return 0;
         i64 j = i;
         for (; j > 0 && index[order[j - 1]] > index[i]; --j) order[j] = order[j - 1]; /* (stable) */
         order[j] = i;
     }
+    return 1;
+}
+
+/* out[t] = sum over j of rows[t topk + j] * combine[t, j], each product rounded before it is added (no FMA
+ * contraction here: the op's combine defines it so) */
+__attribute__((optimize("fp-contract=off"))) static void combine_rows(const float *rows, const float *combine,
+                                                                       float *out, i64 s, i64 n, i64 topk) {
+    for (i64 t = 0; t < s / topk; ++t) {
+        float *o = out + t * n;
+        for (i64 j = 0; j < topk; ++j) {
+            const float c = combine[t * topk + j];
+            const float *row = rows + (t * topk + j) * n;
+            if (j == 0) {
+                for (i64 i = 0; i < n; ++i) o[i] = row[i] * c;
+            } else {
+                for (i64 i = 0; i < n; ++i) o[i] += row[i] * c;
+            }
+        }
+    }
+}
+
+/* One expert's group of m rows (a float or quantized weight): `quant` null for float32 weights. */
+typedef struct {
+    const void *q;
+    const float *scale, *zero;
+    i64 format, group, dot;
+    void *work;
+} quant_args;
+
+static i64 gathered(const float *x, const i64 *index, const float *w, const quant_args *quant, const float *bias,
+                    const float *combine, float *out, float *work, i64 s, i64 n, i64 k, i64 experts, i64 topk,
+                    i64 threads) {
+    i64 order[GATHERED_ROWS_MAX];
+    if (s > GATHERED_ROWS_MAX || !expert_order(index, s, experts, order)) return 0;
     float *xg = work, *og = work + GATHERED_ROWS_MAX * k;
     float *rows = topk ? og + GATHERED_ROWS_MAX * n : out;
     for (i64 first = 0; first < s;) {
@@ -87,24 +127,35 @@ __attribute__((optimize("fp-contract=off"))) i64 kiln_gathered_linear_f32(const 
         i64 m = 0;
         for (; first + m < s && index[order[first + m]] == e; ++m)
             memcpy(xg + m * k, x + order[first + m] * k, (size_t)k * sizeof(float));
-        kiln_linear_rows_f32(xg, w + e * n * k, bias ? bias + e * n : 0, og, m, n, k, threads);
+        const float *b = bias ? bias + e * n : 0;
+        if (quant) {
+            const i64 row_bytes = QUANT_BITS(quant->format) == 4 ? k / 2 : k, groups = k / quant->group;
+            const char *q = (const char *)quant->q + e * n * row_bytes;
+            const float *scale = quant->scale + e * n * groups, *zero = quant->zero ? quant->zero + e * n * groups : 0;
+            if (!(quant->dot && kiln_qlinear_dot_f32(xg, q, scale, zero, b, og, quant->work, m, n, k, quant->format,
+                                                     quant->group, threads)))
+                kiln_qlinear_f32(xg, q, scale, zero, b, og, quant->work, m, n, k, quant->format, quant->group,
+                                 threads);
+        } else {
+            kiln_linear_rows_f32(xg, w + e * n * k, b, og, m, n, k, threads);
+        }
         for (i64 i = 0; i < m; ++i) memcpy(rows + order[first + i] * n, og + i * n, (size_t)n * sizeof(float));
         first += m;
     }
-    if (topk) {
-        const i64 tokens = s / topk;
-        for (i64 t = 0; t < tokens; ++t) {
-            float *o = out + t * n;
-            for (i64 j = 0; j < topk; ++j) {
-                const float c = combine[t * topk + j];
-                const float *row = rows + (t * topk + j) * n;
-                if (j == 0) {
-                    for (i64 i = 0; i < n; ++i) o[i] = row[i] * c;
-                } else {
-                    for (i64 i = 0; i < n; ++i) o[i] += row[i] * c;
-                }
-            }
-        }
-    }
+    if (topk) combine_rows(rows, combine, out, s, n, topk);
     return 1;
+}
+
+i64 kiln_gathered_linear_f32(const float *x, const i64 *index, const float *w, const float *bias,
+                             const float *combine, float *out, float *work, i64 s, i64 n, i64 k, i64 experts,
+                             i64 topk, i64 threads) {
+    return gathered(x, index, w, 0, bias, combine, out, work, s, n, k, experts, topk, threads);
+}
+
+/* work: as kiln_gathered_linear_f32's, then the quantized linear's (2 GATHERED_ROWS_MAX (k + k / group) floats) */
+i64 kiln_gathered_qlinear_f32(const float *x, const i64 *index, const void *q, const float *scale, const float *zero,
+                              const float *bias, const float *combine, float *out, float *work, i64 s, i64 n, i64 k,
+                              i64 experts, i64 topk, i64 format, i64 group, i64 dot, i64 threads) {
+    const quant_args quant = {q, scale, zero, format, group, dot, work + GATHERED_ROWS_MAX * (k + 2 * n)};
+    return gathered(x, index, 0, &quant, bias, combine, out, work, s, n, k, experts, topk, threads);
 }
