@@ -107,3 +107,30 @@ def test_cpu_decode_lowers_whole_into_the_native_executor(family, mode, monkeypa
         tokens = greedy_generate(session, PROMPT, 6)
         results[executor] = tokens, next(iter(session._plans["decode"].values())).lowered is not None
     assert results["native"] == (results["python"][0], True) and results["python"][1] is False
+
+
+@pytest.mark.parametrize("mode", [None, "int8"], ids=["float32", "int8"])
+def test_a_serving_batch_of_experts_lowers_whole_too(mode, monkeypatch):
+    """A slotted program's decode step over 6 sequences routes 12 rows (several to one expert, more than the 8 rows
+    the few-row linears take at once): it still runs as one native call, and decodes what the Python plan does."""
+    from kiln.runtime.backends.cpu import native
+    from kiln.runtime.llm.decoding import decode_batch
+
+    if native.library() is None:
+        pytest.skip("no C compiler: no native executor")
+    config = None if mode is None else Quantize(mode)
+    program = export_llama(tiny_decoder("qwen3_moe"), MAX_CONTEXT, CHUNK, slots=6, quantize=config).load()
+    prompts = [PROMPT[i:i + 3 + i] for i in range(6)]
+    results = {}
+    for executor in ("native", "python"):
+        monkeypatch.setenv("KILN_EXECUTOR", executor)
+        session = program.session("cpu")
+        last = [int(np.argmax(prefill(session, p, 0, slot))) for slot, p in enumerate(prompts)]
+        positions, tokens = [len(p) for p in prompts], [list(last)]
+        for _ in range(4):
+            logits = decode_batch(session, tokens[-1], positions, list(range(6)))
+            tokens.append([int(np.argmax(row)) for row in logits])
+            positions = [q + 1 for q in positions]
+        lowered = any(plan.lowered is not None for plan in session._plans["decode"].values())
+        results[executor] = tokens, lowered
+    assert results["native"] == (results["python"][0], True) and results["python"][1] is False

@@ -613,3 +613,34 @@ def test_compiled_rope_slot_update_matches_float64(interleaved):
     before = k_cache.copy()
     assert native.rope_slot_update(q, k, v, cos, sin, k_cache, v_cache, slots + 9, positions, interleaved) is None
     np.testing.assert_array_equal(k_cache, before)
+
+
+@needs_native
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int4"])
+def test_gathered_rows_of_one_expert_beyond_eight_are_taken_in_chunks(quantized):
+    """native/experts.c multiplies an expert's rows 8 at a time: 11 rows routed to one expert (a serving batch's)
+    give, row by row, what each row gives alone (the few-row linears' sums do not depend on their row count), with
+    the combine summing each token's rows in order."""
+    from kiln.export.quantize import quantize_rows
+    from kiln.runtime.backends.cpu.experts import gathered_linear, gathered_quantized_linear
+
+    rng = np.random.default_rng(7)
+    experts, n, k, topk = 4, 48, 64, 2
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    index = np.array([2] * 11 + [0, 3, 2, 1, 0], dtype=np.int64)
+    combine = rng.uniform(0, 1, (8, topk)).astype(np.float32)
+    if quantized:
+        q, scale, zero = quantize_rows(rng.standard_normal((experts * n, k)).astype(np.float32), 4, 32, False)
+        parts = [a.reshape(experts, n, -1) for a in (q, scale.astype(np.float32), zero.astype(np.float32))]
+
+        def run(rows, ids, c=None):
+            return gathered_quantized_linear(rows, *parts, ids, None, c, bits=4, group_size=32)
+    else:
+        weight = rng.standard_normal((experts, n, k)).astype(np.float32)
+
+        def run(rows, ids, c=None):
+            return gathered_linear(rows, weight, ids, None, c)
+    alone = np.concatenate([run(x[i:i + 1], index[i:i + 1]) for i in range(16)])
+    np.testing.assert_array_equal(run(x, index), alone)
+    products = alone.reshape(8, topk, n) * combine[:, :, None]
+    np.testing.assert_array_equal(run(x, index, combine), products[:, 0] + products[:, 1])

@@ -18,8 +18,9 @@ from kiln.runtime.backends.cpu.linalg import linear
 from kiln.runtime.backends.cpu.quant import FEW_ROWS, quantized_linear
 from kiln.runtime.backends.cpu.registry import CPU_KERNELS, kernel
 
-GATHERED_ROWS_MAX = 8
-"""Rows up to which native/experts.c runs a float32 gathered linear (its GATHERED_ROWS_MAX: a decode step's top-k)."""
+GATHERED_ROWS_MAX, GROUP_ROWS_MAX = 64, 8
+"""Rows up to which native/experts.c runs a float32 gathered linear (a decode step's top-k rows, of several
+sequences in a serving program's step), and the rows of one expert it multiplies at a time (the few-row linears')."""
 
 
 @kernel("route_experts")
@@ -40,7 +41,8 @@ def route_experts(logits: np.ndarray, k: int, normalize: bool, dtype: DType) -> 
 
 def gathered_work(n: int, k: int, group: int | None = None) -> int:
     """Floats of scratch native/experts.c's gathered linear takes (with a quantized weight's group: its own too)."""
-    return GATHERED_ROWS_MAX * (k + 2 * n) + (0 if group is None else 2 * GATHERED_ROWS_MAX * (k + k // group))
+    return (GROUP_ROWS_MAX * (k + n) + GATHERED_ROWS_MAX * n
+            + (0 if group is None else 2 * GROUP_ROWS_MAX * (k + k // group)))
 
 
 def _native_gathered(x: np.ndarray, index: np.ndarray, parts: tuple, bias: np.ndarray | None,

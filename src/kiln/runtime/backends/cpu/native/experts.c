@@ -6,10 +6,12 @@
  * in order), the k largest p by k passes (NaN above everything, ties to the lower index, as topk orders them),
  * divided by their sum (in pick order) when `normalize`.
  *
- * kiln_gathered_linear_f32: gathered_linear for s <= 8 rows: the rows grouped by expert (ascending, rows in order
- * within a group, as cpu/experts.py's expert_groups), each group's rows copied together and multiplied by their
- * expert through kiln_linear_rows_f32 (what the Python kernel calls for a group of a few rows), then, with combine
- * [t, topk], each token's rows weighted and added in order (NumPy's float32 product and its sum over that axis).
+ * kiln_gathered_linear_f32: gathered_linear for s <= 64 rows (a decode step's top-k rows, of up to 64 / k
+ * sequences when a serving program decodes them together): the rows grouped by expert (ascending, rows in order
+ * within a group, as cpu/experts.py's expert_groups), each group's rows copied together, 8 at most at a time, and
+ * multiplied by their expert through kiln_linear_rows_f32 (whose sums do not depend on how many rows it takes), then,
+ * with combine [t, topk], each token's rows weighted and added in order (NumPy's float32 product and its sum over
+ * that axis).
  * Returns 0 without writing where an index is outside 0 .. experts - 1 (the caller raises the op's error).
  *
  * kiln_gathered_qlinear_f32: gathered_quantized_linear the same way, each group through the quantized few-row
@@ -31,7 +33,7 @@ i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, cons
 void kiln_qlinear_f32(const float *x, const void *qv, const float *scale, const float *zero, const float *bias,
                       float *out, float *xs, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
 
-enum { GATHERED_ROWS_MAX = 8 };
+enum { GATHERED_ROWS_MAX = 64, GROUP_ROWS_MAX = 8 };
 
 /* whether probability a (at index ia) comes before b (at ib) in topk's order */
 static inline int picked_before(float a, i64 ia, float b, i64 ib) {
@@ -120,12 +122,12 @@ static i64 gathered(const float *x, const i64 *index, const float *w, const quan
                     i64 threads) {
     i64 order[GATHERED_ROWS_MAX];
     if (s > GATHERED_ROWS_MAX || !expert_order(index, s, experts, order)) return 0;
-    float *xg = work, *og = work + GATHERED_ROWS_MAX * k;
-    float *rows = topk ? og + GATHERED_ROWS_MAX * n : out;
+    float *xg = work, *og = work + GROUP_ROWS_MAX * k;
+    float *rows = topk ? og + GROUP_ROWS_MAX * n : out;
     for (i64 first = 0; first < s;) {
         const i64 e = index[order[first]];
-        i64 m = 0;
-        for (; first + m < s && index[order[first + m]] == e; ++m)
+        i64 m = 0; /* the rows of expert e from `first`, GROUP_ROWS_MAX at most at a time */
+        for (; m < GROUP_ROWS_MAX && first + m < s && index[order[first + m]] == e; ++m)
             memcpy(xg + m * k, x + order[first + m] * k, (size_t)k * sizeof(float));
         const float *b = bias ? bias + e * n : 0;
         if (quant) {
@@ -152,10 +154,12 @@ i64 kiln_gathered_linear_f32(const float *x, const i64 *index, const float *w, c
     return gathered(x, index, w, 0, bias, combine, out, work, s, n, k, experts, topk, threads);
 }
 
-/* work: as kiln_gathered_linear_f32's, then the quantized linear's (2 GATHERED_ROWS_MAX (k + k / group) floats) */
+/* work: 8 (k + n) + 64 n floats (a group's rows in and out, and the rows a combine sums), then the quantized
+ * linear's 2 * 8 (k + k / group) (cpu/experts.py's gathered_work) */
 i64 kiln_gathered_qlinear_f32(const float *x, const i64 *index, const void *q, const float *scale, const float *zero,
                               const float *bias, const float *combine, float *out, float *work, i64 s, i64 n, i64 k,
                               i64 experts, i64 topk, i64 format, i64 group, i64 dot, i64 threads) {
-    const quant_args quant = {q, scale, zero, format, group, dot, work + GATHERED_ROWS_MAX * (k + 2 * n)};
+    const quant_args quant = {q, scale, zero, format, group, dot,
+                              work + GROUP_ROWS_MAX * (k + n) + GATHERED_ROWS_MAX * n};
     return gathered(x, index, 0, &quant, bias, combine, out, work, s, n, k, experts, topk, threads);
 }
