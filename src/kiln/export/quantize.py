@@ -195,23 +195,20 @@ def _quantized_parts(method: Method, builder: ProgramBuilder, value: int, config
     data = None
     if len(weight.shape) == 3:
         stack = constant_value(method, builder, value)
-        if known is not None and (stored := known.lookup(stack.reshape(-1, stack.shape[-1]))) is not None:
-            experts = [a if a is None else a.reshape(stack.shape[:2] + a.shape[-1:])
-                       for a in (stored.q, stored.scale, stored.zero)]
-            return _add_parts(method, builder, weight, QuantizedWeight(*experts, stored.bits, stored.group,
-                                                                       stored.offset, stored.source),
-                              stored.source.replace(" ", "_").lower())
+        rows = stack.reshape(-1, stack.shape[-1])
+        if known is not None and (stored := known.lookup(rows)) is not None:
+            return _add_parts(method, builder, weight, _per_expert(stored, stack.shape), _known_tag(stored))
         if config is None or config.bits == 16 or (group := config.group_for(weight.shape[-1])) is None:
             return None
-        q, scale, zero = quantize_rows(stack.reshape(-1, stack.shape[-1]), config.bits, group, config.symmetric)
-        experts = [a if a is None else a.reshape(stack.shape[:2] + a.shape[-1:]) for a in (q, scale, zero)]
-        return _add_parts(method, builder, weight, QuantizedWeight(*experts, config.bits, group, False, ""),
+        q, scale, zero = quantize_rows(rows, config.bits, group, config.symmetric)
+        return _add_parts(method, builder, weight,
+                          _per_expert(QuantizedWeight(q, scale, zero, config.bits, group, False, ""), stack.shape),
                           config.mode)
     if known is not None:
         data = constant_value(method, builder, value)
         stored = known.lookup(data)
         if stored is not None:
-            return _add_parts(method, builder, weight, stored, stored.source.replace(" ", "_").lower())
+            return _add_parts(method, builder, weight, stored, _known_tag(stored))
     if config is None or config.bits == 16:
         return None
     group = config.group_for(weight.shape[1])
@@ -221,6 +218,18 @@ def _quantized_parts(method: Method, builder: ProgramBuilder, value: int, config
                                    group, config.symmetric)
     return _add_parts(method, builder, weight, QuantizedWeight(q, scale, zero, config.bits, group, False, ""),
                       config.mode)
+
+
+def _per_expert(stored: QuantizedWeight, shape: tuple[int, ...]) -> QuantizedWeight:
+    """A stack's quantized rows [E * N, ...] as [E, N, ...] parts, each expert's what its own weight would have."""
+    q, scale, zero = (a if a is None else a.reshape(shape[:2] + a.shape[-1:]) for a in (stored.q, stored.scale,
+                                                                                         stored.zero))
+    return QuantizedWeight(q, scale, zero, stored.bits, stored.group, stored.offset, stored.source)
+
+
+def _known_tag(stored: QuantizedWeight) -> str:
+    """The constant-name tag of a weight kept in its known form ("GGUF Q4_K" -> "gguf_q4_k")."""
+    return stored.source.replace(" ", "_").lower()
 
 
 def _add_parts(method: Method, builder: ProgramBuilder, weight: Value, stored: QuantizedWeight,

@@ -84,7 +84,7 @@ class ImageTextModel:
         self.info = ImageTextInfo.from_metadata(self.program.metadata)
         self.llm = LLMInfo.from_metadata(self.program.metadata)
         self.session = self.program.session(backend)
-        self.tokenizer = LLMTokenizer(self.llm.tokenizer_json) if self.llm.tokenizer_json else None
+        self.tokenizer = LLMTokenizer.from_info(self.llm) if self.llm.tokenizer_json else None
         if self.llm.prefill_chunk < self.info.image_tokens + 2:
             raise InputError(f"this program's prefill chunk ({self.llm.prefill_chunk}) cannot hold an image's "
                              f"{self.info.image_tokens} tokens; export it again with a larger prefill_chunk")

@@ -35,7 +35,7 @@ class VoxtralTranscriber:
         self.info = VoxtralInfo.from_metadata(self.program.metadata)
         self.llm = LLMInfo.from_metadata(self.program.metadata)
         self.session = self.program.session(backend)
-        self.tokenizer = LLMTokenizer(self.llm.tokenizer_json) if self.llm.tokenizer_json else None
+        self.tokenizer = LLMTokenizer.from_info(self.llm) if self.llm.tokenizer_json else None
 
     def _tokens(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -404,6 +404,11 @@ def _route_experts(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.output(node, weights, ids)
 
 
+def _gathered_out(lw: Lowering, rows: int, n: int, combine: Loc | None) -> tuple[int, Loc]:
+    """(k, the output) of a gathered linear: [rows, n], or [tokens, n] where combine [tokens, k] sums k rows."""
+    return (0, lw.new((rows, n), F32)) if combine is None else (combine.shape[1], lw.new((combine.shape[0], n), F32))
+
+
 @lowering("gathered_linear")
 def _gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     """As cpu/experts.py's native path: a decode step's float32 rows (and their combine) by native/experts.c."""
@@ -414,8 +419,7 @@ def _gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     _need(len(x.shape) == 2 and s <= cpu_experts.GATHERED_ROWS_MAX, "a decode step's few rows")
     x, weight, index = lw.contiguous(x), lw.contiguous(weight), lw.contiguous(index)
     bias, combine = (None if a is None else lw.contiguous(a) for a in (bias, combine))
-    topk = 0 if combine is None else combine.shape[1]
-    out = lw.new((combine.shape[0] if topk else s, n), F32)
+    topk, out = _gathered_out(lw, s, n, combine)
     lw.emit("gathered", x, index, weight, bias, combine, out, lw.work(4 * cpu_experts.gathered_work(n, k)), s, n, k,
             experts, topk)
     lw.output(node, out)
@@ -433,8 +437,7 @@ def _gathered_quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) 
     _need(bits in (4, 8) and group > 0 and k % group == 0 and q.shape[2] == k * bits // 8, "weight layout")
     x, q, scale, index = (lw.contiguous(a) for a in (x, q, scale, index))
     zero, bias, combine = (None if a is None else lw.contiguous(a) for a in (zero, bias, combine))
-    topk = 0 if combine is None else combine.shape[1]
-    out = lw.new((combine.shape[0] if topk else s, n), F32)
+    topk, out = _gathered_out(lw, s, n, combine)
     form = native.quant_format(bits, attrs.get("offset", False))
     lw.emit("gathered_q", x, index, q, scale, zero, bias, combine, out,
             lw.work(4 * cpu_experts.gathered_work(n, k, group)), s, n, k, experts, topk, form, group,
