@@ -244,6 +244,29 @@ def test_decode_attention_matches_float64(dtype, heads, kv_heads, e, mask_kind, 
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("heads_per_block", [1, 2, 4, 8])
+@pytest.mark.parametrize("heads,kv_heads,e,seq,visible", [(32, 4, 128, 1280, 128), (8, 2, 64, 300, 257),
+                                                           (12, 4, 64, 70, 1)], ids=["qwen3", "g4", "g3"])
+def test_decode_attention_with_a_group_split_over_blocks(heads_per_block, heads, kv_heads, e, seq, visible,
+                                                         monkeypatch) -> None:
+    """A kv head's group of q heads shared by several blocks (DECODE_HEADS a block), against float64, for one
+    sequence and a batch of 3."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_HEADS", heads_per_block)
+    rng = np.random.default_rng(heads + seq)
+    for batch in (1, 3):
+        q = rng.standard_normal((batch, heads, 1, e)).astype(BFLOAT16)
+        k = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
+        v = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
+        mask = (np.arange(seq) < visible)[None, None, None]
+        got = cp.asnumpy(attention.sdpa(*(cp.asarray(a) for a in (q, k, v, mask)), False, None)).astype(np.float64)
+        want = _attention64(q, k, v, mask, 1 / np.sqrt(e))
+        np.testing.assert_allclose(got, want, rtol=TOL[BFLOAT16], atol=TOL[BFLOAT16])
+
+
 def test_decode_attention_of_a_query_that_sees_nothing_is_nan() -> None:
     import cupy as cp
 

@@ -355,6 +355,16 @@ Llama-3.2-1B shape, bfloat16, 64 sequences at position 400 of 1024): slot_attent
 64-key chunks (8192 blocks), 827 with 1024 blocks, 828 with 512, 826 with 256; one sequence's step is unchanged
 (it keeps 64-key chunks below 1024 blocks)."""
 COMBINE_THREADS, COMBINE_MAX_SPLITS, COMBINE_COLUMNS = 128, 1024, (1, 2, 4, 8)  # decode.cu's attend_combine
+DECODE_HEADS = 2
+"""q heads a block of decode.cu serves at most while the batch's (sequence, kv head) pairs are fewer than
+DECODE_SPLIT_HEADS_BELOW: a kv head's group of q heads is then shared by several blocks (each reads the same keys,
+from L2 after the first), so a block's chain of dependent math is shorter where few blocks hold data. Measured on
+an H200 (benchmarks/gpu_decode_attention.py; Qwen3-30B-A3B's 32/4 heads of 128, cache 1280, bfloat16): 14.67 /
+10.18 / 8.04 us at context 128 with 8 / 4 / 2 heads a block, 15.00 / 10.57 / 8.94 at 1024; Llama-3.2-1B's 32/8 of
+64: 7.66 / 7.66 / 6.31 at 128. Chunks of 32 keys were slower with 2 heads a block (9.52 us at 128), and combining the
+chunks in the last block of each group (a counter per group, no attend_combine) slower in every configuration
+(10.26 us with 2 heads: the 16 last blocks' combine is less parallel than attend_combine's 32 blocks)."""
+DECODE_SPLIT_HEADS_BELOW = 64
 
 
 def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> bool:
@@ -397,20 +407,29 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     if q.data.ptr % 16:  # a view at an odd offset: the kernel loads q 16 bytes at a time
         q = q.copy()
     kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
-    chunk = decode_chunk(b * hkv, seq)
+    parts = _head_parts(b * hkv, groups)
+    chunk = decode_chunk(b * hkv * parts, seq)
     splits = (seq + chunk - 1) // chunk
     part = cp.empty((b, hq, splits, e + 2), dtype=cp.float32)
     ks, vs = elements(k.strides, k.itemsize), elements(v.strides, v.itemsize)
     scale = 1 / math.sqrt(e) if scale is None else scale
-    bound = next(g for g in DECODE_GROUPS if g >= groups)
+    bound = next(g for g in DECODE_GROUPS if g >= groups // parts)
     nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
-        (splits, hkv, b), (DECODE_THREADS,),
-        (q, k, v, mask_b, part, np.int32(groups), np.int32(seq), np.int32(e), np.float32(scale),
+        (splits, hkv * parts, b), (DECODE_THREADS,),
+        (q, k, v, mask_b, part, np.int32(groups // parts), np.int32(seq), np.int32(e), np.float32(scale),
          ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits),
          NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
-         np.int32(window), np.int32(chunk), np.int32(run_rows)))
+         np.int32(window), np.int32(chunk), np.int32(run_rows), np.int32(parts)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),
                                                                   (part, out, np.int32(e), np.int32(splits)))
     return out
+
+
+def _head_parts(pairs: int, groups: int) -> int:
+    """Blocks sharing each kv head's group of q heads: enough that a block serves at most DECODE_HEADS of them (a
+    divisor of the group) while the (sequence, kv head) pairs are fewer than DECODE_SPLIT_HEADS_BELOW; else 1."""
+    if pairs >= DECODE_SPLIT_HEADS_BELOW:
+        return 1
+    return next((p for p in range(1, groups + 1) if groups % p == 0 and groups // p <= DECODE_HEADS), 1)

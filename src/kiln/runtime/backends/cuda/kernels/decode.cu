@@ -1,6 +1,8 @@
 // One-query attention (a decode step) over a KV cache, flash-decoding style: the keys split in chunks (`chunk`
-// keys, a multiple of DECODE_CHUNK, chosen by attention.py), a block per (chunk, kv head, batch) serving the G q heads of its kv head (k and v read once per
-// group), and a second kernel combining the chunks' softmax partials.
+// keys, a multiple of DECODE_CHUNK, chosen by attention.py), a block per (chunk, kv head, batch) serving the q heads
+// of its kv head (k and v read once per group), and a second kernel combining the chunks' softmax partials. Where
+// the batch has few kv heads, `parts` blocks share a kv head's group, `groups` q heads each (blockIdx.y = kv head *
+// parts + part): each block's chain of dependent math is that much shorter (attention.py's DECODE_HEADS).
 //
 // The kernel is built for latency, not throughput: at batch 1 a layer's whole cache is a few MB, so what costs is
 // the chain of dependent steps. Every lane issues all its 16-byte k and v loads of a phase before using any; a key
@@ -54,7 +56,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
                              long long mb, long long mh, long long ms, int splits,
                              const long long* __restrict__ slots, const long long* __restrict__ positions,
-                             int slot_count, int window, int chunk, int run_rows) {
+                             int slot_count, int window, int chunk, int run_rows, int parts) {
     grid_dependency_sync();
     constexpr int V = S::PER16;
     __shared__ float merged[DECODE_WARPS][G][2];
@@ -66,7 +68,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = lane & (lpk - 1), slot = lane / lpk;
     const bool reads = sub < pieces;
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int split = blockIdx.x, hk = blockIdx.y / parts, b = blockIdx.z;  // (the block's kv head)
     const int heads = gridDim.y * groups;
     int s0 = split * chunk, s1 = min(seq, s0 + chunk);
     long long row = b;  // the cache row this query reads
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
         if (run_rows > 0 && group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
             s1 = s0;  // flash.cu attends to this row with the rest of its run
     }
-    const int h0 = hk * groups;                       // the group's first q head
+    const int h0 = blockIdx.y * groups;               // the block's first q head
     const long long qh = (long long)b * heads + h0;  // its row in q and part
 
     float qf[G][V];
