@@ -42,6 +42,27 @@ def step_bytes(config) -> int:
 
 
 PYTHON_PLAN = "kiln, Python plan (no native executor)"
+MLX_COMPOSED = "kiln mlx, experts dequantized (no gather_qmm)"
+
+
+class MLXSession:
+    """An mlx session whose runs wait for their results (MLX evaluates lazily: a step is timed to its end) and
+    whose plans are built without the preparers named in `without` (the composed kernels' A/B in one process)."""
+
+    def __init__(self, session, without: tuple[str, ...] = ()):
+        self.session, self.without = session, without
+
+    def run(self, method: str, *args):
+        from kiln.runtime.backends.mlx.prepare import PREPARERS
+
+        held = {op: PREPARERS.preparers.pop(op) for op in self.without if op in PREPARERS.preparers}
+        try:
+            return [self.session.backend.to_numpy(o) for o in self.session.run(method, *args)]
+        finally:
+            PREPARERS.preparers.update(held)
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
 
 
 class PythonPlan:
@@ -77,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round (default 8)")
     parser.add_argument("--quantize", choices=("int8", "int4"),
                         help="quantize kiln's weights (experts included; int4 in groups of 32); eager stays float32")
+    parser.add_argument("--mlx", action="store_true",
+                        help="also kiln's mlx backend (MLX's CPU build here); with --quantize, also with the quantized "
+                             "experts composed (dequantized picked experts) instead of mx.gather_qmm")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
     configure_threads(args.threads)
@@ -102,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         sessions[name] = program.session("cpu")
         if not skip:  # the same program with its plans built for the Python loop (KILN_EXECUTOR=python)
             sessions[PYTHON_PLAN] = PythonPlan(program.session("cpu"))
+        if not skip and args.mlx:
+            sessions["kiln mlx"] = MLXSession(program.session("mlx"))
+            if args.quantize:
+                sessions[MLX_COMPOSED] = MLXSession(program.session("mlx"), without=("gathered_quantized_linear",))
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, context).astype(np.int64)
     eagers = {}
     for implementation in ("grouped_mm", "eager"):
@@ -109,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         eagers[f"eager ({implementation})"] = (implementation, StaticCacheLM(model, max_context, chunk))
 
     answers = {name: greedy_generate(s, prompt[:16].tolist(), 8) for name, s in sessions.items()}
+    if args.quantize:  # the quantized contestants agree with each other, not with the float32 eager model
+        reference = answers["kiln"]
+        for name in sessions:
+            print(f"greedy 8 tokens, {name}: {'same as kiln (cpu)' if answers[name] == reference else answers[name]}")
     for name, (implementation, lm) in eagers.items():
         model.set_experts_implementation(implementation)
         lm.reset()

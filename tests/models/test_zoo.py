@@ -110,9 +110,10 @@ def test_sliding_layers_keep_a_ring_written_in_place(family):
     assert sizes == want
     program = export_llama(lm, MAX_CONTEXT, CHUNK).load()
     for method in ("prefill", "decode"):
+        fused = ("rope_cache_update", "norm_rope_cache_update")  # (Gemma 3's q/k norms folded in)
         writes = [n for n in program.ir.methods[method].nodes  # each layer's k and v writes, fused by RoPE
-                  if n.op in ("index_put", "index_copy", "rope_cache_update")]
-        count = sum(2 if n.op == "rope_cache_update" else 1 for n in writes)
+                  if n.op in ("index_put", "index_copy", *fused)]
+        count = sum(2 if n.op in fused else 1 for n in writes)
         assert count == 2 * lm.num_layers and all(n.attrs.get("in_place") for n in writes), method
 
 

@@ -157,6 +157,15 @@ def _attend_cache(q, k, v, cos, sin, k_cache, v_cache, pos):
     return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True), k_cache, v_cache
 
 
+def _attend_cache_normed(q, k, v, cos, sin, k_cache, v_cache, pos, q_weight, k_weight):
+    """_attend_cache of q and k each RMS-normalized per head first (Qwen3's q_norm and k_norm; the weights scaled
+    down as _attend_cache scales q and k): one norm_rope_cache_update node once exported."""
+    q = _rope_half(F.rms_norm(q, (q.shape[-1],), q_weight * 0.25, 1e-6), cos, sin)
+    k = _rope_half(F.rms_norm(k, (k.shape[-1],), k_weight * 0.25, 1e-6), cos, sin)
+    k_cache, v_cache = k_cache.index_copy(2, pos, k), v_cache.index_copy(2, pos, v.transpose(1, 2))
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True), k_cache, v_cache
+
+
 def _gated_linear(x, w, b=None, act=F.silu):
     """The gated MLP's projection over stacked gate/up weights: one gated_linear node once exported."""
     h = F.linear(x, w, b)
@@ -202,6 +211,14 @@ for dt, tol in {torch.float32: None, **LOW}.items():
         Case(f"rope_cache_update_prefill_{tag}", _attend_cache,
              (In((1, 3, 4, 8), dt), In((1, 3, 2, 8), dt), In((1, 3, 2, 8), dt), In((3, 8), dt), In((3, 8), dt),
               In((1, 2, 6, 8), dt), In((1, 2, 6, 8), dt), In((3,), torch.int64, "index:6")), tol=tol and 2.5 * tol),
+        Case(f"norm_rope_cache_update_decode_{tag}", _attend_cache_normed,
+             (In((2, 1, 4, 16), dt), In((2, 1, 2, 16), dt), In((2, 1, 2, 16), dt), In((1, 16), dt), In((1, 16), dt),
+              In((2, 2, 9, 16), dt), In((2, 2, 9, 16), dt), In((1,), torch.int64, "index:9"), In((16,), dt),
+              In((16,), dt)), tol=tol and 4 * tol),
+        Case(f"norm_rope_cache_update_prefill_{tag}", _attend_cache_normed,
+             (In((1, 3, 4, 8), dt), In((1, 3, 2, 8), dt), In((1, 3, 2, 8), dt), In((3, 8), dt), In((3, 8), dt),
+              In((1, 2, 6, 8), dt), In((1, 2, 6, 8), dt), In((3,), torch.int64, "index:6"), In((8,), dt),
+              In((8,), dt)), tol=tol and 4 * tol),
         Case(f"slot_attention_decode_{tag}", lambda q, k, v, s, p: slot_attention(q, k, v, s, p, 0.25),
              (In((3, 4, 1, 16), dt), In((5, 40, 2, 16), dt), In((5, 40, 2, 16), dt), In((3,), torch.int64, "index:5"),
               In((3, 1), torch.int64, "index:40")), tol=tol),

@@ -427,6 +427,42 @@ def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> 
     np.testing.assert_array_equal(cp.asnumpy(v_out).astype(np.float64), want_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("d", [128, 80], ids=["d128", "d80"])
+def test_norm_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved, d, monkeypatch) -> None:
+    """Qwen3's q/k norms folded in: q/k/v as transposed views of one projection, the caches written in place at a
+    negative slot; equal to the rms_norm and rope_cache_update kernels it stands for (float32: within rounding of
+    the sums' order; half types: the same bits or one ulp), and that fused kernel is the one that runs."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+    from kiln.runtime.backends.cuda.kernels.norm import rms_norm
+
+    rng = np.random.default_rng(d)
+    b, hq, hkv, size = 2, 8, 2, 40
+    qkv = cp.asarray(rng.standard_normal((b, 1, (hq + 2 * hkv) * d)).astype(dtype))
+    q, k, v = (qkv[..., lo * d:hi * d].reshape(b, 1, hi - lo, d).transpose(0, 2, 1, 3)
+               for lo, hi in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+    angles = rng.standard_normal((1, d))
+    cos, sin = (cp.asarray(f(angles).astype(dtype)) for f in (np.cos, np.sin))
+    qw, kw = (cp.asarray(rng.uniform(0.5, 1.5, d).astype(dtype)) for _ in range(2))
+    start = [cp.asarray(rng.standard_normal((b, hkv, size, d)).astype(dtype)) for _ in range(2)]
+    index = cp.asarray(np.array([-3], np.int64))
+    want = attention.rope_cache_update(rms_norm(q, qw, 1, 1e-6), rms_norm(k, kw, 1, 1e-6), v, cos, sin,
+                                       *(c.copy() for c in start), index, dims=[2], interleaved=interleaved,
+                                       in_place=True)
+    monkeypatch.setattr(attention.composite, "norm_rope_cache_update", None)  # the unfused path would fail
+    caches = [c.copy() for c in start]
+    got = attention.norm_rope_cache_update(q, k, v, cos, sin, *caches, qw, kw, index, dims=[2],
+                                           interleaved=interleaved, eps=1e-6, in_place=True)
+    assert got[1] is caches[0] and got[2] is caches[1]
+    tol = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3, BFLOAT16: 1.6e-2}[np.dtype(dtype)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(cp.asnumpy(g).astype(np.float64), cp.asnumpy(w).astype(np.float64), rtol=tol,
+                                   atol=tol)
+
+
 def _rope64(x, cos, sin, interleaved):
     """The rope op's formula in float64 on the host (cos/sin broadcast against x)."""
     import cupy as cp

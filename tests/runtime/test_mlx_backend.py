@@ -178,16 +178,14 @@ def test_quantized_weights_convert_exactly_to_mlx_format(bits, group_size, symme
     np.testing.assert_array_less(np.abs(got - want), 2 * eps * unsigned + 1e-30)
 
 
-@needs_mlx
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_programs_run_on_mlx_quantized_kernels(llama_program, mode, monkeypatch):
-    """Against the CPU's float path (KILN_QUANT_DOT=float): its default rounds decode inputs to int8 (qdot.c), ~2%
-    on this 32-wide model's logits, which is the CPU's choice, not the op's meaning."""
+def _quantized_on_mlx_and_cpu(family: str, mode: str, monkeypatch):
+    """(program, mlx session) of a tiny `family` decoder quantized in groups of 32, whose prefill and decode logits
+    on MLX were checked against the CPU's float path (KILN_QUANT_DOT=float)."""
     from kiln.export import Quantize
     from kiln.models.llm import export_llm
     from kiln.models.zoo import tiny_decoder
 
-    program = export_llm(tiny_decoder("llama"), max_context=48, prefill_chunk=8,
+    program = export_llm(tiny_decoder(family), max_context=48, prefill_chunk=8,
                          quantize=Quantize(mode, group_size=32)).load()
     session = program.session("mlx", graphs=False)
     monkeypatch.setenv("KILN_QUANT_DOT", "float")
@@ -195,10 +193,32 @@ def test_quantized_programs_run_on_mlx_quantized_kernels(llama_program, mode, mo
     for method, args in (("prefill", (np.array([PROMPT[:8]]), np.arange(8))), ("decode", (np.array([[7]]), [8]))):
         got = session.backend.to_numpy(session.run(method, *args)[0])
         np.testing.assert_allclose(got, cpu.run(method, *args)[0], rtol=1e-4, atol=1e-4)
+    return program, session
+
+
+@needs_mlx
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_programs_run_on_mlx_quantized_kernels(llama_program, mode, monkeypatch):
+    """Against the CPU's float path (KILN_QUANT_DOT=float): its default rounds decode inputs to int8 (qdot.c), ~2%
+    on this 32-wide model's logits, which is the CPU's choice, not the op's meaning."""
+    _, session = _quantized_on_mlx_and_cpu("llama", mode, monkeypatch)
     kinds = {step.node.op: step.kernel.__qualname__ for plan in session._plans["decode"].values()
              for step in plan.steps if step.node.op.startswith("quantized")}
     assert kinds == {"quantized_linear": "linear_kernel.<locals>.quantized_linear",
                      "quantized_embedding": "embedding_kernel.<locals>.quantized_embedding"}
+
+
+@needs_mlx
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_experts_run_on_gather_qmm(mode, monkeypatch):
+    """A MoE program's quantized expert stacks are converted once and read by mx.gather_qmm (prefill's rows and a
+    decode step's) where MLX has a group size for their rows, equal to the CPU's float path."""
+    program, session = _quantized_on_mlx_and_cpu("qwen3_moe", mode, monkeypatch)
+    kinds = {program.ir.methods["decode"].values[step.node.inputs[0]].shape[-1]: step.kernel.__qualname__
+             for plan in session._plans["decode"].values() for step in plan.steps
+             if step.node.op == "gathered_quantized_linear"}
+    # gate/up's rows (K = 32) on gather_qmm; down's rows of K = 16 fit no MLX group: the composed kernel
+    assert kinds == {32: "gathered_kernel.<locals>.gathered_quantized_linear", 16: "gathered_quantized_linear"}
 
 
 @needs_mlx

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 11
+OPSET_VERSION = 12
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
@@ -30,7 +30,8 @@ add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear
 10 gathered_linear and gathered_quantized_linear were added (a mixture-of-experts layer's experts: each row
 through the expert its router picked); 11 route_experts was added (a mixture-of-experts router's softmax, top-k
 and renormalization as one node) and gathered_linear and gathered_quantized_linear gained combine (the weighted sum
-of each token's k expert rows)."""
+of each token's k expert rows); 12 norm_rope_cache_update was added (rope_cache_update of q and k each
+RMS-normalized per head first: the q/k norms of Qwen3 and Gemma 3 folded into the step's one node)."""
 
 
 class AttrType(enum.IntEnum):
@@ -304,6 +305,11 @@ define("rope_cache_update", "q k v cos sin k_cache v_cache *indices", A("dims", 
            "as the rope op (cos and sin broadcast against q and k, interleaved alike); the writes as index_put "
            "without accumulation, repeated slots keeping the last. in_place: both caches are state buffers that "
            "nothing reads after this node, each result replacing its buffer; a backend may write into their memory.")
+define("norm_rope_cache_update", "q k v cos sin k_cache v_cache q_weight k_weight *indices", A("dims", T.INTS),
+       A("interleaved", T.BOOL, False), A("eps", T.FLOAT, None), _IN_PLACE, outputs=3,
+       doc="rope_cache_update(rms_norm(q, q_weight), rms_norm(k, k_weight), v, ...) with both norms over the last "
+           "dim (one head's row) with eps, each rounded to the dtype as rms_norm rounds it: the q/k norms of "
+           "Qwen3 and Gemma 3 and the step's RoPE and cache writes in one node. q_weight and k_weight are [D].")
 define("scatter", "x index source", A("dim", T.INT), A("reduce", T.STRING, "none"),
        doc="Copy of x with out[index[i][j]][j] = source[i][j] for dim 0 (and so on); reduce: none, add.")
 

@@ -916,6 +916,15 @@ def _rope_cache_update(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Sp
     return [q, k_cache, v_cache]
 
 
+@rule("norm_rope_cache_update")
+def _norm_rope_cache_update(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    q, k, v, cos, sin, k_cache, v_cache, q_weight, k_weight, *where = present(ins, len(ins))
+    for x, weight in ((q, q_weight), (k, k_weight)):
+        need(weight.shape == x.shape[-1:], f"norm weight {weight} for rows of {x}")
+    same_dtype(q, q_weight, k_weight)
+    return _rope_cache_update([q, k, v, cos, sin, k_cache, v_cache, *where], attrs)
+
+
 @rule("slot_attention")
 def _slot_attention(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     q, k_cache, v_cache, slots, positions = present(ins, 5)

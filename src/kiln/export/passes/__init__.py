@@ -27,6 +27,7 @@ from kiln.export.passes.fuse_gated_mlp import fuse_gated_mlp
 from kiln.export.passes.fuse_linear import fuse_gated_linear, fuse_norm_linear
 from kiln.export.passes.fuse_norm import fuse_rms_norm
 from kiln.export.passes.fuse_projections import fuse_projections
+from kiln.export.passes.fuse_qk_norm import fuse_qk_norm
 from kiln.export.passes.fuse_residual_norm import fuse_residual_norm
 from kiln.export.passes.fuse_rope import fuse_rope
 from kiln.export.passes.fuse_rope_cache import fuse_rope_cache_update
@@ -101,6 +102,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("in_place_state_writes", _method_only(mark_in_place_state_writes), "KV-cache writes made in place"),
     Pass("fuse_rope_cache_update", _method_only(fuse_rope_cache_update),
          "RoPE of q and k and the KV-cache writes before an attention as one rope_cache_update node"),
+    Pass("fuse_qk_norm", _method_only(fuse_qk_norm),
+         "per-head RMSNorms of q and k folded into their rope_cache_update (norm_rope_cache_update)"),
     Pass("fuse_gated_linear", _method_only(fuse_gated_linear),
          "a stacked gate/up (quantized) linear and the gated activation of its halves as one node"),
     Pass("fuse_norm_linear", _method_only(fuse_norm_linear),

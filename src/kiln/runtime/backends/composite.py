@@ -1,9 +1,9 @@
 """Fused ops as the sequence of ops they stand for, over one backend's own kernel table.
 
 The export makes a few nodes that exist only so a GPU can run them as one kernel (gated_linear,
-add_rms_norm_linear, their quantized forms, and route_experts). A backend without that kernel, or a call its kernel
-does not take (many rows, odd strides), runs them as the ops they replace: same results, same kernels, no new code
-per backend.
+add_rms_norm_linear, their quantized forms, route_experts and norm_rope_cache_update). A backend without that
+kernel, or a call its kernel does not take (many rows, odd strides), runs them as the ops they replace: same
+results, same kernels, no new code per backend.
 """
 
 from __future__ import annotations
@@ -74,3 +74,13 @@ def bind(composite: Callable[..., Any], kernels: Kernels) -> Callable[..., Any]:
         return composite(kernels, *args, **kwargs)
     run.__name__ = composite.__name__
     return run
+
+
+def norm_rope_cache_update(kernels: Kernels, q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
+                           q_weight: Any, k_weight: Any, *indices: Any, dims: Any, interleaved: bool,
+                           eps: float | None, in_place: bool) -> tuple[Any, Any, Any]:
+    """rms_norm of q's and k's rows, then rope_cache_update (the attributes by name, as a session passes them)."""
+    q = kernels["rms_norm"](q, q_weight, axes=1, eps=eps)
+    k = kernels["rms_norm"](k, k_weight, axes=1, eps=eps)
+    return kernels["rope_cache_update"](q, k, v, cos, sin, k_cache, v_cache, *indices, dims=dims,
+                                        interleaved=interleaved, in_place=in_place)

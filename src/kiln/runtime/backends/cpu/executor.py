@@ -483,10 +483,11 @@ def _add_rms_norm_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> Non
 
 
 @lowering("rope_cache_update")
-def _rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    q, k, v, cos, sin, k_cache, v_cache, *indices = _inputs(lw, node)
+def _rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any], ins: list[Loc | None] | None = None) -> None:
+    """ins: the node's inputs as read (norm_rope_cache_update's lowering passes its normalized q and k)."""
+    q, k, v, cos, sin, k_cache, v_cache, *indices = ins = _inputs(lw, node) if ins is None else ins
     if bool(attrs["in_place"]) and len(indices) == 2 and tuple(attrs["dims"]) == (0, 1):
-        _rope_slot_update(lw, node, attrs)
+        _rope_slot_update(lw, node, attrs, ins)
         return
     _need(bool(attrs["in_place"]) and len(indices) == 1 and tuple(attrs["dims"]) == (2,), "one index on dim 2")
     positions = lw.contiguous(indices[0])
@@ -506,9 +507,9 @@ def _rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.output(node, q_out, k_cache, v_cache)
 
 
-def _rope_slot_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+def _rope_slot_update(lw: Lowering, node: Node, attrs: dict[str, Any], ins: list[Loc | None]) -> None:
     """A serving program's step (native.rope_slot_update's contract): one token a sequence at (slot, position)."""
-    q, k, v, cos, sin, k_cache, v_cache, slots, positions = _inputs(lw, node)
+    q, k, v, cos, sin, k_cache, v_cache, slots, positions = ins
     _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v, k_cache, v_cache)), "rank-4 float32")
     B, Hq, _, D = q.shape
     count, S, Hkv = k_cache.shape[:3]
@@ -524,6 +525,15 @@ def _rope_slot_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     lw.emit("rope_slot", q, k, v, cos, sin, k_cache, v_cache, slots, positions, q_out, B, Hq, Hkv, D, S, count,
             qs[0], qs[1], ks[0], ks[2], vs[0], vs[2], cs[0], int(attrs["interleaved"]))
     lw.output(node, q_out, k_cache, v_cache)
+
+
+@lowering("norm_rope_cache_update")
+def _norm_rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As composite.norm_rope_cache_update: q's and k's rows RMS-normalized, then rope_cache_update's lowering."""
+    q, k, v, cos, sin, k_cache, v_cache, q_weight, k_weight, *indices = _inputs(lw, node)
+    _, q = emit_rms_norm(lw, q, None, q_weight, 1, attrs["eps"])
+    _, k = emit_rms_norm(lw, k, None, k_weight, 1, attrs["eps"])
+    _rope_cache_update(lw, node, attrs, [q, k, v, cos, sin, k_cache, v_cache, *indices])
 
 
 @lowering("slot_attention")

@@ -3,7 +3,8 @@ for, or whose inputs come from a pattern that maps onto one of MLX's fused primi
 when a session plans its method. Conversions happen once per program (constants.ProgramArrays.derived).
 
 - quantized_linear / quantized_embedding with constant weights: kiln's int8/int4 groups become MLX's affine
-  quantized format (quantized.py), run by mx.quantized_matmul and mx.dequantize of the gathered rows.
+  quantized format (quantized.py), run by mx.quantized_matmul and mx.dequantize of the gathered rows; a constant
+  expert stack of gathered_quantized_linear likewise, run by mx.gather_qmm.
 - rope / rope_cache_update whose cos and sin are rows of rotary tables gathered at positions: mx.fast.rope at
   those positions with the tables' frequencies (rope.py), when the tables are cos and sin of position times a
   frequency per pair.
@@ -57,6 +58,15 @@ def quantized(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, 
     return kernel, tuple(node.inputs)
 
 
+@preparer("gathered_quantized_linear")
+def gathered_quantized(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
+    """A constant expert stack converted once and read quantized by mx.gather_qmm."""
+    from kiln.runtime.backends.mlx import quantized as formats
+
+    weight = _mlx_weight(arrays, method, node, 1)
+    return None if weight is None else (formats.gathered_kernel(weight), tuple(node.inputs))
+
+
 @preparer("gated_quantized_linear", "add_rms_norm_quantized_linear")
 def fused_quantized_linear(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     """The fused forms run their composition with the converted weight's quantized_matmul."""
@@ -85,7 +95,7 @@ def _mlx_weight(arrays: ProgramArrays, method: Method, node: Node, first: int) -
                           lambda: formats.to_mlx_format(arrays.program, q, scale, zero, bits, group_size, offset))
 
 
-@preparer("rope", "rope_cache_update")
+@preparer("rope", "rope_cache_update", "norm_rope_cache_update")
 def rope(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int]) -> Prepared | None:
     """The positions the cos and sin rows were gathered at become an extra input of the node."""
     from kiln.runtime.backends.mlx import rope as fast
@@ -96,7 +106,8 @@ def rope(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int])
     if source is None:
         return None
     positions, freqs = source
-    kernel = fast.rope_kernel(freqs) if node.op == "rope" else fast.rope_cache_update_kernel(freqs)
+    kernel = {"rope": fast.rope_kernel, "rope_cache_update": fast.rope_cache_update_kernel,
+              "norm_rope_cache_update": fast.norm_rope_cache_update_kernel}[node.op](freqs)
     return kernel, tuple(node.inputs) + (positions,)
 
 

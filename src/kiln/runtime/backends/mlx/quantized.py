@@ -1,5 +1,5 @@
-"""kiln's weight-only quantized formats as MLX's affine quantized format, for mx.quantized_matmul and
-mx.dequantize.
+"""kiln's weight-only quantized formats as MLX's affine quantized format, for mx.quantized_matmul,
+mx.gather_qmm (a mixture-of-experts layer's stacked experts) and mx.dequantize.
 
 kiln stores W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size: int4 as unsigned nibbles
 (two per byte, low nibble first; no zero means 8), int8 as signed bytes (no zero means 0). MLX stores
@@ -98,3 +98,20 @@ def embedding_kernel(w: MLXQuantized) -> Callable[..., mx.array]:
         rows = (mx.take(a, indices, axis=0) for a in (w.weight, w.scales, w.biases))
         return mx.dequantize(*rows, group_size=w.group_size, bits=w.bits).astype(scale.dtype)
     return quantized_embedding
+
+
+def gathered_kernel(w: MLXQuantized) -> Callable[..., mx.array]:
+    """gathered_quantized_linear on mx.gather_qmm: each row through its picked expert of the converted [E, N, K]
+    stack, read quantized inside one kernel (the composed kernel dequantizes every picked expert first)."""
+    from kiln.runtime.backends.mlx.kernels.experts import combined
+
+    def gathered_quantized_linear(x: mx.array, q: mx.array, scale: mx.array, zero: mx.array | None,
+                                  index: mx.array, bias: mx.array | None = None, combine: mx.array | None = None, *,
+                                  bits: int, group_size: int, offset: bool = False) -> mx.array:
+        out = mx.gather_qmm(x.astype(w.scales.dtype)[:, None, :], w.weight, w.scales, w.biases,
+                            rhs_indices=index.astype(mx.uint32), transpose=True, group_size=w.group_size,
+                            bits=w.bits)[:, 0, :]
+        if bias is not None:
+            out = out + mx.take(bias, index, axis=0)
+        return combined(out.astype(scale.dtype), combine)
+    return gathered_quantized_linear

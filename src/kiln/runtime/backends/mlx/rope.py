@@ -2,11 +2,11 @@
 
 An exported LLM reads its rotary embedding from two constant tables, cos and sin of position * frequency for
 positions 0 .. max_context - 1, at the step's positions (kiln.models.llm._RotaryTable), and multiplies them in
-(rope, rope_cache_update). mx.fast.rope computes the same rotation in one kernel from the positions and the
-frequencies. The frequencies are read off the tables (the angle at position 1) and the whole tables are checked
-against cos and sin of position * frequency before they are used (tables of another kind, scaled by an attention
-factor, say, keep the composed kernel). The kernel still takes cos and sin and falls back to them for shapes
-mx.fast.rope does not cover (more than one sequence, positions not one per row of x).
+(rope, rope_cache_update, norm_rope_cache_update). mx.fast.rope computes the same rotation in one kernel from the
+positions and the frequencies. The frequencies are read off the tables (the angle at position 1) and the whole
+tables are checked against cos and sin of position * frequency before they are used (tables of another kind,
+scaled by an attention factor, say, keep the composed kernel). The kernel still takes cos and sin and falls back to
+them for shapes mx.fast.rope does not cover (more than one sequence, positions not one per row of x).
 """
 
 from __future__ import annotations
@@ -115,3 +115,19 @@ def rope_cache_update_kernel(freqs: mx.array) -> Callable[..., Any]:
                 write_at(k_cache, _rotated(k, cos, sin, positions, freqs, interleaved), dims, indices),
                 write_at(v_cache, v, dims, indices))
     return rope_cache_update
+
+
+def norm_rope_cache_update_kernel(freqs: mx.array) -> Callable[..., Any]:
+    """rope_cache_update_kernel's step of q's and k's rows RMS-normalized first (MLX's rms_norm kernel)."""
+    from kiln.runtime.backends.mlx.registry import MLX_KERNELS
+
+    update = rope_cache_update_kernel(freqs)
+
+    def norm_rope_cache_update(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array,
+                               k_cache: mx.array, v_cache: mx.array, q_weight: mx.array, k_weight: mx.array,
+                               *rest: mx.array, dims: Any, interleaved: bool, eps: float | None,
+                               in_place: bool) -> tuple[mx.array, mx.array, mx.array]:
+        rms_norm = MLX_KERNELS.kernels["rms_norm"]
+        return update(rms_norm(q, q_weight, axes=1, eps=eps), rms_norm(k, k_weight, axes=1, eps=eps), v, cos, sin,
+                      k_cache, v_cache, *rest, dims=dims, interleaved=interleaved, in_place=in_place)
+    return norm_rope_cache_update

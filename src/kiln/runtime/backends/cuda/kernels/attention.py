@@ -12,14 +12,16 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import BFLOAT16, rotate, slot_visibility, upcast
 from kiln.runtime.backends.array_api import sdpa as portable_sdpa
 from kiln.runtime.backends.array_api import slot_attention as portable_slot_attention
 from kiln.runtime.backends.array_api.index import target
+from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cuda import cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.index import index_put
 from kiln.runtime.backends.cuda.kernels.linalg import matmul_cublas
-from kiln.runtime.backends.cuda.kernels.registry import elements, grid, kernel
+from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, elements, grid, kernel
 
 
 @kernel("rope")
@@ -70,6 +72,36 @@ def rope_cache_update(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, 
         grid(total), (256,), (q, k, v, cos_b, sin_b, q_out, k_out, v_out, indices[0], np.int32(hq), np.int32(hkv),
                               np.int32(d), np.int32(k_out.shape[2]), qs[0], qs[1], qs[3], ks[0], ks[1], ks[3],
                               vs[0], vs[1], vs[3], cs[0], cs[3], np.int64(total), np.int32(bool(interleaved))))
+    return q_out, k_out, v_out
+
+
+NORM_ROPE_WARPS, NORM_ROPE_WIDTH = 8, 256  # fused.cu's norm_rope_cache_update
+
+
+@kernel("norm_rope_cache_update")
+def norm_rope_cache_update(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any, q_weight: Any,
+                           k_weight: Any, *indices: Any, dims: list[int], interleaved: bool, eps: float | None,
+                           in_place: bool) -> tuple[Any, Any, Any]:
+    """A decode step's (one position, rope_cache_update's fused form) in one kernel: fused.cu's
+    norm_rope_cache_update, a warp per row; otherwise the rms_norm and rope_cache_update kernels it stands for."""
+    shared = _one_position_cos_sin(q, k, v, cos, sin, k_cache, v_cache, indices, dims)
+    d = q.shape[-1]
+    if shared is None or d > NORM_ROPE_WIDTH or any(
+            w.shape != (d,) or w.dtype != q.dtype or not w.flags.c_contiguous for w in (q_weight, k_weight)):
+        return composite.norm_rope_cache_update(CUDA_KERNELS.kernels, q, k, v, cos, sin, k_cache, v_cache, q_weight,
+                                                k_weight, *indices, dims=dims, interleaved=interleaved, eps=eps,
+                                                in_place=in_place)
+    k_out, v_out = target(k_cache, in_place), target(v_cache, in_place)
+    cos_b, sin_b = shared
+    (b, hq, _, _), hkv = q.shape, k.shape[1]
+    q_out = cp.empty(q.shape, dtype=q.dtype)
+    qs, ks, vs, cs = (elements(a.strides, a.itemsize) for a in (q, k, v, cos_b))
+    rows = b * (hq + 2 * hkv)
+    nvrtc.function("fused", "norm_rope_cache_update", q.dtype)(
+        (-(-rows // NORM_ROPE_WARPS),), (32 * NORM_ROPE_WARPS,),
+        (q, k, v, cos_b, sin_b, q_weight, k_weight, q_out, k_out, v_out, indices[0], np.int32(b), np.int32(hq),
+         np.int32(hkv), np.int32(d), np.int32(k_out.shape[2]), qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], vs[0], vs[1],
+         vs[3], cs[0], cs[3], np.float32(rms_norm_eps(eps, q.dtype)), np.int32(bool(interleaved))))
     return q_out, k_out, v_out
 
 

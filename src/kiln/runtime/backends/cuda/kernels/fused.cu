@@ -170,6 +170,62 @@ __global__ void rope_cache_update(const typename S::T* __restrict__ q, const typ
     }
 }
 
+// norm_rope_cache_update for one new position: rope_cache_update's step (same layouts) of q's and k's rows first
+// RMS-normalized with their weights qw, kw [D] and rounded as rms_norm rounds them (Qwen3's q_norm and k_norm: two
+// kernels fewer a layer). A warp per row of q, k or v (D <= NORM_ROPE_WIDTH): the row normalized into shared
+// memory (a value's RoPE partner is another lane's), then rotated from there and written; v's rows copied.
+#define NORM_ROPE_WARPS 8    // rows a block takes (attention.py's NORM_ROPE_WARPS)
+#define NORM_ROPE_WIDTH 256  // the widest row (attention.py's NORM_ROPE_WIDTH)
+template <class S>
+__global__ void __launch_bounds__(NORM_ROPE_WARPS * 32) norm_rope_cache_update(
+        const typename S::T* __restrict__ q, const typename S::T* __restrict__ k, const typename S::T* __restrict__ v,
+        const typename S::T* __restrict__ cos_, const typename S::T* __restrict__ sin_,
+        const typename S::T* __restrict__ qw, const typename S::T* __restrict__ kw, typename S::T* __restrict__ q_out,
+        typename S::T* __restrict__ k_cache, typename S::T* __restrict__ v_cache, const long long* __restrict__ index,
+        int batch, int hq, int hkv, int d, int size, long long qs0, long long qs1, long long qs3, long long ks0,
+        long long ks1, long long ks3, long long vs0, long long vs1, long long vs3, long long cs0, long long cs3,
+        float eps, int interleaved) {
+    typedef typename S::T T;
+    grid_dependency_sync();
+    __shared__ float rows[NORM_ROPE_WARPS][NORM_ROPE_WIDTH];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, heads = hq + 2 * hkv;
+    const long long r = (long long)blockIdx.x * NORM_ROPE_WARPS + warp;
+    if (r >= (long long)batch * heads) return;  // (whole warps: no block barrier follows)
+    const int h = (int)(r % heads);
+    const long long b = r / heads;
+    const long long slot = index[0] < 0 ? index[0] + size : index[0];
+    if (h >= hq + hkv) {
+        const int hk = h - hq - hkv;
+        for (int j = lane; j < d; j += 32)
+            v_cache[((b * hkv + hk) * size + slot) * d + j] = v[b * vs0 + hk * vs1 + j * vs3];
+        return;
+    }
+    const bool is_q = h < hq;
+    const int hk = h - hq;
+    const T* x = is_q ? q + b * qs0 + h * qs1 : k + b * ks0 + hk * ks1;
+    const long long xs = is_q ? qs3 : ks3;
+    const T* w = is_q ? qw : kw;
+    float* row = rows[warp];
+    float ss = 0.0f;
+    for (int j = lane; j < d; j += 32) {
+        const float t = S::load(x[j * xs]);
+        row[j] = t;
+        ss += t * t;
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
+    for (int j = lane; j < d; j += 32) row[j] = S::load(S::store(row[j] * inv * S::load(w[j])));
+    __syncwarp();
+    T* out = is_q ? q_out + (b * hq + h) * d : k_cache + ((b * hkv + hk) * size + slot) * d;
+    const T* c = cos_ + b * cs0;
+    const T* sn = sin_ + b * cs0;
+    const int half = d / 2;
+    for (int j = lane; j < d; j += 32) {
+        const int partner = interleaved ? j ^ 1 : (j < half ? j + half : j - half);
+        const float sign = interleaved ? ((j & 1) ? 1.0f : -1.0f) : (j < half ? -1.0f : 1.0f);
+        out[j] = S::store(row[j] * S::load(c[j * cs3]) + sign * row[partner] * S::load(sn[j * cs3]));
+    }
+}
+
 // rope_cache_update for a serving program's decode step (one token of each of B sequences) in one launch instead of
 // about ten: q [B, hq, 1, D] rotated into q_out (contiguous); k [B, 1, hkv, D] rotated and v [B, 1, hkv, D]
 // copied into the caches [slot_count, size, hkv, D] (contiguous) at (slots[b], positions[b]). q, k and v in any

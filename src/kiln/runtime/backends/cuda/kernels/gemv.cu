@@ -271,9 +271,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
 // and no other. N & 3 is log2 of the warps sharing an output row where the layer is narrow (gemv's split); N >> 2
 // is log2 of the consecutive output rows a warp takes at once where rows are short (WR: an expert's down
 // projection, K = 768, is 96 16-byte pieces a row, 3 a lane: a warp per row would have 1.5 KB in flight and leave;
-// WR rows' loads are all issued before the first is used; experts.py makes N a multiple of WR). The index comes from
-// the router, a kernel before this one, so no weight load can start before grid_dependency_sync. An index outside
-// 0 .. E - 1 gives NaN outputs (a kernel cannot raise; the CPU's raises).
+// experts.py makes N a multiple of WR). Two rounds of the WR rows' loads (all of a 768-wide row) are issued before
+// the first is used: with one, the third piece of each lane waited for the first two (one more trip to memory). The
+// index comes from the router, a kernel before this one, so no weight load can start before grid_dependency_sync.
+// An index outside 0 .. E - 1 gives NaN outputs (a kernel cannot raise; the CPU's raises).
 template <class S, int N>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename S::T* __restrict__ x, long long x_row,
                                                                  const long long* __restrict__ index,
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename 
                                                                  typename S::T* __restrict__ out, int n, int k,
                                                                  int experts, int has_bias) {
     typedef typename S::T T;
-    constexpr int split = 1 << (N & 3), WR = 1 << (N >> 2), DEPTH = split > 1 ? 2 : 1;
+    constexpr int split = 1 << (N & 3), WR = 1 << (N >> 2), DEPTH = 2;  // (see gathered_combine)
     __shared__ float partial[GEMV_WARPS][WR];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per_block = GEMV_WARPS / split, slice = warp % split;
@@ -348,10 +349,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typena
         const bool valid = e >= 0 && e < experts;
         float acc[WR][GEMV_ROWS] = {};
         if (valid) {
-            U4 wv[WR][1][GEMV_LOADS];
+            U4 wv[WR][2][GEMV_LOADS];
             const T* row = w + (e * n + o) * k;
-            issue_first<WR, 1>(wv, row, (long long)k * sizeof(T), pieces, lane);
-            rows_dot<S, WR, 1>(row, k, x + s * x_row, x_row, 1, pieces, lane, wv, acc);
+            issue_first<WR, 2>(wv, row, (long long)k * sizeof(T), pieces, lane);
+            rows_dot<S, WR, 2>(row, k, x + s * x_row, x_row, 1, pieces, lane, wv, acc);
         }
         const float c = S::load(combine[s]);
 #pragma unroll

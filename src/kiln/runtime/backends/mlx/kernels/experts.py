@@ -23,7 +23,7 @@ def _rows_through(x: mx.array, weights_t: mx.array, index: mx.array) -> mx.array
     return mx.gather_mm(x[:, None, :], weights_t, rhs_indices=index.astype(mx.uint32))[:, 0, :]
 
 
-def _combined(rows: mx.array, combine: mx.array | None) -> mx.array:
+def combined(rows: mx.array, combine: mx.array | None) -> mx.array:
     """The op's combine: each token's k rows times its weights (rounded to the dtype), summed in float32."""
     if combine is None:
         return rows
@@ -36,7 +36,7 @@ def _combined(rows: mx.array, combine: mx.array | None) -> mx.array:
 def gathered_linear(x: mx.array, weight: mx.array, index: mx.array, bias: mx.array | None = None,
                     combine: mx.array | None = None) -> mx.array:
     out = _rows_through(x, mx.swapaxes(weight, -1, -2), index)
-    return _combined(out if bias is None else out + mx.take(bias, index, axis=0), combine)
+    return combined(out if bias is None else out + mx.take(bias, index, axis=0), combine)
 
 
 @kernel("gathered_quantized_linear")
@@ -49,4 +49,4 @@ def gathered_quantized_linear(x: mx.array, q: mx.array, scale: mx.array, zero: m
                          None if zero is None else mx.take(zero, index, axis=0), bits, group_size, offset)
     (xf, bias) = upcast(x, bias)
     out = mx.matmul(xf.astype(mx.float32)[:, None, :], mx.swapaxes(weights, -1, -2))[:, 0, :]
-    return _combined((out if bias is None else out + mx.take(bias, index, axis=0)).astype(scale.dtype), combine)
+    return combined((out if bias is None else out + mx.take(bias, index, axis=0)).astype(scale.dtype), combine)
