@@ -89,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     anchors = [i for i, k in enumerate(kernels) if k.name.startswith("attend_chunk")]
     if len(anchors) > args.layer + 1:  # a layer's cycle from its attention to the next layer's
         first, stop = anchors[args.layer], anchors[args.layer + 1]
-    else:
+        what = f"layer {args.layer}'s from its attention on"
+    else:  # (too few layers to hold that cycle: the step's first kernels)
         first, stop = 0, min(len(kernels), 16)
+        what = f"the step's first {stop} (no attention of layer {args.layer + 1} to end layer {args.layer}'s cycle)"
     rows = [[str(i), kernels[i].name, "x".join(map(str, kernels[i].grid)), f"{lead[i]:.2f}", f"{span[i]:.2f}"]
             for i in range(first, stop)]
-    print(f"\nkernels {first} to {stop - 1}: layer {args.layer}'s from its attention on ('early': how long block 0 "
-          "waited for the kernel before, launched early)")
+    print(f"\nkernels {first} to {stop - 1}: {what} ('early': how long block 0 waited for the kernel before, "
+          "launched early)")
     print_table(rows, ["#", "kernel", "grid", "early us", "span us"], args.markdown)
     return 0
 

@@ -99,3 +99,38 @@ def test_gptj_model_with_partial_rotary() -> None:
 
     program = export_checked(Logits(), (torch.randint(0, 64, (1, 7)),), tol=1e-4)
     assert [n.attrs for n in nodes(program, "rope")] == [{"interleaved": True}] * 4
+
+
+class HalvesRotary(nn.Module):
+    """gpt-oss's form (transformers' gpt_oss _apply_rotary_emb): cos/sin of half width, the halves rotated apart."""
+
+    def forward(self, q, k, cos, sin):
+        from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rotary
+
+        return gpt_oss_rotary(q, k, cos, sin)
+
+
+class HalvesSwapped(nn.Module):
+    """The halves' sin terms with the wrong signs (the inverse rotation) and a half read beside the rotation."""
+
+    def forward(self, x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        first, second = torch.chunk(x, 2, dim=-1)
+        inverse = torch.cat((first * cos + second * sin, second * cos - first * sin), dim=-1)
+        first2, second2 = torch.chunk(x * 2, 2, dim=-1)
+        read = torch.cat((first2 * cos - second2 * sin, second2 * cos + first2 * sin), dim=-1)
+        return inverse, read, first2
+
+
+def test_halves_become_rope_over_full_width_tables() -> None:
+    q, k, cos, sin = _inputs()
+    program = export_checked(HalvesRotary(), (q, k, cos[..., :4], sin[..., :4]))
+    assert ops(program).count("rope") == 2
+    tables = nodes(program, "cat")  # cos and sin repeated once each, shared by q's and k's rope
+    assert len(tables) == 2 and not {"mul", "sub", "slice"} & set(ops(program))
+
+
+def test_declines_other_halves() -> None:
+    x, _, cos, sin = _inputs()
+    program = export_checked(HalvesSwapped(), (x, cos[..., :4], sin[..., :4]))
+    assert "rope" not in ops(program)

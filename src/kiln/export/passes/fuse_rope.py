@@ -1,9 +1,12 @@
-"""Rotary position embedding becomes one `rope` node, in either of the two forms transformers writes.
+"""Rotary position embedding becomes one `rope` node, in any of the three forms transformers writes.
 
     rotate-half (Llama):  x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
                           (slice, slice, neg, cat, mul, mul, add: 7 nodes)
     interleaved (GPT-J):  x * cos + flatten(stack(-x[..., 1::2], x[..., 0::2], -1)) * sin
                           (slice, slice, neg, reshape, reshape, cat, reshape, mul, mul, add: 10 nodes)
+    halves (gpt-oss):     cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin) for x1, x2 = x[..., :D/2], x[..., D/2:] and
+                          cos, sin of width D/2 (slice, slice, 4 mul, sub, add, cat: 9 nodes): rotate-half's rope
+                          with cos and sin each repeated to width D (one cat node per table, shared by every layer)
 
 HF Llama applies it to q and k in every layer, so a decode step of a 30-layer model loses 360 nodes. The match is
 checked node by node (both slices of the same x, the negated one first, x itself in the cos product, every
@@ -15,15 +18,15 @@ from __future__ import annotations
 import logging
 
 from kiln.export.passes.usage import Usage
-from kiln.ir.graph import Method, Node
+from kiln.ir.graph import Method, Node, Value
 
 log = logging.getLogger(__name__)
 
 
 def fuse_rope(method: Method) -> int:
     """Rewrite each matched rotary embedding in place into one rope node; returns how many."""
+    count = _fuse_halves(method)
     usage = Usage.of(method)
-    count = 0
     for add in method.nodes:
         if add.op != "add":
             continue
@@ -143,3 +146,66 @@ def _match(method: Method, usage: Usage, cos_term: int, sin_term: int) -> tuple[
                 return x, cos, sin, interleaved
             log.debug("rope: cos/sin of value %d would broadcast x to a larger shape; not fused", x)
     return None
+
+
+def _product_of(usage: Usage, value: int, a: int, b: int) -> bool:
+    """Whether `value` is a * b (either order), read only by the node taking it."""
+    parts = _mul_parts(usage, value)
+    return parts is not None and set(parts) == {a, b} and a != b
+
+
+def _halves(method: Method, usage: Usage, cat: Node) -> tuple[int, int, int] | None:
+    """(x, cos, sin) if `cat` is gpt-oss's rotation of x (the halves form above), else None."""
+    if len(cat.inputs) != 2 or cat.attrs.get("dim") != len(method.values[cat.outputs[0]].shape) - 1:
+        return None
+    sub, add = usage.producer_of(cat.inputs[0], "sub"), usage.producer_of(cat.inputs[1], "add")
+    if sub is None or add is None or not all(usage.only_reader_may_absorb(v) for v in cat.inputs):
+        return None
+    first, second = (_mul_parts(usage, v) for v in sub.inputs)
+    if first is None or second is None:
+        return None
+    for x1, cos in (first, first[::-1]):
+        x = _half_slice(method, usage.producer.get(x1), None, start_at_half=False)
+        for x2, sin in (second, second[::-1]):
+            if x is None or _half_slice(method, usage.producer.get(x2), x, start_at_half=True) is None:
+                continue
+            if not (_product_of(usage, add.inputs[0], x2, cos) and _product_of(usage, add.inputs[1], x1, sin)
+                    or _product_of(usage, add.inputs[0], x1, sin) and _product_of(usage, add.inputs[1], x2, cos)):
+                continue
+            if any(len(usage.reader_nodes.get(v, ())) != 2 or v in usage.kept for v in (x1, x2)):
+                continue  # a half read beside the rotation
+            out, source = method.values[cat.outputs[0]], method.values[x]
+            if tuple(out.shape) != tuple(source.shape) or out.dtype != source.dtype:
+                log.debug("rope: the halves form over value %d changes its shape or type; not fused", x)
+                continue
+            half = source.shape[-1] // 2
+            if any(tuple(method.values[t].shape[-1:]) != (half,) for t in (cos, sin)):
+                log.debug("rope: the halves form's cos/sin of value %d are not D/2 wide; not fused", x)
+                continue
+            return x, cos, sin
+    return None
+
+
+def _fuse_halves(method: Method) -> int:
+    """Rewrite each gpt-oss rotation into rope over cos and sin repeated to full width; returns how many."""
+    usage = Usage.of(method)
+    full: dict[int, int] = {}  # a half-width table -> its full-width value
+    nodes: list[Node] = []
+    count = 0
+    for node in method.nodes:
+        match = _halves(method, usage, node) if node.op == "cat" else None
+        if match is not None:
+            x, cos, sin = match
+            for table in (cos, sin):
+                if table not in full:
+                    value = method.values[table]
+                    method.values.append(Value(f"{value.name}.full", value.dtype,
+                                               tuple(value.shape[:-1]) + (2 * value.shape[-1],)))
+                    full[table] = len(method.values) - 1
+                    nodes.append(Node("cat", [table, table], [full[table]], {"dim": len(value.shape) - 1},
+                                      source=node.source))
+            node.op, node.inputs, node.attrs = "rope", [x, full[cos], full[sin]], {}
+            count += 1
+        nodes.append(node)
+    method.nodes[:] = nodes
+    return count
