@@ -162,15 +162,18 @@ def comparison_table(rows: Sequence[Row], contestants: Sequence[str], subject: s
     return format_table(body, header)
 
 def time_round_robin(cases: dict[str, Callable[[], None]], repeat: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each case, the cases interleaved round by round."""
+    """Median seconds per call of each case, the cases interleaved round by round, each round starting at the next
+    case: a fixed order favoured one place in it (a gpt-oss decode A/B on this 2-core machine: the first of two
+    identical-cost contestants measured ~7% faster than the second, whichever it was)."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
+    names = list(cases)
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
+    for round_ in range(repeat):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            cases[name]()
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(s) for name, s in samples.items()}
 
