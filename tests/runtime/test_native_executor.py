@@ -311,3 +311,32 @@ def test_the_arena_reuses_the_bytes_of_values_no_longer_read(monkeypatch):
     value_bytes = 4 * 64 * 4
     assert len(plan.code) == 12  # six linears and six GELUs, each a value of value_bytes
     assert plan.arena.nbytes <= 3 * value_bytes + 64
+
+
+class RepeatedKeys(torch.nn.Module):
+    """GQA's repeat_kv as eager attention writes it: [B, Hkv, S, D] expanded to [B, Hkv, G, S, D] (a 5-d view with
+    a zero stride) and reshaped to [B, Hkv * G, S, D], then read by a product."""
+
+    def forward(self, q, k):
+        b, hkv, s, d = k.shape
+        keys = k[:, :, None].expand(b, hkv, 3, s, d).reshape(b, hkv * 3, s, d)
+        return torch.relu(q @ keys.transpose(2, 3))
+
+
+def test_a_five_dim_view_copies_as_the_dims_it_merges_into(monkeypatch):
+    from kiln.runtime.backends.cpu.executor import _merged_dims
+
+    assert _merged_dims((1, 2, 3, 5, 4), (40, 20, 0, 4, 1)) == ((2, 3, 20), (20, 0, 1))
+    assert _merged_dims((1, 1), (7, 7)) == ((1,), (0,))
+    q, k = torch.randn(1, 6, 5, 4), torch.randn(1, 2, 5, 4)
+    program = kiln.export(RepeatedKeys(), (q, k)).load()
+    native_session, python_session = _sessions(program)
+    (got,) = _run(native_session, "forward", q.numpy(), k.numpy(), executor="native", monkeypatch=monkeypatch)
+    (want,) = _run(python_session, "forward", q.numpy(), k.numpy(), executor="python", monkeypatch=monkeypatch)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, RepeatedKeys()(q, k).numpy(), rtol=1e-5, atol=1e-5)
+    # one lowered run of the six view nodes before the product (the 5-d copy among them); the product (no
+    # lowering) and the two nodes after it run from Python
+    (plan,) = native_session._plans["forward"].values()
+    assert [step.steps is not None for step in plan.steps] == [True, False, False, False]

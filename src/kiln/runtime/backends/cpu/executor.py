@@ -215,14 +215,17 @@ class Lowering:
         return Loc(self.scratch, 0, (nbytes,), (1,), np.dtype(np.uint8))
 
     def contiguous(self, loc: Loc) -> Loc:
-        """loc itself where its elements lie in order, else a copy that does."""
+        """loc itself where its elements lie in order, else a copy that does (executor.c's copy walks at most 4
+        dims: loc's dims are merged where they walk memory as one first, so a 5-d view such as GQA's keys expanded
+        to [B, Hkv, G, S, D] copies as [Hkv, G, S * D])."""
         if loc.contiguous:
             return loc
-        if len(loc.shape) > 4:
+        shape, strides = _merged_dims(loc.shape, loc.strides)
+        if len(shape) > 4:
             raise Decline("a strided copy of more than 4 dims")
         copy = self.new(loc.shape, loc.dtype)
-        pad = 4 - len(loc.shape)
-        self.emit("copy", loc, copy, loc.dtype.itemsize, *((1,) * pad + loc.shape), *((0,) * pad + loc.strides))
+        pad = 4 - len(shape)
+        self.emit("copy", loc, copy, loc.dtype.itemsize, *((1,) * pad + shape), *((0,) * pad + strides))
         return copy
 
     def emit(self, op: str, *words: Any) -> None:
@@ -235,6 +238,20 @@ class Lowering:
             if loc.shape != self.shape_of(value) or loc.dtype != np.dtype(spec.dtype.numpy):
                 raise Decline(f"{node.op} would give {loc.dtype}{list(loc.shape)} for {spec.spec()}")
             self.locs[value] = loc
+
+
+def _merged_dims(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) visiting the same elements in the same order with dims of size 1 dropped and each dim merged
+    into the one before it where that one's stride is this one's stride times its size."""
+    merged: list[list[int]] = []
+    for size, stride in zip(shape, strides, strict=True):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    return tuple(m[0] for m in merged) or (1,), tuple(m[1] for m in merged) or (0,)
 
 
 Lower = Callable[[Lowering, Node, dict[str, Any]], None]
