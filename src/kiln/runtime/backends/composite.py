@@ -61,10 +61,20 @@ def route_experts(kernels: Kernels, logits: Any, k: int, normalize: bool, dtype:
     return kernels["cast"](weights, dtype=dtype), indices
 
 
+def norm_rope_cache_update(kernels: Kernels, q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
+                           q_weight: Any, k_weight: Any, *indices: Any, dims: Any, interleaved: bool,
+                           eps: float | None, in_place: bool) -> tuple[Any, Any, Any]:
+    """rms_norm of q's and k's rows, then rope_cache_update (the attributes by name, as a session passes them)."""
+    q = kernels["rms_norm"](q, q_weight, axes=1, eps=eps)
+    k = kernels["rms_norm"](k, k_weight, axes=1, eps=eps)
+    return kernels["rope_cache_update"](q, k, v, cos, sin, k_cache, v_cache, *indices, dims=dims,
+                                        interleaved=interleaved, in_place=in_place)
+
+
 COMPOSITES: dict[str, Callable[..., Any]] = {
     "gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear,
     "gated_quantized_linear": gated_quantized_linear, "add_rms_norm_quantized_linear": add_rms_norm_quantized_linear,
-    "route_experts": route_experts}
+    "route_experts": route_experts, "norm_rope_cache_update": norm_rope_cache_update}
 """Op name -> its composition, a function of (kernels, *the op's inputs and attributes)."""
 
 
@@ -75,12 +85,3 @@ def bind(composite: Callable[..., Any], kernels: Kernels) -> Callable[..., Any]:
     run.__name__ = composite.__name__
     return run
 
-
-def norm_rope_cache_update(kernels: Kernels, q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
-                           q_weight: Any, k_weight: Any, *indices: Any, dims: Any, interleaved: bool,
-                           eps: float | None, in_place: bool) -> tuple[Any, Any, Any]:
-    """rms_norm of q's and k's rows, then rope_cache_update (the attributes by name, as a session passes them)."""
-    q = kernels["rms_norm"](q, q_weight, axes=1, eps=eps)
-    k = kernels["rms_norm"](k, k_weight, axes=1, eps=eps)
-    return kernels["rope_cache_update"](q, k, v, cos, sin, k_cache, v_cache, *indices, dims=dims,
-                                        interleaved=interleaved, in_place=in_place)

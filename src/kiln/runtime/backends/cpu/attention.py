@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 
-from kiln.runtime.backends import array_api, composite
+from kiln.runtime.backends import array_api
 from kiln.runtime.backends.cpu import native
-from kiln.runtime.backends.cpu.registry import CPU_KERNELS, kernel, upcast
+from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 
 def _visible_keys(k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -68,16 +68,6 @@ def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarr
     write = functools.partial(array_api.index.index_put, np, dims=dims, accumulate=False, in_place=in_place)
     return (rope(q, cos, sin, interleaved), write(k_cache, rope(k, cos, sin, interleaved), *indices),
             write(v_cache, v, *indices))
-
-
-@kernel("norm_rope_cache_update")
-def norm_rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                           k_cache: np.ndarray, v_cache: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
-                           *indices: np.ndarray, dims: list[int], interleaved: bool, eps: float | None,
-                           in_place: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return composite.norm_rope_cache_update(CPU_KERNELS.kernels, q, k, v, cos, sin, k_cache, v_cache, q_weight,
-                                            k_weight, *indices, dims=dims, interleaved=interleaved, eps=eps,
-                                            in_place=in_place)
 
 
 def check_slots(slots: np.ndarray, positions: np.ndarray, slot_count: int, length: int) -> None:

@@ -106,8 +106,13 @@ def rope(arrays: ProgramArrays, method: Method, node: Node, env: dict[str, int])
     if source is None:
         return None
     positions, freqs = source
-    kernel = {"rope": fast.rope_kernel, "rope_cache_update": fast.rope_cache_update_kernel,
-              "norm_rope_cache_update": fast.norm_rope_cache_update_kernel}[node.op](freqs)
+    if node.op == "norm_rope_cache_update":  # the q/k norms, then the fast step (positions ride with the indices)
+        from kiln.runtime.backends import composite
+        from kiln.runtime.backends.mlx.kernels import MLX_KERNELS
+
+        kernels = {**MLX_KERNELS.kernels, "rope_cache_update": fast.rope_cache_update_kernel(freqs)}
+        return composite.bind(composite.norm_rope_cache_update, kernels), tuple(node.inputs) + (positions,)
+    kernel = fast.rope_kernel(freqs) if node.op == "rope" else fast.rope_cache_update_kernel(freqs)
     return kernel, tuple(node.inputs) + (positions,)
 
 

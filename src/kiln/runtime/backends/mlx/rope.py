@@ -116,18 +116,3 @@ def rope_cache_update_kernel(freqs: mx.array) -> Callable[..., Any]:
                 write_at(v_cache, v, dims, indices))
     return rope_cache_update
 
-
-def norm_rope_cache_update_kernel(freqs: mx.array) -> Callable[..., Any]:
-    """rope_cache_update_kernel's step of q's and k's rows RMS-normalized first (MLX's rms_norm kernel)."""
-    from kiln.runtime.backends.mlx.registry import MLX_KERNELS
-
-    update = rope_cache_update_kernel(freqs)
-
-    def norm_rope_cache_update(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array,
-                               k_cache: mx.array, v_cache: mx.array, q_weight: mx.array, k_weight: mx.array,
-                               *rest: mx.array, dims: Any, interleaved: bool, eps: float | None,
-                               in_place: bool) -> tuple[mx.array, mx.array, mx.array]:
-        rms_norm = MLX_KERNELS.kernels["rms_norm"]
-        return update(rms_norm(q, q_weight, axes=1, eps=eps), rms_norm(k, k_weight, axes=1, eps=eps), v, cos, sin,
-                      k_cache, v_cache, *rest, dims=dims, interleaved=interleaved, in_place=in_place)
-    return norm_rope_cache_update

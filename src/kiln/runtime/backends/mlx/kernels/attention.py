@@ -17,10 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api.attention import slot_visibility
 from kiln.runtime.backends.mlx.kernels.index import write_at
-from kiln.runtime.backends.mlx.registry import MLX_KERNELS, kernel, on_cpu, upcast
+from kiln.runtime.backends.mlx.registry import kernel, on_cpu, upcast
 
 
 def _as4(x: mx.array) -> mx.array:
@@ -93,16 +92,6 @@ def rope_cache_update(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin:
                       in_place: bool) -> tuple[mx.array, mx.array, mx.array]:
     return (rope(q, cos, sin, interleaved), write_at(k_cache, rope(k, cos, sin, interleaved), dims, indices),
             write_at(v_cache, v, dims, indices))
-
-
-@kernel("norm_rope_cache_update")
-def norm_rope_cache_update(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array, k_cache: mx.array,
-                           v_cache: mx.array, q_weight: mx.array, k_weight: mx.array, *indices: mx.array, dims: Any,
-                           interleaved: bool, eps: float | None,
-                           in_place: bool) -> tuple[mx.array, mx.array, mx.array]:
-    return composite.norm_rope_cache_update(MLX_KERNELS.kernels, q, k, v, cos, sin, k_cache, v_cache, q_weight,
-                                            k_weight, *indices, dims=dims, interleaved=interleaved, eps=eps,
-                                            in_place=in_place)
 
 
 @kernel("slot_attention")
