@@ -17,6 +17,26 @@ __device__ __forceinline__ unsigned long long topk_key(float v, long long at, in
     return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned int)at);
 }
 
+// The warp's largest 64-bit key: on sm_80 on, two redux.sync (the high words' max, then the low words' max among the
+// lanes holding it: keys are unique, so that is the largest key) where five rounds of 64-bit shuffles took ten
+// dependent shuffles; the shuffles elsewhere.
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long key) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int hi = (unsigned int)(key >> 32);
+    unsigned int top, low;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(top) : "r"(hi));
+    const unsigned int mine = hi == top ? (unsigned int)key : 0u;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(low) : "r"(mine));
+    return (unsigned long long)top << 32 | low;
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    return key;
+#endif
+}
+
 // topk_rows<N>: 0 8
 // N > 0: rows of at most 32 N elements, each lane's keys held in registers, read once (a router's 128 experts: 4 a
 // lane); a pick zeroes the winner's key. N = 0: any row up to 1024, keys recomputed from memory each round (taken
@@ -54,10 +74,7 @@ __global__ void __launch_bounds__(32 * TOPK_WARPS) topk_rows(const typename S::T
                 best = key > best ? key : best;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
-            best = other > best ? other : best;
-        }
+        best = warp_max_key(best);
         const int at = (int)(0xffffffffu - (unsigned int)(best & 0xffffffffu));
         if ((at & 31) == lane) {
             if (N > 0) {
@@ -127,10 +144,7 @@ __global__ void __launch_bounds__(32 * TOPK_WARPS) route_rows(const typename S::
         unsigned long long best = 0ull;
 #pragma unroll
         for (int j = 0; j < N; ++j) best = keys[j] > best ? keys[j] : best;
-        for (int o = 16; o > 0; o >>= 1) {
-            const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
-            best = other > best ? other : best;
-        }
+        best = warp_max_key(best);
         const int at = (int)(0xffffffffu - (unsigned int)(best & 0xffffffffu));
         if ((at & 31) == lane) {
 #pragma unroll
