@@ -4,6 +4,8 @@ by expert on the GPU), the quantized forms of both, out-of-range indices, and a 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -122,6 +124,50 @@ def test_gathered_quantized_linear_matches_definition(bits, group, symmetric, ro
     _check(got, want, dtype)
 
 
+GATES = {"silu": lambda g: g / (1.0 + np.exp(-g)),
+         "gelu": lambda g: 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0))),
+         "gelu_tanh": lambda g: 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))}
+
+
+@pytest.mark.parametrize("activation", sorted(GATES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 60])
+@pytest.mark.parametrize("experts,n,k", [(5, 40, 64), (130, 200, 96), (9, 72, 40), (6, 1536, 2048)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_gated_gathered_linear_matches_definition(activation, dtype, rows, experts, n, k, with_bias) -> None:
+    """The gated GEMV (a decode step's rows: act(gate) * up of each row's expert in one kernel) and the composition
+    it leaves a prompt's rows to, against the op's float64 definition (each half rounded to the storage type)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gated_gathered_linear
+
+    rng = np.random.default_rng(rows + n + k)
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    w = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(dtype)
+    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
+    index = _index(rng, rows, experts)
+    f64 = [None if a is None else a.astype(np.float64) for a in (x, w, bias)]
+    h = np.einsum("sk,snk->sn", f64[0], f64[1][index]) + (f64[2][index] if with_bias else 0.0)
+    h = h.astype(dtype).astype(np.float64)
+    want = GATES[activation](h[:, :n // 2]) * h[:, n // 2:]
+    got = gated_gathered_linear(cp.asarray(x), cp.asarray(w), cp.asarray(index),
+                                None if bias is None else cp.asarray(bias), activation=activation)
+    assert got.shape == (rows, n // 2) and got.dtype == x.dtype
+    _check(got, want, dtype)
+
+
+def test_gated_gathered_linear_gives_nan_rows_for_out_of_range_experts() -> None:
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels.experts import gated_gathered_linear
+
+    rng = np.random.default_rng(3)
+    x = cp.asarray(rng.standard_normal((4, 64)).astype(BFLOAT16))
+    w = cp.asarray(rng.standard_normal((3, 32, 64)).astype(BFLOAT16))
+    got = cp.asnumpy(gated_gathered_linear(x, w, cp.asarray(np.array([0, 3, -1, 2])), activation="silu"))
+    assert np.isnan(got[[1, 2]].astype(np.float32)).all() and np.isfinite(got[[0, 3]].astype(np.float32)).all()
+
+
 @pytest.mark.parametrize("rows", [8, 200])
 def test_gathered_linear_is_captured_as_a_graph(rows) -> None:
     """Both paths keep the index on the GPU: the kernels run inside a CUDA graph capture and its replays follow
@@ -203,7 +249,7 @@ def _combined(rows64: np.ndarray, combine: np.ndarray, dtype) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
-@pytest.mark.parametrize("experts,n,k,topk", [(6, 2048, 768, 8), (9, 45, 64, 3), (130, 200, 96, 8)])
+@pytest.mark.parametrize("experts,n,k,topk", [(6, 2048, 768, 8), (9, 45, 64, 3), (130, 200, 96, 8), (20, 4096, 64, 12)])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_gathered_linear_with_combine_matches_definition(dtype, tokens, experts, n, k, topk, with_bias) -> None:
     """gemv.cu's gathered_combine (a decode step's tokens: the k rows summed in the block) and combine_rows after

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 12
+OPSET_VERSION = 13
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
@@ -31,7 +31,9 @@ add_rms_norm_quantized_linear were added (gated_linear's and add_rms_norm_linear
 through the expert its router picked); 11 route_experts was added (a mixture-of-experts router's softmax, top-k
 and renormalization as one node) and gathered_linear and gathered_quantized_linear gained combine (the weighted sum
 of each token's k expert rows); 12 norm_rope_cache_update was added (rope_cache_update of q and k each
-RMS-normalized per head first: the q/k norms of Qwen3 and Gemma 3 folded into the step's one node)."""
+RMS-normalized per head first: the q/k norms of Qwen3 and Gemma 3 folded into the step's one node); 13
+gated_gathered_linear was added (a gathered_linear over stacked gate/up experts and the gated activation after it,
+as gated_linear is to linear)."""
 
 
 class AttrType(enum.IntEnum):
@@ -238,6 +240,11 @@ _GATHERED_DOC = ("A linear layer chosen per row from a stack of E of them (a mix
                  "multiply and the sum of the MoE layer it stands for).")
 define("gathered_linear", "x weight index bias? combine?",
        doc=f"{_GATHERED_DOC} weight [E, N, K] and bias [E, N] share x's float dtype.")
+define("gated_gathered_linear", "x weight index bias?", A("activation", T.STRING),
+       doc="gathered_linear (no combine) over expert weights [E, 2N, K] each stacking the gate's N rows and then the "
+           "up's N rows (bias [E, 2N]), each half rounded to the dtype as gathered_linear rounds it, then "
+           "gated_activation(gate, up): a mixture-of-experts layer's gate/up projection and its activation in one "
+           "node, out [S, N]. activation as gated_activation's.")
 define("gathered_quantized_linear", "x q scale zero? index bias? combine?", *_QUANT_ATTRS,
        doc=f"{_GATHERED_DOC} Each expert's weight is quantized as quantized_linear's: q [E, N, K] (int8) or [E, N, "
            "K / 2] (int4), scale and zero [E, N, K / group_size], W[e] = quantized_linear's W of (q[e], scale[e], "

@@ -56,6 +56,7 @@ CHOICES: dict[tuple[str, str], frozenset[str]] = {
     ("gated_linear", "activation"): frozenset({"silu", "gelu", "gelu_tanh"}),
     ("add_rms_norm_linear", "activation"): frozenset({"", "silu", "gelu", "gelu_tanh"}),
     ("gated_quantized_linear", "activation"): frozenset({"silu", "gelu", "gelu_tanh"}),
+    ("gated_gathered_linear", "activation"): frozenset({"silu", "gelu", "gelu_tanh"}),
     ("add_rms_norm_quantized_linear", "activation"): frozenset({"", "silu", "gelu", "gelu_tanh"}),
     ("gelu", "approximate"): frozenset({"none", "tanh"}),
     ("grid_sample", "mode"): frozenset({"bilinear", "nearest"}),
@@ -670,6 +671,12 @@ def _gathered_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec
     rows = gathered_rows(x, index, experts, n, k, bias)
     floating(weight, "weight")
     return [Spec(same_dtype(x, weight, bias, combine), (combined_rows(rows, combine), n))]
+
+
+@rule("gated_gathered_linear")
+def _gated_gathered_linear(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    (out,) = _gathered_linear(ins[:4], attrs)
+    return [Spec(out.dtype, (out.shape[0], gated_out(out.shape[1])))]
 
 
 @rule("gathered_quantized_linear")

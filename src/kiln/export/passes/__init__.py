@@ -105,7 +105,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_qk_norm", _method_only(fuse_qk_norm),
          "per-head RMSNorms of q and k folded into their rope_cache_update (norm_rope_cache_update)"),
     Pass("fuse_gated_linear", _method_only(fuse_gated_linear),
-         "a stacked gate/up (quantized) linear and the gated activation of its halves as one node"),
+         "a stacked gate/up (quantized, gathered) linear and the gated activation of its halves as one node"),
     Pass("fuse_norm_linear", _method_only(fuse_norm_linear),
          "residual add + rms_norm and the (quantized) linear reading the norm as one node"),
 )

@@ -9,8 +9,10 @@ normalize it on the way in, and a warp that computes gate row i can compute up r
 Backends without such a kernel run the ops these nodes stand for (kiln.runtime.backends.composite).
 
 A quantized linear is absorbed the same way, into gated_quantized_linear and add_rms_norm_quantized_linear (its q,
-scale, zero and quantization attributes carried over). Both passes run last, after quantize_weights and
-fuse_projections (which makes the stacked gate/up projection the gated pattern needs).
+scale, zero and quantization attributes carried over); a mixture-of-experts layer's gathered gate/up projection
+takes its activation as gated_gathered_linear (a quantized expert stack keeps the two nodes: no backend has a kernel
+that would take them as one). Both passes run last, after quantize_weights and fuse_projections (which makes the
+stacked gate/up projection the gated pattern needs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from kiln.ir.graph import NO_VALUE, Method, Node
 QUANT_ATTRS = ("bits", "group_size", "offset")
 """What a quantized linear's fused form carries over from it."""
 
-GATED = {"linear": "gated_linear", "quantized_linear": "gated_quantized_linear"}
+GATED = {"linear": "gated_linear", "quantized_linear": "gated_quantized_linear",
+         "gathered_linear": "gated_gathered_linear"}
 """The gated form of each linear op."""
 
 NORMED = {"linear": "add_rms_norm_linear", "gated_linear": "add_rms_norm_linear",
@@ -29,8 +32,9 @@ NORMED = {"linear": "add_rms_norm_linear", "gated_linear": "add_rms_norm_linear"
           "gated_quantized_linear": "add_rms_norm_quantized_linear"}
 """The add + RMSNorm form of each (gated) linear op."""
 
-INPUTS = {"linear": 3, "gated_linear": 3, "quantized_linear": 5, "gated_quantized_linear": 5}
-"""Inputs of each, the optional ones included (a fused node lists them all, absent as NO_VALUE)."""
+INPUTS = {"linear": 3, "gated_linear": 3, "quantized_linear": 5, "gated_quantized_linear": 5, "gathered_linear": 4}
+"""Inputs of each, the optional ones included (a fused node lists them all, absent as NO_VALUE); a gathered linear's
+without combine (one with combine is a layer's down projection, never the gated one)."""
 
 
 def _weight_inputs(linear: Node) -> list[int]:
@@ -50,10 +54,12 @@ def _halves(method: Method, usage: Usage, gate: int, up: int) -> Node | None:
     (g, u), h = slices, slices[0].inputs[0]
     if u.inputs[0] != h or len(usage.reader_nodes.get(h, ())) != 2 or h in usage.kept:
         return None
-    linear = usage.producer_of(h, "linear") or usage.producer_of(h, "quantized_linear")
+    linear = next((p for op in GATED if (p := usage.producer_of(h, op)) is not None), None)
     shape = method.values[h].shape
     if linear is None or not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
         return None
+    if len(linear.inputs) > INPUTS[linear.op] and linear.inputs[INPUTS[linear.op]] != NO_VALUE:
+        return None  # a gathered linear's combine
     n, last = shape[-1] // 2, len(shape) - 1
     expected = ({"dim": last, "start": 0, "end": n}, {"dim": last, "start": n, "end": 2 * n})
     for node, want in zip((g, u), expected):
@@ -63,7 +69,8 @@ def _halves(method: Method, usage: Usage, gate: int, up: int) -> Node | None:
 
 
 def fuse_gated_linear(method: Method) -> int:
-    """Rewrite each gated_activation(linear(x)[..., :N], linear(x)[..., N:]) as gated_linear; returns how many."""
+    """Rewrite each gated_activation(linear(x)[..., :N], linear(x)[..., N:]) as gated_linear (of a quantized linear
+    gated_quantized_linear, of a gathered one gated_gathered_linear); returns how many."""
     usage = Usage.of(method)
     gone: set[int] = set()
     count = 0

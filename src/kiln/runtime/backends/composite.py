@@ -1,9 +1,9 @@
 """Fused ops as the sequence of ops they stand for, over one backend's own kernel table.
 
 The export makes a few nodes that exist only so a GPU can run them as one kernel (gated_linear,
-add_rms_norm_linear, their quantized forms, route_experts and norm_rope_cache_update). A backend without that
-kernel, or a call its kernel does not take (many rows, odd strides), runs them as the ops they replace: same
-results, same kernels, no new code per backend.
+add_rms_norm_linear, their quantized forms, gated_gathered_linear, route_experts and norm_rope_cache_update). A
+backend without that kernel, or a call its kernel does not take (many rows, odd strides), runs them as the ops they
+replace: same results, same kernels, no new code per backend.
 """
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ def add_rms_norm_quantized_linear(kernels: Kernels, x: Any, residual: Any, norm_
                                               offset=offset)
 
 
+def gated_gathered_linear(kernels: Kernels, x: Any, weight: Any, index: Any, bias: Any, activation: str) -> Any:
+    """gathered_linear over the stacked gate/up expert weights, then gated_activation of its two halves (views)."""
+    h = kernels["gathered_linear"](x, weight, index, bias)
+    n = h.shape[-1] // 2
+    return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
+
+
 def route_experts(kernels: Kernels, logits: Any, k: int, normalize: bool, dtype: DType) -> tuple[Any, Any]:
     last = logits.ndim - 1
     probabilities = kernels["softmax"](kernels["cast"](logits, dtype=DType.float32), dim=last)
@@ -74,7 +81,8 @@ def norm_rope_cache_update(kernels: Kernels, q: Any, k: Any, v: Any, cos: Any, s
 COMPOSITES: dict[str, Callable[..., Any]] = {
     "gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear,
     "gated_quantized_linear": gated_quantized_linear, "add_rms_norm_quantized_linear": add_rms_norm_quantized_linear,
-    "route_experts": route_experts, "norm_rope_cache_update": norm_rope_cache_update}
+    "gated_gathered_linear": gated_gathered_linear, "route_experts": route_experts,
+    "norm_rope_cache_update": norm_rope_cache_update}
 """Op name -> its composition, a function of (kernels, *the op's inputs and attributes)."""
 
 

@@ -428,8 +428,20 @@ def _gathered_out(lw: Lowering, rows: int, n: int, combine: Loc | None) -> tuple
 
 @lowering("gathered_linear")
 def _gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, emit_gathered_linear(lw, *(_inputs(lw, node) + [None] * 5)[:5]))
+
+
+@lowering("gated_gathered_linear")
+def _gated_gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As composite.gated_gathered_linear: the gathered rows over the stacked experts, then the halves' activation."""
+    x, weight, index, bias = (_inputs(lw, node) + [None] * 4)[:4]
+    lw.output(node, emit_gated(lw, *_halves(emit_gathered_linear(lw, x, weight, index, bias, None)),
+                               attrs["activation"]))
+
+
+def emit_gathered_linear(lw: Lowering, x: Loc, weight: Loc, index: Loc, bias: Loc | None,
+                         combine: Loc | None) -> Loc:
     """As cpu/experts.py's native path: a decode step's float32 rows (and their combine) by native/experts.c."""
-    x, weight, index, bias, combine = (_inputs(lw, node) + [None] * 5)[:5]
     _need(x.dtype == F32 and weight.dtype == F32 and len(weight.shape) == 3 and index.dtype == I64, "float32 rows")
     _need(all(a is None or a.dtype == F32 for a in (bias, combine)), "float32 bias and combine")
     s, (experts, n, k) = x.shape[0], weight.shape
@@ -439,7 +451,7 @@ def _gathered_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     topk, out = _gathered_out(lw, s, n, combine)
     lw.emit("gathered", x, index, weight, bias, combine, out, lw.work(4 * cpu_experts.gathered_work(n, k)), s, n, k,
             experts, topk)
-    lw.output(node, out)
+    return out
 
 
 @lowering("gathered_quantized_linear")

@@ -1,11 +1,12 @@
 """A mixture-of-experts layer on the GPU: the router's pick (route_experts: topk.cu's route_rows, a warp per token)
-and the experts (gathered_linear and gathered_quantized_linear): each row of x through the linear layer its router
-picked from a stack of E, reading only the picked experts' weights, with the index kept on the GPU (no copy to the
-host, so a decode step is still one captured graph).
+and the experts (gathered_linear, gated_gathered_linear and gathered_quantized_linear): each row of x through the
+linear layer its router picked from a stack of E, reading only the picked experts' weights, with the index kept on
+the GPU (no copy to the host, so a decode step is still one captured graph).
 
 - A few rows (a decode step's top-k, GATHERED_GEMV_ROWS at most): gemv.cu's gathered_gemv and quant.cu's
   gathered_qgemv, a warp per output row of the expert each input row picked, streamed as the dense GEMV streams a
-  weight. A picked expert is read once per row that picks it; at decode that is once.
+  weight. A picked expert is read once per row that picks it; at decode that is once. gated_gathered_linear's
+  gate/up experts take their activation in the same kernel (a warp per gate row and its up row).
 - More rows (a prompt) in float16/bfloat16: experts.cu groups the rows by expert on the GPU and multiplies each
   group by its expert on the tensor cores, each picked expert read once per 64 of its rows. A quantized stack is
   dequantized whole first (quant.cu's dequantize: a prompt's rows pick most experts anyway).
@@ -30,8 +31,14 @@ from kiln.runtime.backends.array_api.experts import combine_rows as portable_com
 from kiln.runtime.backends.array_api.experts import gathered_linear as portable_gathered_linear
 from kiln.runtime.backends.array_api.experts import gathered_quantized_linear as portable_gathered_quantized
 from kiln.runtime.backends.cuda import nvrtc
-from kiln.runtime.backends.cuda.kernels.linalg import GEMV_WARPS, QUANT_WARPS, _gemv_split, _qgemv_applies
-from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, contiguous, grid, kernel
+from kiln.runtime.backends.cuda.kernels.linalg import (
+    GEMV_WARPS,
+    QUANT_WARPS,
+    _gemv_split,
+    _qgemv_applies,
+    _resident_blocks,
+)
+from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 from kiln.runtime.backends.cuda.kernels.sort import TOPK_HELD, TOPK_WARPS
 
 GATHERED_GEMV_ROWS = 16
@@ -121,14 +128,28 @@ def _log2_rows_per_warp(n: int, k: int, itemsize: int) -> int:
     return log2
 
 
-def _gathered_gemv(x2: Any, weight: Any, index: Any, bias: Any) -> Any:
-    """Each row of x2 through its expert by gemv.cu's gathered_gemv (a warp per output row of the picked expert)."""
+def _capped(blocks: int, rows: int, function: Any) -> int:
+    """The gathered GEMVs' blocks per input row: all `blocks` where the GPU holds them at once with the other rows',
+    else as many as it holds (each warp then loops over outputs, its next loads issued before it finishes one: a
+    last partial wave of blocks would start its weight stream only when the wave before it ended)."""
+    return max(1, min(blocks, _resident_blocks(function, 0) // rows))
+
+
+def _gathered_gemv(x2: Any, weight: Any, index: Any, bias: Any, activation: str = "") -> Any:
+    """Each row of x2 through its expert by gemv.cu's gathered_gemv (a warp per output row of the picked expert);
+    with an activation the gated form (a warp per gate row and its up row, act(gate) * up out: [rows, N / 2])."""
     experts, n, k = weight.shape
+    if activation:
+        n //= 2
+        mode, outputs_per_block = GATE_CODES[activation] << 4, GEMV_WARPS
+    else:
+        log2_split = _gemv_split(n, k, x2.itemsize)
+        log2_rows = 0 if log2_split else _log2_rows_per_warp(n, k, x2.itemsize)
+        mode, outputs_per_block = log2_split | log2_rows << 2, (GEMV_WARPS >> log2_split) << log2_rows
     out = cp.empty((x2.shape[0], n), dtype=x2.dtype)
-    log2_split = _gemv_split(n, k, x2.itemsize)
-    log2_rows = 0 if log2_split else _log2_rows_per_warp(n, k, x2.itemsize)
-    nvrtc.function("gemv", "gathered_gemv", x2.dtype, log2_split | log2_rows << 2)(
-        (-(-n // ((GEMV_WARPS >> log2_split) << log2_rows)), x2.shape[0]), (32 * GEMV_WARPS,),
+    function = nvrtc.function("gemv", "gathered_gemv", x2.dtype, mode)
+    function(
+        (_capped(-(-n // outputs_per_block), x2.shape[0], function), x2.shape[0]), (32 * GEMV_WARPS,),
         (x2, np.int64(x2.strides[0] // x2.itemsize), index, weight, weight if bias is None else bias, out,
          np.int32(n), np.int32(k), np.int32(experts), np.int32(bias is not None)))
     return out
@@ -158,8 +179,9 @@ def _gathered_combine(x2: Any, weight: Any, index: Any, bias: Any, combine: Any)
         return None
     log2_rows = _log2_rows_per_warp(n, k, x2.itemsize)
     out = cp.empty((tokens, n), dtype=x2.dtype)
-    nvrtc.function("gemv", "gathered_combine", x2.dtype, log2_rows)(
-        (n >> log2_rows, tokens), (32 * GEMV_WARPS,),
+    function = nvrtc.function("gemv", "gathered_combine", x2.dtype, log2_rows)
+    function(
+        (_capped(n >> log2_rows, tokens, function), tokens), (32 * GEMV_WARPS,),
         (x2, np.int64(x2.strides[0] // x2.itemsize), index, weight, weight if bias is None else bias, combine, out,
          np.int32(n), np.int32(k), np.int32(experts), np.int32(topk), np.int32(bias is not None)))
     return out
@@ -179,6 +201,20 @@ def gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None, combine: 
     if combine is not None and (out := _gathered_combine(x2, weight, index, bias, combine)) is not None:
         return out
     return _combine(_gathered_gemv(x2, weight, index, bias), combine)
+
+
+@kernel("gated_gathered_linear")
+def gated_gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None, *, activation: str) -> Any:
+    """A decode step's gate/up experts and their activation by the gated gathered GEMV; the composition (gathered
+    linear, then gated_activation) for a prompt's rows and whatever the GEMV does not take."""
+    x2 = _rows(x)
+    if (x2 is None or not 0 < x2.shape[0] <= GATHERED_GEMV_ROWS or index.size != x2.shape[0] or weight.ndim != 3
+            or weight.shape[1] % 2 or activation not in GATE_CODES
+            or not nvrtc.supports(x2, weight, *(() if bias is None else (bias,)))
+            or not contiguous(weight, *(() if bias is None else (bias,)))
+            or weight.shape[2] % (16 // weight.itemsize) or weight.data.ptr % 16):
+        return composite.gated_gathered_linear(CUDA_KERNELS.kernels, x, weight, index, bias, activation)
+    return _gathered_gemv(x2, weight, _index(index), bias, activation)
 
 
 @kernel("gathered_quantized_linear")

@@ -264,17 +264,24 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
     }
 }
 
-// gathered_gemv<N>: 0 1 2 3 4 8
+// gathered_gemv<N>: 0 1 2 3 4 8 16 32 48
 // A mixture-of-experts layer's experts over a few rows (a decode step's top-k rows: the op set's gathered_linear):
 // out[s, o] = x[s] . W[index[s], o] + bias[index[s], o], W [E, N, K]. Block row blockIdx.y is input row s, and its
 // warps stream output rows of the expert s picked as gemv streams a weight, so a step reads each picked expert once
-// and no other. N & 3 is log2 of the warps sharing an output row where the layer is narrow (gemv's split); N >> 2
-// is log2 of the consecutive output rows a warp takes at once where rows are short (WR: an expert's down
+// and no other. N & 3 is log2 of the warps sharing an output row where the layer is narrow (gemv's split); (N >> 2)
+// & 3 is log2 of the consecutive output rows a warp takes at once where rows are short (WR: an expert's down
 // projection, K = 768, is 96 16-byte pieces a row, 3 a lane: a warp per row would have 1.5 KB in flight and leave;
 // experts.py makes N a multiple of WR). Two rounds of the WR rows' loads (all of a 768-wide row) are issued before
-// the first is used: with one, the third piece of each lane waited for the first two (one more trip to memory). The
-// index comes from the router, a kernel before this one, so no weight load can start before grid_dependency_sync.
-// An index outside 0 .. E - 1 gives NaN outputs (a kernel cannot raise; the CPU's raises).
+// the first is used: with one, the third piece of each lane waited for the first two (one more trip to memory).
+// N >> 4 is the gated activation (gated_gathered_linear, common.cuh's gate_activation; then N & 15 is 0): each
+// expert stacks N gate rows and then N up rows ([E, 2N, K], bias [E, 2N]), and a warp takes gate row o and up row
+// N + o as the two rows of a WR = 2 pass, rounds each as the gathered linear would and writes act(gate) * up,
+// rounded once, as gemv's gated form does: no [S, 2N] intermediate, no activation kernel after it.
+// The grid may hold fewer blocks than the outputs need (experts.py caps it at the blocks the GPU keeps resident):
+// a warp then takes every gridDim.x-th group of outputs, issuing the next group's first loads before it finishes
+// the current one, so the weight stream does not stop between a last wave of blocks and the ones before it.
+// The index comes from the router, a kernel before this one, so no weight load can start before
+// grid_dependency_sync. An index outside 0 .. E - 1 gives NaN outputs (a kernel cannot raise; the CPU's raises).
 template <class S, int N>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename S::T* __restrict__ x, long long x_row,
                                                                  const long long* __restrict__ index,
@@ -283,38 +290,56 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename 
                                                                  typename S::T* __restrict__ out, int n, int k,
                                                                  int experts, int has_bias) {
     typedef typename S::T T;
-    constexpr int split = 1 << (N & 3), WR = 1 << (N >> 2), DEPTH = 2;  // (see gathered_combine)
+    constexpr int ACT = N >> 4, DEPTH = 2;  // (see gathered_combine)
+    constexpr int split = 1 << (N & 3), WR = ACT ? 2 : 1 << ((N >> 2) & 3), OUTS = ACT ? 1 : WR;
     __shared__ float partial[GEMV_WARPS][WR];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per_block = GEMV_WARPS / split, slice = warp % split;
     const int all = k / S::PER16, per_slice = (all + split - 1) / split;
     const int first = min(all, slice * per_slice), pieces = min(all, first + per_slice) - first;
     const long long skip = (long long)first * S::PER16, s = blockIdx.y;
-    const long long o = ((long long)blockIdx.x * per_block + warp / split) * WR;  // (the warp's first output)
+    const long long stride = (long long)gridDim.x * per_block * OUTS;  // (outputs the grid takes at once)
+    const long long rows_per_expert = ACT ? 2ll * n : n, step = ACT ? (long long)n * k : k;  // (W's rows, and
+    const long long step_bytes = step * (long long)sizeof(T);                                //  a warp's apart)
     grid_dependency_sync();
-    if (split == 1 && o >= n) return;  // (a whole warp: no barrier follows without a split)
     const long long e = index[s];
     const bool valid = e >= 0 && e < experts;
-    float acc[WR][GEMV_ROWS] = {};
-    if (o < n && valid) {
-        U4 wv[WR][DEPTH][GEMV_LOADS];
-        const T* row = w + (e * n + o) * k + skip;
-        issue_first<WR, DEPTH>(wv, row, (long long)k * sizeof(T), pieces, lane);
-        rows_dot<S, WR, DEPTH>(row, k, x + s * x_row + skip, x_row, 1, pieces, lane, wv, acc);
-    }
-#pragma unroll
-    for (int j = 0; j < WR; ++j) {
-        float y = warp_sum(acc[j][0]);
-        if (split > 1) {  // the slices' sums, added in slice order by the row's first warp
-            if (lane == 0) partial[warp][j] = y;
-            __syncthreads();
-            if (slice == 0) {
-                for (int t = 1; t < split; ++t) y += partial[warp + t][j];
-            }
+    const T* rows = w + e * rows_per_expert * k + skip;
+    long long o = ((long long)blockIdx.x * per_block + warp / split) * OUTS;  // (the warp's first output)
+    U4 wv[WR][DEPTH][GEMV_LOADS];
+    if (o < n && valid) issue_first<WR, DEPTH>(wv, rows + o * k, step_bytes, pieces, lane);
+    // Every warp of a block runs every iteration (the barriers of a split row), its outputs past n idle.
+    for (long long base = o - (warp / split) * OUTS; base < n; base += stride, o += stride) {
+        float acc[WR][GEMV_ROWS] = {};
+        if (o < n && valid) {
+            rows_dot<S, WR, DEPTH>(rows + o * k, step, x + s * x_row + skip, x_row, 1, pieces, lane, wv, acc);
+            if (o + stride < n) issue_first<WR, DEPTH>(wv, rows + (o + stride) * k, step_bytes, pieces, lane);
         }
-        if (slice == 0 && o + j < n && lane == 0) {
-            const float b = valid && has_bias ? S::load(bias[e * n + o + j]) : 0.0f;
-            out[s * n + o + j] = S::store(valid ? y + b : __int_as_float(0x7fc00000));
+        if (ACT) {
+            if (o < n) {
+                const float b = valid && has_bias ? S::load(bias[e * rows_per_expert + o]) : 0.0f;
+                const float bu = valid && has_bias ? S::load(bias[e * rows_per_expert + n + o]) : 0.0f;
+                const float gate = warp_sum(acc[0][0]) + b, up = S::load(S::store(warp_sum(acc[WR - 1][0]) + bu));
+                const float y = gate_activation(S::load(S::store(gate)), ACT) * up;
+                if (lane == 0) out[s * n + o] = S::store(valid ? y : __int_as_float(0x7fc00000));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < WR; ++j) {
+                float y = warp_sum(acc[j][0]);
+                if (split > 1) {  // the slices' sums, added in slice order by the row's first warp
+                    if (lane == 0) partial[warp][j] = y;
+                    __syncthreads();
+                    if (slice == 0) {
+                        for (int t = 1; t < split; ++t) y += partial[warp + t][j];
+                    }
+                    __syncthreads();  // (partial is written again by the next output)
+                }
+                if (slice == 0 && o + j < n && lane == 0) {
+                    const float b = valid && has_bias ? S::load(bias[e * n + o + j]) : 0.0f;
+                    out[s * n + o + j] = S::store(valid ? y + b : __int_as_float(0x7fc00000));
+                }
+            }
         }
     }
 }
@@ -324,11 +349,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_gemv(const typename 
 // gathered_combine<N>: 0 1 2
 // gathered_linear with combine over a few tokens (a decode step's down projection and the weighted sum of the k
 // expert rows after it, in one kernel: no [k, N] intermediate, no product and sum kernels): block (blockIdx.x,
-// token t = blockIdx.y) computes the WR = 2^N consecutive outputs from WR blockIdx.x of token t. Its warp j takes
-// the token's row t k + j (and j + GEMV_WARPS ...), streams the WR weight rows of that row's expert as
+// token t = blockIdx.y) computes the WR = 2^N consecutive outputs from WR blockIdx.x of token t (and, where the grid
+// is capped at the resident blocks as gathered_gemv's may be, every gridDim.x-th such group after it). Its warp j
+// takes the token's row t k + j (and j + GEMV_WARPS ...), streams the WR weight rows of that row's expert as
 // gathered_gemv does, and rounds each result (bias added) and then its product with combine[t, j] to the storage
 // type, as the ops it stands for round them; the block's first warp adds the products in j order in float32 and
-// rounds once. An index outside 0 .. E - 1 makes the token's outputs NaN. Needs N a multiple of WR (experts.py).
+// rounds once. Where a warp has one row (k <= GEMV_WARPS), it issues its next group's first loads before the
+// block's sum. An index outside 0 .. E - 1 makes the token's outputs NaN. Needs N a multiple of WR (experts.py).
 template <class S, int N>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typename S::T* __restrict__ x,
                                                                     long long x_row,
@@ -342,29 +369,39 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typena
     constexpr int WR = 1 << N;
     __shared__ float products[GEMV_COMBINE_MAX][WR];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pieces = k / S::PER16;
-    const long long t = blockIdx.y, o = (long long)blockIdx.x * WR;
+    const long long t = blockIdx.y, stride = (long long)gridDim.x * WR, step_bytes = (long long)k * sizeof(T);
+    const bool single = topk <= GEMV_WARPS;  // (each warp one row of the token at most: its loads run ahead)
     grid_dependency_sync();
-    for (int j = warp; j < topk; j += GEMV_WARPS) {
-        const long long s = t * topk + j, e = index[s];
-        const bool valid = e >= 0 && e < experts;
-        float acc[WR][GEMV_ROWS] = {};
-        if (valid) {
-            U4 wv[WR][2][GEMV_LOADS];
-            const T* row = w + (e * n + o) * k;
-            issue_first<WR, 2>(wv, row, (long long)k * sizeof(T), pieces, lane);
-            rows_dot<S, WR, 2>(row, k, x + s * x_row, x_row, 1, pieces, lane, wv, acc);
-        }
-        const float c = S::load(combine[s]);
+    long long o = (long long)blockIdx.x * WR;
+    U4 wv[WR][2][GEMV_LOADS];
+    long long e0 = warp < topk ? index[t * topk + warp] : -1;
+    const bool ahead = single && e0 >= 0 && e0 < experts;
+    if (ahead && o < n) issue_first<WR, 2>(wv, w + (e0 * n + o) * k, step_bytes, pieces, lane);
+    for (; o < n; o += stride) {
+        for (int j = warp; j < topk; j += GEMV_WARPS) {
+            const long long s = t * topk + j, e = single ? e0 : index[s];
+            const bool valid = e >= 0 && e < experts;
+            float acc[WR][GEMV_ROWS] = {};
+            if (valid) {
+                const T* row = w + (e * n + o) * k;
+                if (!single) issue_first<WR, 2>(wv, row, step_bytes, pieces, lane);
+                rows_dot<S, WR, 2>(row, k, x + s * x_row, x_row, 1, pieces, lane, wv, acc);
+                if (single && o + stride < n) issue_first<WR, 2>(wv, row + stride * k, step_bytes, pieces, lane);
+            }
+            const float c = S::load(combine[s]);
 #pragma unroll
-        for (int r = 0; r < WR; ++r) {
-            const float y = warp_sum(acc[r][0]) + (valid && has_bias ? S::load(bias[e * n + o + r]) : 0.0f);
-            if (lane == 0) products[j][r] = valid ? S::load(S::store(S::load(S::store(y)) * c)) : __int_as_float(0x7fc00000);
+            for (int r = 0; r < WR; ++r) {
+                const float y = warp_sum(acc[r][0]) + (valid && has_bias ? S::load(bias[e * n + o + r]) : 0.0f);
+                if (lane == 0)
+                    products[j][r] = valid ? S::load(S::store(S::load(S::store(y)) * c)) : __int_as_float(0x7fc00000);
+            }
         }
-    }
-    __syncthreads();
-    if (warp == 0 && lane < WR) {
-        float sum = 0.0f;
-        for (int j = 0; j < topk; ++j) sum += products[j][lane];
-        out[t * n + o + lane] = S::store(sum);
+        __syncthreads();
+        if (warp == 0 && lane < WR) {
+            float sum = 0.0f;
+            for (int j = 0; j < topk; ++j) sum += products[j][lane];
+            out[t * n + o + lane] = S::store(sum);
+        }
+        __syncthreads();  // (products is written again by the next group)
     }
 }
