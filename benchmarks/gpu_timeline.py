@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU: kiln's kernels as the step's CUDA graph replays them.
 
-    PYTHONPATH=src python3 benchmarks/gpu_timeline.py [--context 1024] [--program PATH] [--layer 1]
+    PYTHONPATH=src python3 benchmarks/gpu_timeline.py [--context 1024] [--program PATH] [--layer 1] [--by-layer]
 
 kiln's cuda backend compiled with its kernel timeline (kiln.runtime.backends.cuda.timeline; this script sets
 KILN_CUDA_TIMELINE=1): each kernel's span is the time from its release (the kernel before it finished) to the next
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the layer whose kernels are listed in order, from its attention (default 1)")
     parser.add_argument("--program", type=Path, metavar="PATH",
                         help="the exported .kiln file, as gpu_llm.py --program (loaded when there, else saved)")
+    parser.add_argument("--by-layer", action="store_true",
+                        help="also print every layer's cycle (summed spans and its longest kernels), layer by layer")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args(argv)
 
@@ -98,7 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nkernels {first} to {stop - 1}: {what} ('early': how long block 0 waited for the kernel before, "
           "launched early)")
     print_table(rows, ["#", "kernel", "grid", "early us", "span us"], args.markdown)
+    if args.by_layer and len(anchors) > 1:
+        print("\nevery layer's cycle, from its attention to the next layer's (the same kernels in each: a layer that "
+              "costs more than the others says where)")
+        print_table(_layer_rows(kernels, span, anchors), ["layer", "kernels", "span us", "its three longest (us)"],
+                    args.markdown)
     return 0
+
+
+def _layer_rows(kernels: list, span: list[float], anchors: list[int]) -> list[list[str]]:
+    """One row per full layer cycle (anchors: each layer's first attention kernel): its kernels' summed spans and
+    the three longest, so layers of one step can be compared with each other."""
+    rows = []
+    for layer, (first, stop) in enumerate(zip(anchors, anchors[1:])):
+        spans = sorted(((span[i], kernels[i].name) for i in range(first, stop)), reverse=True)
+        longest = ", ".join(f"{name.split('<')[0]} {us:.1f}" for us, name in spans[:3])
+        rows.append([str(layer), str(stop - first), f"{sum(us for us, _ in spans):.1f}", longest])
+    return rows
 
 
 if __name__ == "__main__":
