@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES) + sorted(MOE_SIZES), default="llama-3.2-1b",
                         help="model shape")
     parser.add_argument("--layers", type=int, help="keep the shape's first N layers (default: all)")
+    parser.add_argument("--distinct-layers", type=int, metavar="N",
+                        help="build only N layers' weights and cycle through them to the full depth (each layer "
+                             "its own KV cache; see cycle_layers): a deep shape where its weights do not fit")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--prefill", default="128,512", help="prefill lengths (default 128,512)")
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     skip = {p for p in args.skip_passes.split(",") if p}
     model, lm, program = llama_program(args.shape, dtype, args.max_context, max(prefills), args.program, skip,
-                                       args.layers)
+                                       args.layers, args.distinct_layers)
     config = model.config
     torch_experts = ""
     if args.shape in MOE_SIZES:
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(f"{100 * roofline / medians['kiln cuda']:.0f}%" if roofline else "-")
         cells.append(rate)
         body.append(cells)
-    layers = f" ({config.num_hidden_layers} layers)" if args.layers else ""
+    layers = f" ({config.num_hidden_layers} layers)" if args.layers or args.distinct_layers else ""
+    layers += f", weights of {args.distinct_layers} layers cycled" if args.distinct_layers else ""
     print(f"{args.shape}{layers}, {args.dtype}, random weights, KV cache {args.max_context} slots, on "
           f"{device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); medians of {args.repeat}, "
           f"decode over {args.steps} steps per sample{torch_experts}"
@@ -187,7 +191,7 @@ def step_weight_bytes(model) -> int:
     embedding = model.get_input_embeddings().weight
     untied = embedding is not model.get_output_embeddings().weight
     total = 0
-    for p in model.parameters():
+    for _, p in model.named_parameters(remove_duplicate=False):  # (cycle_layers' shared weights: read per layer)
         nbytes = p.numel() * p.element_size()
         if untied and p is embedding:
             nbytes //= p.shape[0]
@@ -196,10 +200,11 @@ def step_weight_bytes(model) -> int:
 
 
 def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path: Path | None = None,
-                  skip_passes: set[str] | frozenset[str] = frozenset(), layers: int | None = None) -> tuple:
+                  skip_passes: set[str] | frozenset[str] = frozenset(), layers: int | None = None,
+                  distinct_layers: int | None = None) -> tuple:
     """(model, lm, program): a random-weight Llama (or, for a MOE_SIZES shape, Qwen3-MoE) of `shape` (seed 0;
-    `layers`: its first N layers) on the CPU, its StaticCacheLM and the loaded export of that, read from `path` when
-    it is there (else exported and, with a path, saved there)."""
+    `layers`: its first N layers; `distinct_layers`: see cycle_layers) on the CPU, its StaticCacheLM and the loaded
+    export of that, read from `path` when it is there (else exported and, with a path, saved there)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -210,10 +215,15 @@ def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path:
     moe = shape in MOE_SIZES
     sizes = {**(MOE_SIZES if moe else LLAMA_SIZES)[shape], **({"num_hidden_layers": layers} if layers else {})}
     config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
+    depth = sizes["num_hidden_layers"]
+    if distinct_layers:
+        sizes["num_hidden_layers"] = min(distinct_layers, depth)
     config = config_class(**sizes, attn_implementation="sdpa")
     t0 = time.perf_counter()
     with torch.device("cuda"):
         model = model_class(config).to(dtype).eval()
+    if distinct_layers and depth > distinct_layers:
+        cycle_layers(model, depth)
     lm = StaticCacheLM(model.cpu(), max_context, prefill_chunk).eval()
     stderr_log(f"model built in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
@@ -225,6 +235,30 @@ def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path:
         program = kiln.load(exported.save(path)) if path is not None else exported.load()
         stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
     return model, lm, program
+
+
+def cycle_layers(model, depth: int) -> None:
+    """Deepen `model` to `depth` decoder layers whose weights cycle through its own: layer i is a copy of layer
+    i % N sharing that layer's parameters, with its own layer index (so its own KV cache). A full-depth step then
+    fits where the full-depth weights do not (Qwen3-30B-A3B's 48 layers are 61 GB in bfloat16, and the run holds the
+    torch peers beside the program): every layer still does its own work and its weights still come from DRAM, since
+    a layer's weights are read again only after the N - 1 other layers' (~110 MB each for that shape, far past a
+    GPU's 50-60 MB of L2) have gone through. A run at a depth the full weights fit tells whether that holds."""
+    import copy
+
+    layers = model.model.layers
+    distinct = len(layers)
+    for i in range(distinct, depth):
+        source = layers[i % distinct]
+        shared = (*source.parameters(), *source.buffers(), model.config)  # (the config too: one experts switch)
+        layer = copy.deepcopy(source, memo={id(t): t for t in shared})
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = i
+        layers.append(layer)
+    model.config.num_hidden_layers = depth
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i % distinct] for i in range(depth)]
 
 
 def write_results(path: Path, rows: list[tuple]) -> None:

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES) + sorted(MOE_SIZES), default="llama-3.2-1b",
                         help="model shape (gpu_llm.py's)")
     parser.add_argument("--layers", type=int, help="keep the shape's first N layers (default: all)")
+    parser.add_argument("--distinct-layers", type=int, metavar="N",
+                        help="only N layers' weights, cycled to the full depth (gpu_llm.py's --distinct-layers)")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--prefill", type=int, default=128, help="the export's prefill chunk (default 128)")
     parser.add_argument("--context", type=int, default=1024, help="the decode step's position (default 1024)")
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.runtime.backends.cuda import timeline
 
     model, _, program = llama_program(args.shape, torch.bfloat16, args.max_context, args.prefill, args.program,
-                                     layers=args.layers)
+                                     layers=args.layers, distinct_layers=args.distinct_layers)
     del model
     session = program.session("cuda")
     inputs = (cp.asarray([[42]]), cp.asarray([args.context]))
