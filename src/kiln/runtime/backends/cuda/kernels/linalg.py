@@ -87,7 +87,8 @@ one row (gemv.cu's GEMV_NORM_PIECES 16-byte pieces for each of the block's threa
 
 def _resident_blocks(function: Any, shared: int) -> int:
     """How many blocks of `function` the GPU holds at once (by registers, threads and shared memory an SM): the
-    norm-prologue GEMV's grid, so each block normalizes its rows once and then loops over outputs."""
+    norm-prologue GEMV's grid, so each block normalizes its rows once and then loops over outputs, and the gathered
+    GEMVs' cap (experts._capped)."""
     device = cp.cuda.Device()
     key = (device.id, function.raw.num_regs, shared)
     if key not in _RESIDENT:
