@@ -52,7 +52,7 @@ def test_sigterm_ends_streams_in_flight_and_exits_without_torch(tmp_path):
     pytest.importorskip("transformers")
     from tests.runtime.tiny_llm import export_tiny_llm
 
-    path = export_tiny_llm(slots=2, max_context=2048)[1].save(tmp_path / "long.kiln")
+    path = export_tiny_llm(slots=2, max_context=8192)[1].save(tmp_path / "long.kiln")  # (streams long past SIGTERM)
     port = free_port()
     process = subprocess.Popen([sys.executable, "-c", SERVE, str(path), "--port", str(port), "--log-level",
                                 "warning"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -62,7 +62,7 @@ def test_sigterm_ends_streams_in_flight_and_exits_without_torch(tmp_path):
         wait_healthy(port, process)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         streams = [c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": words(k)}],
-                                             max_tokens=2000, temperature=0, stream=True,
+                                             max_tokens=8000, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True}) for k in (1, 2)]
         received = [0, 0]
         for k, stream in enumerate(streams):
