@@ -185,18 +185,24 @@ def main(argv: list[str] | None = None) -> int:
 def step_weight_bytes(model) -> int:
     """Bytes of weights one token's step reads: every parameter, but of a stack of E experts (a 3-d parameter of a
     MoE layer's experts) only the k a token is routed to, and of an input embedding table not tied to the LM head
-    one row (a step looks up one token; before the thirteenth stop the whole table was counted)."""
+    one row (a step looks up one token; before the thirteenth stop the whole table was counted). Each decoder layer
+    counts its own parameters, so cycle_layers' shared weights count once per layer that reads them; everything
+    else once (a tied embedding and LM head are one table)."""
     config = model.config
     experts, active = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
     embedding = model.get_input_embeddings().weight
     untied = embedding is not model.get_output_embeddings().weight
-    total = 0
-    for _, p in model.named_parameters(remove_duplicate=False):  # (cycle_layers' shared weights: read per layer)
+
+    def read(p) -> int:
         nbytes = p.numel() * p.element_size()
         if untied and p is embedding:
             nbytes //= p.shape[0]
-        total += nbytes * active // experts if experts and p.ndim == 3 and p.shape[0] == experts else nbytes
-    return total
+        return nbytes * active // experts if experts and p.ndim == 3 and p.shape[0] == experts else nbytes
+
+    layers = model.model.layers
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    return (sum(read(p) for p in model.parameters() if id(p) not in in_layers)
+            + sum(read(p) for layer in layers for p in layer.parameters()))
 
 
 def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path: Path | None = None,
