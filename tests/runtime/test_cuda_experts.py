@@ -34,6 +34,17 @@ def _check(got, want, dtype) -> None:
     np.testing.assert_array_less(np.abs(got - want) / scale, ULP[np.dtype(dtype)] * 4)
 
 
+def _gathered_case(seed: int, rows: int, experts: int, n: int, k: int, dtype, with_bias: bool) -> tuple:
+    """(x, w, bias or None, index, float64 x[s] . W[index[s]] + bias[index[s]]) for a gathered linear."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    w = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(dtype)
+    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
+    index = _index(rng, rows, experts)
+    f64 = [None if a is None else a.astype(np.float64) for a in (x, w, bias)]
+    return x, w, bias, index, np.einsum("sk,snk->sn", f64[0], f64[1][index]) + (f64[2][index] if with_bias else 0.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 8, 16, 17, 100, 300])
 @pytest.mark.parametrize("experts,n,k", [(5, 40, 64), (130, 200, 96), (9, 72, 40), (4, 45, 32), (6, 2048, 768)])
@@ -43,13 +54,7 @@ def test_gathered_linear_matches_definition(dtype, rows, experts, n, k, with_bia
 
     from kiln.runtime.backends.cuda.kernels.experts import gathered_linear
 
-    rng = np.random.default_rng(rows + n)
-    x = rng.standard_normal((rows, k)).astype(dtype)
-    w = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(dtype)
-    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
-    index = _index(rng, rows, experts)
-    f64 = [None if a is None else a.astype(np.float64) for a in (x, w, bias)]
-    want = np.einsum("sk,snk->sn", f64[0], f64[1][index]) + (f64[2][index] if with_bias else 0.0)
+    x, w, bias, index, want = _gathered_case(rows + n, rows, experts, n, k, dtype, with_bias)
     got = gathered_linear(cp.asarray(x), cp.asarray(w), cp.asarray(index),
                           None if bias is None else cp.asarray(bias))
     assert got.shape == (rows, n) and got.dtype == x.dtype
@@ -141,13 +146,7 @@ def test_gated_gathered_linear_matches_definition(activation, dtype, rows, exper
 
     from kiln.runtime.backends.cuda.kernels.experts import gated_gathered_linear
 
-    rng = np.random.default_rng(rows + n + k)
-    x = rng.standard_normal((rows, k)).astype(dtype)
-    w = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(dtype)
-    bias = rng.standard_normal((experts, n)).astype(dtype) if with_bias else None
-    index = _index(rng, rows, experts)
-    f64 = [None if a is None else a.astype(np.float64) for a in (x, w, bias)]
-    h = np.einsum("sk,snk->sn", f64[0], f64[1][index]) + (f64[2][index] if with_bias else 0.0)
+    x, w, bias, index, h = _gathered_case(rows + n + k, rows, experts, n, k, dtype, with_bias)
     h = h.astype(dtype).astype(np.float64)
     want = GATES[activation](h[:, :n // 2]) * h[:, n // 2:]
     got = gated_gathered_linear(cp.asarray(x), cp.asarray(w), cp.asarray(index),

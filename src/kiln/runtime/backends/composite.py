@@ -16,11 +16,15 @@ from kiln.ir.dtypes import DType
 Kernels = dict[str, Callable[..., Any]]
 
 
-def gated_linear(kernels: Kernels, x: Any, weight: Any, bias: Any, activation: str) -> Any:
-    """linear over the stacked gate/up weight, then gated_activation of its two halves (views)."""
-    h = kernels["linear"](x, weight, bias)
+def _gated_halves(kernels: Kernels, h: Any, activation: str) -> Any:
+    """gated_activation of the first and second halves (views) of a stacked gate/up product's last dim."""
     n = h.shape[-1] // 2
     return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
+
+
+def gated_linear(kernels: Kernels, x: Any, weight: Any, bias: Any, activation: str) -> Any:
+    """linear over the stacked gate/up weight, then gated_activation of its two halves (views)."""
+    return _gated_halves(kernels, kernels["linear"](x, weight, bias), activation)
 
 
 def add_rms_norm_linear(kernels: Kernels, x: Any, residual: Any, norm_weight: Any, weight: Any, bias: Any,
@@ -36,8 +40,7 @@ def gated_quantized_linear(kernels: Kernels, x: Any, q: Any, scale: Any, zero: A
     """quantized_linear over the stacked gate/up weight, then gated_activation of its two halves (views). The
     attributes go by name, as a session passes them (MLX's kernel and the prepared ones take them by name only)."""
     h = kernels["quantized_linear"](x, q, scale, zero, bias, bits=bits, group_size=group_size, offset=offset)
-    n = h.shape[-1] // 2
-    return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
+    return _gated_halves(kernels, h, activation)
 
 
 def add_rms_norm_quantized_linear(kernels: Kernels, x: Any, residual: Any, norm_weight: Any, q: Any, scale: Any,
@@ -53,9 +56,7 @@ def add_rms_norm_quantized_linear(kernels: Kernels, x: Any, residual: Any, norm_
 
 def gated_gathered_linear(kernels: Kernels, x: Any, weight: Any, index: Any, bias: Any, activation: str) -> Any:
     """gathered_linear over the stacked gate/up expert weights, then gated_activation of its two halves (views)."""
-    h = kernels["gathered_linear"](x, weight, index, bias)
-    n = h.shape[-1] // 2
-    return kernels["gated_activation"](h[..., :n], h[..., n:], activation)
+    return _gated_halves(kernels, kernels["gathered_linear"](x, weight, index, bias), activation)
 
 
 def route_experts(kernels: Kernels, logits: Any, k: int, normalize: bool, dtype: DType) -> tuple[Any, Any]:

@@ -187,13 +187,19 @@ def _gathered_combine(x2: Any, weight: Any, index: Any, bias: Any, combine: Any)
     return out
 
 
+def _gemv_takes(x2: Any | None, weight: Any, index: Any, bias: Any) -> bool:
+    """What gemv.cu's gathered kernels read 16 bytes at a time: rows of x (_rows), an index per row, a contiguous
+    [E, N, K] stack (and bias) of x's storage type with K a multiple of 16 bytes and the stack aligned."""
+    extra = () if bias is None else (bias,)
+    return bool(x2 is not None and x2.shape[0] and index.size == x2.shape[0] and weight.ndim == 3
+                and nvrtc.supports(x2, weight, *extra) and contiguous(weight, *extra)
+                and not weight.shape[2] % (16 // weight.itemsize) and not weight.data.ptr % 16)
+
+
 @kernel("gathered_linear")
 def gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None, combine: Any = None) -> Any:
     x2 = _rows(x)
-    if (x2 is None or not x2.shape[0] or index.size != x2.shape[0] or weight.ndim != 3
-            or not nvrtc.supports(x2, weight, *(() if bias is None else (bias,)))
-            or not contiguous(weight, *(() if bias is None else (bias,)))
-            or weight.shape[2] % (16 // weight.itemsize) or weight.data.ptr % 16):
+    if not _gemv_takes(x2, weight, index, bias):
         return portable_gathered_linear(cp, x, weight, index, bias, combine)
     index = _index(index)
     if x2.shape[0] > GATHERED_GEMV_ROWS and _grouped_applies(x2, weight):
@@ -208,11 +214,8 @@ def gated_gathered_linear(x: Any, weight: Any, index: Any, bias: Any = None, *, 
     """A decode step's gate/up experts and their activation by the gated gathered GEMV; the composition (gathered
     linear, then gated_activation) for a prompt's rows and whatever the GEMV does not take."""
     x2 = _rows(x)
-    if (x2 is None or not 0 < x2.shape[0] <= GATHERED_GEMV_ROWS or index.size != x2.shape[0] or weight.ndim != 3
-            or weight.shape[1] % 2 or activation not in GATE_CODES
-            or not nvrtc.supports(x2, weight, *(() if bias is None else (bias,)))
-            or not contiguous(weight, *(() if bias is None else (bias,)))
-            or weight.shape[2] % (16 // weight.itemsize) or weight.data.ptr % 16):
+    if not (_gemv_takes(x2, weight, index, bias) and x2.shape[0] <= GATHERED_GEMV_ROWS
+            and weight.shape[1] % 2 == 0 and activation in GATE_CODES):
         return composite.gated_gathered_linear(CUDA_KERNELS.kernels, x, weight, index, bias, activation)
     return _gathered_gemv(x2, weight, _index(index), bias, activation)
 
