@@ -293,3 +293,117 @@ def test_gathered_quantized_linear_with_combine(tokens) -> None:
                                     cp.asarray(index), None, cp.asarray(combine), bits=bits, group_size=group)
     assert got.shape == (tokens, n)
     _check(got, want, BFLOAT16)
+
+
+def _norm_route_case(seed: int, rows: int, experts: int, width: int, dtype, with_bias: bool, with_norm: bool):
+    """(x, residual, norm weight or None, router weight, bias or None) of a MoE block's norm and router."""
+    rng = np.random.default_rng(seed)
+    x, residual = (rng.standard_normal((1, rows, width)).astype(dtype) for _ in range(2))
+    norm_weight = (1 + 0.2 * rng.standard_normal(width)).astype(dtype) if with_norm else None
+    weight = (rng.standard_normal((experts, width)) / np.sqrt(width)).astype(dtype)
+    bias = rng.standard_normal(experts).astype(dtype) if with_bias else None
+    return x, residual, norm_weight, weight, bias
+
+
+def _check_norm_route(got: tuple, x, residual, weight, bias, k: int, normalize: bool, dtype) -> None:
+    """got = (total, normed, weights, indices): the sum exact, the norm within the storage type's rounding, the picks
+    the k largest logits of the kernel's own normalized rows (float64: a pick may only trade places with a logit an
+    output rounding away), the weights their softmax."""
+    import cupy as cp
+
+    total, normed, weights, indices = (cp.asnumpy(a) for a in got)
+    f32 = [None if a is None else a.astype(np.float32) for a in (x, residual, weight, bias)]
+    np.testing.assert_array_equal(total.astype(np.float32), (f32[0] + f32[1]).astype(dtype).astype(np.float32))
+    rows = normed.reshape(-1, normed.shape[-1]).astype(np.float64)
+    logits = rows @ weight.astype(np.float64).T + (0.0 if bias is None else bias.astype(np.float64))
+    top = -np.sort(-logits, axis=-1)[:, :k]
+    ulp = ULP[np.dtype(dtype)] * 2 * np.abs(logits).max()
+    np.testing.assert_allclose(np.take_along_axis(logits, indices, axis=-1), top, rtol=0, atol=ulp)
+    assert all(len(set(row)) == k for row in indices.tolist())
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    want = np.take_along_axis(p / p.sum(axis=-1, keepdims=True), indices, axis=-1)
+    if normalize:
+        want = want / want.sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(weights.astype(np.float64), want, rtol=ULP[np.dtype(weights.dtype)] * 8 + 4 * ulp,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("experts,width,k", [(128, 2048, 8), (12, 64, 3), (256, 200, 32), (40, 1024, 1)])
+@pytest.mark.parametrize("with_bias,with_norm", [(False, True), (True, False)], ids=["norm", "bias-nonorm"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "raw"])
+def test_add_rms_norm_route_experts_matches_definition(dtype, rows, experts, width, k, with_bias, with_norm,
+                                                       normalize) -> None:
+    """gemv.cu's add_rms_norm_route (up to 4 rows; the composition above) against float64: the residual sum, the
+    norm, the router's picks and weights, float32 weights out as the op's dtype asks."""
+    import cupy as cp
+
+    from kiln.ir.dtypes import DType
+    from kiln.runtime.backends.cuda.kernels.experts import add_rms_norm_route_experts
+
+    case = _norm_route_case(rows * experts + width, rows, experts, width, dtype, with_bias, with_norm)
+    out = np.float32 if normalize else dtype
+    got = add_rms_norm_route_experts(*(None if a is None else cp.asarray(a) for a in case), axes=1, eps=1e-6, k=k,
+                                     normalize=normalize, dtype=DType.from_numpy(out))
+    assert got[2].shape == got[3].shape == (rows, k) and got[2].dtype == np.dtype(out)
+    x, residual, norm_weight, weight, bias = case
+    _check_norm_route(got, x, residual, weight, bias, k, normalize, dtype)
+    sums = (x.astype(np.float32) + residual.astype(np.float32)).astype(dtype).astype(np.float64)
+    want_normed = sums / np.sqrt((sums ** 2).mean(axis=-1, keepdims=True) + 1e-6)
+    if norm_weight is not None:
+        want_normed = want_normed * norm_weight.astype(np.float64)
+    _check(got[1].reshape(rows, width), want_normed.reshape(rows, width), dtype)
+
+
+def test_add_rms_norm_route_experts_gives_nan_picks_for_a_nan_row() -> None:
+    """A NaN in a row makes its logits NaN; the pick is then the first k experts with NaN weights, as the
+    softmax and top-k the node stands for give; the other rows are untouched."""
+    import cupy as cp
+
+    from kiln.ir.dtypes import DType
+    from kiln.runtime.backends.cuda.kernels.experts import add_rms_norm_route_experts
+
+    x, residual, norm_weight, weight, _ = _norm_route_case(3, 3, 128, 2048, BFLOAT16, False, True)
+    x[0, 1, 7] = np.nan
+    got = add_rms_norm_route_experts(*(cp.asarray(a) for a in (x, residual, norm_weight, weight)), None, axes=1,
+                                     eps=1e-6, k=8, normalize=True, dtype=DType.bfloat16)
+    weights, indices = (cp.asnumpy(a) for a in got[2:])
+    assert np.isnan(weights[1].astype(np.float32)).all() and indices[1].tolist() == list(range(8))
+    assert np.isfinite(weights[[0, 2]].astype(np.float32)).all()
+
+
+def test_add_rms_norm_route_experts_is_captured_as_a_graph() -> None:
+    """The kernel's ticket (its last block picks) is zeroed once for the graph and reset by every launch: replays
+    with new rows written into the same buffers pick what the eager kernel picks for them, a second router's too
+    after a temporary was written and freed (the graph's pool hands such memory out again: the ticket must not be
+    there, or every replay writes over its zero)."""
+    import cupy as cp
+
+    from kiln.ir.dtypes import DType
+    from kiln.runtime.backends.cuda import CUDABackend
+    from kiln.runtime.backends.cuda.kernels.experts import add_rms_norm_route_experts
+
+    x, residual, norm_weight, weight, _ = (None if a is None else cp.asarray(a)
+                                           for a in _norm_route_case(0, 1, 128, 2048, BFLOAT16, False, True))
+
+    def route() -> list:
+        return list(add_rms_norm_route_experts(x, residual, norm_weight, weight, None, axes=1, eps=1e-6, k=8,
+                                               normalize=True, dtype=DType.bfloat16))
+
+    def step() -> list:
+        first = route()
+        scribbles = [cp.full(128, 0x7FFFFFFF, dtype=np.uint32) for _ in range(8)]  # (the pool's 512-byte blocks:
+        del scribbles                                                              #  the second router's too)
+        return first + route()
+
+    route()  # compiles the kernel outside the capture
+    graph, outputs = CUDABackend(None).capture(step)
+    for seed in range(4):
+        rng = np.random.default_rng(seed + 10)
+        x[...] = cp.asarray(rng.standard_normal(x.shape).astype(BFLOAT16))
+        residual[...] = cp.asarray(rng.standard_normal(x.shape).astype(BFLOAT16))
+        graph.launch()
+        want = route() * 2
+        for got, expected in zip(outputs, want, strict=True):
+            np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(expected))

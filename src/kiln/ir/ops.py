@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 13
+OPSET_VERSION = 14
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
@@ -33,7 +33,8 @@ and renormalization as one node) and gathered_linear and gathered_quantized_line
 of each token's k expert rows); 12 norm_rope_cache_update was added (rope_cache_update of q and k each
 RMS-normalized per head first: the q/k norms of Qwen3 and Gemma 3 folded into the step's one node); 13
 gated_gathered_linear was added (a gathered_linear over stacked gate/up experts and the gated activation after it,
-as gated_linear is to linear)."""
+as gated_linear is to linear); 14 add_rms_norm_route_experts was added (a MoE block's residual add and RMSNorm,
+its router's linear layer and route_experts as one node)."""
 
 
 class AttrType(enum.IntEnum):
@@ -348,6 +349,12 @@ define("route_experts", "logits", A("k", T.INT), A("normalize", T.BOOL, False), 
        doc="A mixture-of-experts router's pick over the last dim: p = softmax(logits in float32); (weights, int64 "
            "indices) = topk(p, k) as topk orders it (sorted, ties to the lower index); weights divided by their sum "
            "if normalize (float32); weights cast to dtype.")
+define("add_rms_norm_route_experts", "x residual norm_weight? weight bias?", A("axes", T.INT), A("eps", T.FLOAT, None),
+       A("k", T.INT), A("normalize", T.BOOL, False), A("dtype", T.DTYPE), outputs=4,
+       doc="(s, n, weights, indices) for (s, n) = add_rms_norm(x, residual, norm_weight) (axes 1) and (weights, "
+           "indices) = route_experts(linear(n as [R, D], weight, bias)) with R the product of x's leading dims: a "
+           "mixture-of-experts block's residual add, its RMSNorm and its router's linear layer and pick in one node "
+           "(n stays an output: the experts read it). weight [E, D]; weights and indices are [R, k].")
 define("cumprod", "x", A("dim", T.INT), doc="Cumulative product along dim (small ints accumulate in int64).")
 for _name in ("cummax", "cummin"):
     define(_name, "x", A("dim", T.INT), outputs=2,

@@ -308,6 +308,19 @@ def _route_experts(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
     return [Spec(attrs["dtype"], shape), Spec(DType.int64, shape)]
 
 
+@rule("add_rms_norm_route_experts")
+def _add_rms_norm_route_experts(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
+    x, residual, norm_weight, weight, bias = ins + [None] * (5 - len(ins))
+    need(x is not None and residual is not None and weight is not None, "a required input is absent")
+    need(x.shape == residual.shape, f"x {list(x.shape)} and residual {list(residual.shape)} differ")
+    need(attrs["axes"] == 1, "the norm is over the last dim (axes 1)")
+    normalized(x, norm_weight, 1)
+    rows = Spec(x.dtype, (numel(x.shape[:-1]), x.shape[-1]))
+    _, experts = linear_rows(rows, weight, bias)
+    weights, indices = _route_experts([Spec(same_dtype(x, weight, bias), (rows.shape[0], experts))], attrs)
+    return [x, x, weights, indices]
+
+
 # ---- creation ----
 
 @rule("arange")

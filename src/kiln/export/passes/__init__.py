@@ -31,7 +31,7 @@ from kiln.export.passes.fuse_qk_norm import fuse_qk_norm
 from kiln.export.passes.fuse_residual_norm import fuse_residual_norm
 from kiln.export.passes.fuse_rope import fuse_rope
 from kiln.export.passes.fuse_rope_cache import fuse_rope_cache_update
-from kiln.export.passes.fuse_router import fuse_router
+from kiln.export.passes.fuse_router import fuse_router, fuse_router_norm
 from kiln.export.passes.in_place import mark_in_place_state_writes
 from kiln.export.passes.simplify import collapse_chains, remove_noops
 from kiln.ir.graph import Method
@@ -106,6 +106,8 @@ PIPELINE: tuple[Pass, ...] = (
          "per-head RMSNorms of q and k folded into their rope_cache_update (norm_rope_cache_update)"),
     Pass("fuse_gated_linear", _method_only(fuse_gated_linear),
          "a stacked gate/up (quantized, gathered) linear and the gated activation of its halves as one node"),
+    Pass("fuse_router_norm", _method_only(fuse_router_norm),
+         "a mixture-of-experts block's residual add + rms_norm and its router's linear layer and pick as one node"),
     Pass("fuse_norm_linear", _method_only(fuse_norm_linear),
          "residual add + rms_norm and the (quantized) linear reading the norm as one node"),
 )

@@ -1,7 +1,8 @@
 """Fused ops as the sequence of ops they stand for, over one backend's own kernel table.
 
 The export makes a few nodes that exist only so a GPU can run them as one kernel (gated_linear,
-add_rms_norm_linear, their quantized forms, gated_gathered_linear, route_experts and norm_rope_cache_update). A
+add_rms_norm_linear, their quantized forms, gated_gathered_linear, route_experts, add_rms_norm_route_experts and
+norm_rope_cache_update). A
 backend without that kernel, or a call its kernel does not take (many rows, odd strides), runs them as the ops they
 replace: same results, same kernels, no new code per backend.
 """
@@ -69,6 +70,15 @@ def route_experts(kernels: Kernels, logits: Any, k: int, normalize: bool, dtype:
     return kernels["cast"](weights, dtype=dtype), indices
 
 
+def add_rms_norm_route_experts(kernels: Kernels, x: Any, residual: Any, norm_weight: Any, weight: Any, bias: Any,
+                               axes: int, eps: float | None, k: int, normalize: bool,
+                               dtype: DType) -> tuple[Any, Any, Any, Any]:
+    """add_rms_norm, the router's linear layer over the normalized rows as [R, D], then route_experts."""
+    total, normed = kernels["add_rms_norm"](x, residual, norm_weight, axes, eps)
+    logits = kernels["linear"](normed.reshape(-1, normed.shape[-1]), weight, bias)
+    return (total, normed) + tuple(route_experts(kernels, logits, k, normalize, dtype))
+
+
 def norm_rope_cache_update(kernels: Kernels, q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
                            q_weight: Any, k_weight: Any, *indices: Any, dims: Any, interleaved: bool,
                            eps: float | None, in_place: bool) -> tuple[Any, Any, Any]:
@@ -83,7 +93,7 @@ COMPOSITES: dict[str, Callable[..., Any]] = {
     "gated_linear": gated_linear, "add_rms_norm_linear": add_rms_norm_linear,
     "gated_quantized_linear": gated_quantized_linear, "add_rms_norm_quantized_linear": add_rms_norm_quantized_linear,
     "gated_gathered_linear": gated_gathered_linear, "route_experts": route_experts,
-    "norm_rope_cache_update": norm_rope_cache_update}
+    "add_rms_norm_route_experts": add_rms_norm_route_experts, "norm_rope_cache_update": norm_rope_cache_update}
 """Op name -> its composition, a function of (kernels, *the op's inputs and attributes)."""
 
 

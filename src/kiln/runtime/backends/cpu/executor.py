@@ -409,16 +409,28 @@ def emit_rms_norm(lw: Lowering, x: Loc, residual: Loc | None, weight: Loc | None
     return total, out
 
 
-@lowering("route_experts")
-def _route_experts(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+def emit_route(lw: Lowering, logits: Loc, attrs: dict[str, Any]) -> tuple[Loc, Loc]:
     """As cpu/experts.py's route_experts: float32 logits and weights by native/experts.c."""
-    (logits,) = _inputs(lw, node)
     k, n = int(attrs["k"]), logits.shape[-1] if logits.shape else 0
     _need(logits.dtype == F32 and attrs["dtype"].numpy == F32 and 0 < k <= n, "float32 logits and weights")
     logits = lw.contiguous(logits)
     weights, ids = lw.new(logits.shape[:-1] + (k,), F32), lw.new(logits.shape[:-1] + (k,), I64)
     lw.emit("route", logits, weights, ids, lw.work(4 * n), _rows(logits), n, k, int(attrs["normalize"]))
-    lw.output(node, weights, ids)
+    return weights, ids
+
+
+@lowering("route_experts")
+def _route_experts(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    lw.output(node, *emit_route(lw, *_inputs(lw, node), attrs))
+
+
+@lowering("add_rms_norm_route_experts")
+def _add_rms_norm_route_experts(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """As composite.add_rms_norm_route_experts: the norm, the router's linear over the rows [R, D], the pick."""
+    x, residual, norm_weight, weight, bias = _inputs(lw, node)
+    total, normed = emit_rms_norm(lw, x, residual, norm_weight, int(attrs["axes"]), attrs["eps"])
+    rows = normed.view(0, (_rows(normed), normed.shape[-1]), c_strides((_rows(normed), normed.shape[-1]), 4))
+    lw.output(node, total, normed, *emit_route(lw, emit_linear(lw, rows, weight, bias), attrs))
 
 
 def _gathered_out(lw: Lowering, rows: int, n: int, combine: Loc | None) -> tuple[int, Loc]:

@@ -24,7 +24,7 @@ import numpy as np
 from kiln.errors import BackendUnavailableError
 from kiln.ir.graph import StateBuffer
 from kiln.runtime.backends.base import Backend, Kernel
-from kiln.runtime.backends.cuda import constants
+from kiln.runtime.backends.cuda import constants, zeroed
 from kiln.runtime.graphs import CaptureError
 from kiln.runtime.program import Program
 
@@ -115,25 +115,32 @@ class CUDABackend(Backend):
         906, found by the sessions-on-threads tests).
 
         Everything body allocates comes from a memory pool of the graph's own, which the returned graph keeps: the
-        replays write those addresses, so no other array may be given that memory while the graph lives.
+        replays write those addresses, so no other array may be given that memory while the graph lives. Scratch
+        that must read zero at the first replay (cuda/zeroed.py) is zeroed once, after the capture, and kept.
         """
         cp = self.cp
         if self._capture_stream is None:
             self._capture_stream = cp.cuda.Stream(non_blocking=True)
         stream, pool = self._capture_stream, cp.cuda.MemoryPool()
         cp.cuda.get_current_stream().synchronize()
+        zeroed.take_pending()
         with cp.cuda.using_allocator(pool.malloc), stream:
             stream.begin_capture()
             try:
                 outputs = body()
             except Exception as e:
+                zeroed.take_pending()
                 try:
                     stream.end_capture()
                 except Exception:  # noqa: BLE001 - the capture is already invalid; the first error says why
                     pass
                 raise CaptureError(f"{type(e).__name__}: {e}") from e
             graph = stream.end_capture()
-        return _Graph(graph, pool), outputs
+            scratch = zeroed.take_pending()
+            for array in scratch:  # (zero before the first replay: cuda/zeroed.py)
+                array.fill(0)
+            stream.synchronize()
+        return _Graph(graph, pool, scratch), outputs
 
     @staticmethod
     def _first_on_gpu(fn: Kernel, on_host: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,10 +174,10 @@ class CUDABackend(Backend):
 
 
 class _Graph:
-    """A captured CUDA graph and the memory pool its kernels address."""
+    """A captured CUDA graph and the memory its kernels address: its pool and its zeroed scratch (cuda/zeroed.py)."""
 
-    def __init__(self, graph: Any, pool: Any):
-        self.graph, self.pool = graph, pool
+    def __init__(self, graph: Any, pool: Any, scratch: list[Any]):
+        self.graph, self.pool, self.scratch = graph, pool, scratch
 
     def launch(self) -> None:
         self.graph.launch()

@@ -162,6 +162,103 @@ __device__ float block_reduce(float v, float identity) {
 __device__ float block_sum(float v) { return block_reduce<warp_sum>(v, 0.0f); }
 __device__ float block_max(float v) { return block_reduce<warp_max>(v, -KILN_INF); }
 
+// Top-k keys (topk.cu's topk_rows and the routers' pick): each element and its index as one 64-bit key whose larger
+// value wins: the value's order in the high word, the index reversed in the low word.
+
+// The float's place in the order as an unsigned word (larger wins): NaN highest for largest, lowest for smallest.
+__device__ __forceinline__ unsigned long long topk_key(float v, long long at, int largest) {
+    if (v == 0.0f) v = 0.0f;  // (-0.0 ties with +0.0)
+    unsigned int u = __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending floats to ascending words
+    if (v != v) u = 0xffffffffu;
+    if (!largest) u = ~u;
+    return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned int)at);
+}
+
+// The warp's largest 64-bit key: on sm_80 on, two redux.sync (the high words' max, then the low words' max among the
+// lanes holding it: keys are unique, so that is the largest key) where five rounds of 64-bit shuffles took ten
+// dependent shuffles; the shuffles elsewhere.
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long key) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int hi = (unsigned int)(key >> 32);
+    unsigned int top, low;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(top) : "r"(hi));
+    const unsigned int mine = hi == top ? (unsigned int)key : 0u;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(low) : "r"(mine));
+    return (unsigned long long)top << 32 | low;
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    return key;
+#endif
+}
+
+// The float a key was made from (topk_key's order inverted; largest keys only).
+__device__ __forceinline__ float key_value(unsigned long long key) {
+    const unsigned int u = (unsigned int)(key >> 32);
+    return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+
+// A mixture-of-experts router's pick of one row (route_experts; topk.cu's route_rows and gemv.cu's
+// add_rms_norm_route), by a whole warp holding the row's logits in registers (v[j] is element 32 j + lane, -inf past
+// n <= 32 N; k <= 32): the softmax in float32 (exp(x - max) / sum, as the portable softmax computes it), the k
+// largest probabilities picked as topk_rows picks, renormalized by their sum when asked, written as float32
+// (out_float32) or the storage type with their int64 indices at row k. A NaN logit makes every probability NaN, as
+// the softmax it stands for does.
+template <class S, int N>
+__device__ __forceinline__ void route_row(float (&v)[N], int n, int k, int normalize, int out_float32,
+                                          void* __restrict__ weights, long long* __restrict__ indices,
+                                          long long row) {
+    const int lane = threadIdx.x & 31;
+    float top = -KILN_INF;
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        nan |= v[j] != v[j];
+        top = fmaxf(top, v[j]);
+    }
+    top = warp_max(top);
+    nan = __any_sync(0xffffffffu, nan);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        v[j] = 32 * j + lane < n ? expf(v[j] - top) : 0.0f;
+        sum += v[j];
+    }
+    sum = warp_sum(sum);
+    unsigned long long keys[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int at = 32 * j + lane;
+        keys[j] = at < n ? topk_key(nan ? __int_as_float(0x7fc00000) : v[j] / sum, at, 1) : 0ull;
+    }
+    float mine = 0.0f;  // lane r keeps the r-th pick
+    long long mine_at = 0;
+    for (int round = 0; round < k; ++round) {
+        unsigned long long best = 0ull;
+#pragma unroll
+        for (int j = 0; j < N; ++j) best = keys[j] > best ? keys[j] : best;
+        best = warp_max_key(best);
+        const int at = (int)(0xffffffffu - (unsigned int)(best & 0xffffffffu));
+        if ((at & 31) == lane) {
+#pragma unroll
+            for (int j = 0; j < N; ++j) keys[j] = j == (at >> 5) ? 0ull : keys[j];
+        }
+        if (lane == round) mine = key_value(best), mine_at = at;
+    }
+    const float total = normalize ? warp_sum(lane < k ? mine : 0.0f) : 1.0f;
+    if (lane < k) {
+        const float w = normalize ? mine / total : mine;
+        if (out_float32)
+            static_cast<float*>(weights)[row * k + lane] = w;
+        else
+            static_cast<typename S::T*>(weights)[row * k + lane] = S::store(w);
+        indices[row * k + lane] = mine_at;
+    }
+}
+
 __device__ __forceinline__ float sigmoid(float v) {  // without overflow for either sign
     const float e = expf(-fabsf(v));
     return v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);

@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer on the GPU: the router's pick (route_experts: topk.cu's route_rows, a warp per token)
+"""A mixture-of-experts layer on the GPU: the router's pick (route_experts: topk.cu's route_rows, a warp per token;
+add_rms_norm_route_experts: gemv.cu's add_rms_norm_route, the block's norm, router GEMV and pick in one kernel)
 and the experts (gathered_linear, gated_gathered_linear and gathered_quantized_linear): each row of x through the
 linear layer its router picked from a stack of E, reading only the picked experts' weights, with the index kept on
 the GPU (no copy to the host, so a decode step is still one captured graph).
@@ -30,16 +31,23 @@ from kiln.runtime.backends.array_api import BFLOAT16
 from kiln.runtime.backends.array_api.experts import combine_rows as portable_combine_rows
 from kiln.runtime.backends.array_api.experts import gathered_linear as portable_gathered_linear
 from kiln.runtime.backends.array_api.experts import gathered_quantized_linear as portable_gathered_quantized
+from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.linalg import (
+    GEMV_NORM_ROW_MAX,
+    GEMV_ROWS,
+    GEMV_SHARED_MAX,
     GEMV_WARPS,
     QUANT_WARPS,
+    _gemv_applies,
     _gemv_split,
     _qgemv_applies,
     _resident_blocks,
 )
+from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 from kiln.runtime.backends.cuda.kernels.sort import TOPK_HELD, TOPK_WARPS
+from kiln.runtime.backends.cuda.zeroed import zeroed
 
 GATHERED_GEMV_ROWS = 16
 """Rows up to which the gathered GEMV runs (two tokens' top-8); from here on the rows are grouped by expert and
@@ -76,6 +84,39 @@ def route_experts(logits: Any, k: int, normalize: bool, dtype: DType) -> tuple[A
         (logits, weights, indices, np.int64(rows), np.int32(n), np.int32(k), np.int32(normalize),
          np.int32(out_dtype == np.float32)))
     return weights, indices
+
+
+ROUTE_HELD = 8
+"""Logits a lane of gemv.cu's add_rms_norm_route holds in its pick: routers of up to 32 * ROUTE_HELD experts."""
+
+
+@kernel("add_rms_norm_route_experts")
+def add_rms_norm_route_experts(x: Any, residual: Any, norm_weight: Any, weight: Any, bias: Any, axes: int,
+                               eps: float | None, k: int, normalize: bool, dtype: DType) -> tuple[Any, Any, Any, Any]:
+    """A decode step's MoE norm, router GEMV and pick as gemv.cu's add_rms_norm_route (one kernel); the op's
+    composition (add_rms_norm, linear, route_experts) for a prompt's rows and what that kernel does not take."""
+    experts, out_dtype = weight.shape[0] if weight.ndim else 0, np.dtype(dtype.numpy)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x
+    if not (fused_rms_norm_applies(x, residual, norm_weight, axes) and x.size * x.itemsize <= GEMV_SHARED_MAX
+            and x.shape[-1] * x.itemsize <= GEMV_NORM_ROW_MAX and x2.shape[0] <= GEMV_ROWS
+            and _gemv_applies(x2, weight, bias) and 0 < k <= min(experts, ROUTE_K_MAX)
+            and experts <= 32 * ROUTE_HELD and out_dtype in (x.dtype, np.float32)):
+        return composite.add_rms_norm_route_experts(CUDA_KERNELS.kernels, x, residual, norm_weight, weight, bias,
+                                                    axes, eps, k, normalize, dtype)
+    rows, width = x2.shape
+    total, normed = cp.empty_like(x), cp.empty_like(x)
+    weights = cp.empty((rows, k), dtype=out_dtype)
+    indices = cp.empty((rows, k), dtype=np.int64)
+    rounds = -(-width * x.itemsize // (16 * 32 * 2))  # (gemv.cu's GEMV_LOADS = 2 pieces a lane a round)
+    nvrtc.function("gemv", "add_rms_norm_route", x.dtype, min(4, 1 << max(0, rounds - 1).bit_length()))(
+        (-(-experts // GEMV_WARPS),), (32 * GEMV_WARPS,),
+        (x2, residual, x2 if norm_weight is None else norm_weight, total, normed, weight,
+         weight if bias is None else bias, cp.empty((rows, experts), dtype=np.float32), weights, indices,
+         zeroed(cp, (1,), np.uint32), np.int32(rows), np.int32(experts), np.int32(width), np.int32(k),
+         np.int32(normalize), np.int32(out_dtype == np.float32), np.int32(bias is not None),
+         np.int32(norm_weight is not None), np.float32(rms_norm_eps(eps, x.dtype))),
+        shared_mem=x.size * x.itemsize)
+    return total, normed, weights, indices
 
 
 def _rows(x: Any) -> Any | None:

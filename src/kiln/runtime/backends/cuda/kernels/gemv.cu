@@ -405,3 +405,66 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typena
         __syncthreads();  // (products is written again by the next group)
     }
 }
+
+#define ROUTE_HELD 8  // logits a lane holds in the pick: experts <= 256 (experts.py's ROUTE_HELD)
+
+// add_rms_norm_route<N>: 1 2 4
+// A mixture-of-experts block's residual add, RMSNorm, router linear layer and pick (add_rms_norm_route_experts) over
+// a few rows, in one kernel where they were three (norm, router GEMV, route_rows). Every block adds and normalizes
+// the rows into shared memory as gemv's norm prologue does (block 0 writes the sum and the normalized rows out: the
+// experts read them); warp o of the grid takes expert o's logit for every row as gemv's warps take an output (rounded
+// to the storage type, as the linear layer rounds it) into float32 scratch [rows, E]. The last block to finish
+// (a ticket, which it resets to 0 for the next launch: experts.py hands over a zeroed one) picks each row's k
+// experts as route_rows does, a warp per row, from the scratch read through L2. N rounds of each warp's loads of its
+// router row (a program constant: N * 32 * GEMV_LOADS pieces, the whole row at K = 2048 bfloat16 with N = 4) are
+// issued before grid_dependency_sync, so the router's weight is in flight while the kernel before still finishes.
+template <class S, int N>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) add_rms_norm_route(
+        const typename S::T* __restrict__ x, const typename S::T* __restrict__ res,
+        const typename S::T* __restrict__ nw, typename S::T* __restrict__ sum, typename S::T* __restrict__ normed,
+        const typename S::T* __restrict__ w, const typename S::T* __restrict__ bias, float* __restrict__ logits,
+        void* __restrict__ weights, long long* __restrict__ indices, unsigned int* __restrict__ ticket, int rows,
+        int n, int k, int topk, int normalize, int out_float32, int has_bias, int has_nw, float eps) {
+    typedef typename S::T T;
+    constexpr int V = S::PER16;
+    __shared__ int last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pieces = k / V;
+    const long long o = (long long)blockIdx.x * GEMV_WARPS + warp;  // this warp's expert
+    U4 wv[1][N][GEMV_LOADS];
+    if (o < n) issue_first<1, N>(wv, w + o * k, 0, pieces, lane);
+    grid_dependency_sync();
+    extern __shared__ U4 normalized[];  // rows * k values
+    T* xs = reinterpret_cast<T*>(normalized);
+    add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw);
+    if (blockIdx.x == 0) {
+        for (int p = threadIdx.x; p < rows * pieces; p += blockDim.x)
+            reinterpret_cast<U4*>(normed)[p] = normalized[p];
+    }
+    if (o < n) {
+        float acc[1][GEMV_ROWS] = {};
+        rows_dot<S, 1, N>(w + o * k, 0, xs, k, rows, pieces, lane, wv, acc);
+        const float b = has_bias ? S::load(bias[o]) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            if (r >= rows) break;
+            const float y = warp_sum(acc[0][r]) + b;
+            if (lane == 0) logits[r * n + o] = S::load(S::store(y));
+        }
+    }
+    __threadfence();  // (this block's logits visible to the block that picks)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        if (last) *ticket = 0u;  // (every block has counted: the next launch starts from 0)
+    }
+    __syncthreads();
+    if (!last || warp >= rows) return;
+    __threadfence();
+    float v[ROUTE_HELD];
+#pragma unroll
+    for (int j = 0; j < ROUTE_HELD; ++j) {
+        const int at = 32 * j + lane;
+        v[j] = at < n ? __ldcg(logits + warp * n + at) : -KILN_INF;
+    }
+    route_row<S, ROUTE_HELD>(v, n, topk, normalize, out_float32, weights, indices, warp);
+}
