@@ -72,15 +72,44 @@ def test_float32_weights_without_a_cast_back_are_fused():
 
 
 class LogitsFirst(torch.nn.Module):
-    """gpt-oss's router: the top k of the logits, then the softmax of those."""
+    """gpt-oss's router: the top k of the logits (its linear layer has a bias), then the softmax of those in the
+    logits' dtype."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32, k: int = 4, values_too: bool = False):
         super().__init__()
-        self.gate = torch.nn.Linear(D, EXPERTS)
+        torch.manual_seed(6)
+        self.gate = torch.nn.Linear(D, EXPERTS).to(dtype)
+        self.k, self.values_too = k, values_too
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values, ids = torch.topk(self.gate(x), 4, dim=-1)
-        return torch.softmax(values, dim=-1), ids
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values, ids = torch.topk(self.gate(x), self.k, dim=-1)
+        weights = torch.softmax(values, dim=-1, dtype=values.dtype)
+        return (weights, ids) + ((values,) if self.values_too else ())
+
+
+@pytest.mark.parametrize("k", [4, 1, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_logits_first_router_is_route_experts_and_matches_eager(k, dtype, backend):
+    """The top k of the logits and their softmax are the top k of the softmax renormalized: one route_experts node
+    (normalize), equal to gpt-oss's chain to float32 rounding."""
+    module = LogitsFirst(dtype, k)
+    builder = _export(module, dtype)
+    ops = _ops(builder)
+    assert ops.count("route_experts") == 1 and not {"softmax", "topk"} & set(ops), ops
+    [node] = [n for n in builder.methods["forward"].nodes if n.op == "route_experts"]
+    assert node.attrs["k"] == k and node.attrs["normalize"] and node.attrs["dtype"].name == str(dtype)[6:]
+    session = builder.load().session(backend)
+    for tokens, seed in ((1, 0), (9, 1)):
+        x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        with torch.no_grad():
+            want_weights, _ = module(x)
+            logits = module.gate(x).float().numpy()
+        weights, ids = session.run("forward", x.float().numpy().astype(NUMPY[dtype]))
+        picked = np.take_along_axis(logits, to_numpy(ids), axis=-1)
+        top = -np.sort(-logits, axis=-1)[:, :k]  # (kiln's bfloat16 logits may round a unit apart from eager's)
+        np.testing.assert_allclose(picked, top, rtol=0, atol=0 if dtype == torch.float32 else 8e-3 * np.abs(top).max())
+        np.testing.assert_allclose(to_numpy(weights).astype(np.float32), want_weights.float().numpy(),
+                                   rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
 class ProbabilitiesReadElsewhere(torch.nn.Module):
@@ -96,7 +125,8 @@ class ProbabilitiesReadElsewhere(torch.nn.Module):
         return weights, ids, probabilities
 
 
-@pytest.mark.parametrize("module", [LogitsFirst(), ProbabilitiesReadElsewhere()], ids=["logits-first", "shared"])
+@pytest.mark.parametrize("module", [LogitsFirst(values_too=True), ProbabilitiesReadElsewhere()],
+                         ids=["logits-first-values-returned", "shared"])
 def test_other_chains_are_left_alone(module):
     ops = _ops(_export(module, torch.float32))
     assert "route_experts" not in ops and "topk" in ops and "softmax" in ops

@@ -8,8 +8,15 @@ linear layer:
 Each is a kernel of its own on a GPU, a few microseconds apiece for a [tokens, E] array, per MoE layer and token: on
 the H100 a decode step of Qwen3-30B-A3B's shape spent more on this chain than on the router's weights. As one node a
 backend runs it as one kernel (the CUDA backend: a warp per token, softmax and top-k in registers); the others run
-the same chain (kiln.runtime.backends.composite). gpt-oss, which picks the top k of the logits first and takes the
-softmax of those, keeps its chain.
+the same chain (kiln.runtime.backends.composite). gpt-oss's router picks the top k of the logits first and takes the
+softmax of those:
+
+    topk(logits, k) -> [cast] -> softmax(values, last dim) -> [cast]
+
+which is the same pick and the same weights: softmax is monotonic, so the top k of the probabilities are the top k
+of the logits (ties to the lower index alike), and the probabilities renormalized over the k are exp(x_i - max) over
+the k's sum of them, the max being among the k: the softmax of the k logits. So it becomes route_experts with
+normalize too (its weights differ from the chain's by float32 rounding, a few units in the last place).
 
 fuse_router_norm then folds what comes before the pick into it: the MoE block's residual add and RMSNorm (an
 add_rms_norm node) and the router's linear layer become one add_rms_norm_route_experts node, whose normalized rows
@@ -28,12 +35,18 @@ FLOATS = (DType.float32, DType.float16, DType.bfloat16)
 
 
 def fuse_router(method: Method) -> int:
-    """Rewrite each softmax -> topk router chain as a route_experts node in place of its topk; returns how many."""
+    """Rewrite each softmax -> topk router chain, and each topk -> softmax one (gpt-oss's), as a route_experts node in
+    place of its topk; returns how many."""
     usage = Usage.of(method)
     removed: set[int] = set()
     count = 0
     for topk in method.nodes:
         if topk.op != "topk" or not isinstance(topk.attrs.get("k"), int) or not topk.attrs.get("largest", True):
+            continue
+        absorbed = _logits_first(method, usage, topk)
+        if absorbed is not None:
+            removed.update(id(node) for node in absorbed)
+            count += 1
             continue
         probabilities, (values, indices) = topk.inputs[0], topk.outputs
         rank = len(method.values[probabilities].shape)
@@ -66,6 +79,34 @@ def fuse_router(method: Method) -> int:
         count += 1
     method.nodes = [node for node in method.nodes if id(node) not in removed]
     return count
+
+
+def _logits_first(method: Method, usage: Usage, topk: Node) -> list[Node] | None:
+    """gpt-oss's topk -> [upcast] -> softmax -> [cast] over the last dim rewritten as route_experts (normalized) in
+    place of topk; the nodes it absorbed, or None where the chain is not that."""
+    logits, (values, indices) = topk.inputs[0], topk.outputs
+    rank = len(method.values[logits].shape)
+    if not rank or topk.attrs["dim"] % rank != rank - 1 or method.values[logits].dtype not in FLOATS:
+        return None
+    absorbed, probabilities = [], values
+    upcast = usage.sole_reader(values, "cast")
+    if upcast is not None and upcast.attrs["dtype"] == DType.float32:
+        absorbed.append(upcast)
+        probabilities = upcast.outputs[0]
+    softmax = usage.sole_reader(probabilities, "softmax")
+    if softmax is None or softmax.attrs["dim"] % rank != rank - 1:
+        return None
+    absorbed.append(softmax)
+    weights = softmax.outputs[0]
+    downcast = usage.sole_reader(weights, "cast")
+    if downcast is not None and downcast.attrs["dtype"] in FLOATS:
+        absorbed.append(downcast)
+        weights = downcast.outputs[0]
+    if method.values[weights].dtype not in FLOATS:
+        return None
+    topk.op, topk.inputs, topk.outputs = "route_experts", [logits], [weights, indices]
+    topk.attrs = {"k": topk.attrs["k"], "normalize": True, "dtype": method.values[weights].dtype}
+    return absorbed
 
 
 def _normalization(method: Method, usage: Usage, values: int, rank: int) -> list[Node] | None:

@@ -1,12 +1,14 @@
-"""A/B of gpt-oss's rotary embedding as one rope node: a gpt-oss decoder exported with and without the fuse_rope
-pass (whose halves form is the only RoPE gpt-oss writes), decode steps timed interleaved in one process.
+"""A/B of export passes on a gpt-oss decoder: the same model exported with every pass and without the named ones,
+decode steps timed interleaved in one process.
 
-    .venv/bin/python benchmarks/rope_halves_ab.py [--backend cpu] [--layers 4] [--rounds 10] [--steps 8]
+    .venv/bin/python benchmarks/gpt_oss_pass_ab.py [--without fuse_rope] [--backend cpu] [--layers 4] [--rounds 10]
 
 A random-weight GptOssForCausalLM of a reduced shape (d 512, 8/2 heads of 64, 32 experts, 4 active, expert MLP 512,
-vocabulary 32000), float32, decode at context 128. Without the pass each layer's q and k rotation is 9 nodes (two
-slices, four products, a difference, a sum, a cat); with it one rope node (the cos/sin tables repeated to full width
-once a step). Greedy tokens of both are compared first, then the medians of the interleaved rounds.
+vocabulary 32000), float32, decode at context 128. Passes worth an A/B here: fuse_rope (gpt-oss's rotation in halves:
+9 nodes a rotation without it, one rope node with it) and fuse_router (its router's top-k of the logits and their
+softmax: one route_experts node with it, which fuse_router_norm then folds with the norm and router linear before
+it). Greedy tokens of both are compared first, then the medians of the interleaved rounds; the table counts the
+decode step's nodes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SHAPE = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--without", default="fuse_rope",
+                        help="the passes the B side leaves out, comma-separated (default fuse_rope)")
     parser.add_argument("--backend", default="cpu", help="kiln backend (default cpu)")
     parser.add_argument("--threads", type=int, default=1, help="compute threads (default 1)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
@@ -47,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     config = GptOssConfig(**SHAPE, num_hidden_layers=args.layers, layer_types=layer_types)
     model = GptOssForCausalLM(config).eval()
     max_context, chunk, context = 256, 128, 128
-    sessions, ropes = {}, {}
-    for name, skip in (("one rope node", ()), ("the halves as 9 nodes", ("fuse_rope",))):
+    skipped = tuple(p for p in args.without.split(",") if p)
+    sessions, nodes = {}, {}
+    for name, skip in (("every pass", ()), (f"without {', '.join(skipped)}", skipped)):
         program = export_llama(model, max_context, chunk, skip_passes=skip).load()
-        ropes[name] = sum(n.op == "rope" for n in program.ir.methods["decode"].nodes)
+        nodes[name] = len(program.ir.methods["decode"].nodes)
         sessions[name] = program.session(args.backend)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, context).astype(np.int64)
     answers = {name: greedy_generate(s, prompt[:16].tolist(), 8) for name, s in sessions.items()}
@@ -71,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.num_experts_per_tok} active), float32, kiln {args.backend}, {args.threads} thread(s), "
           f"{machine_report()['cpu']}; decode at context {context}, medians of {args.rounds} rounds of {args.steps} "
           f"steps; greedy tokens equal")
-    base = seconds["the halves as 9 nodes"]
-    body = [[name, str(ropes[name]), f"{seconds[name] / args.steps * 1e3:.3f}", f"{base / seconds[name]:.2f}x"]
+    base = seconds[f"without {', '.join(skipped)}"]
+    body = [[name, str(nodes[name]), f"{seconds[name] / args.steps * 1e3:.3f}", f"{base / seconds[name]:.2f}x"]
             for name in sessions]
-    print_table(body, ["rotation", "rope nodes", "decode ms", "speed-up"], args.markdown)
+    print_table(body, ["export", "decode nodes", "decode ms", "speed-up"], args.markdown)
     return 0
 
 
