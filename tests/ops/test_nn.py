@@ -193,6 +193,10 @@ def _cache_prefix_mask(q, k, v, visible: int):
 for dt, tol in {torch.float32: None, **LOW}.items():
     tag = str(dt)[6:]
     norm_tol = 4 * (tol or TOLERANCE[dt])  # (_norm_linear)
+    # a gated output multiplies two dot products, each off by its summation order relative to its terms (|h| up to
+    # ~150 here), not to the small product: MLX 0.32's float32 GEMV (another order than PyTorch's and NumPy's; max
+    # error 2.6e-5 against float64 where they have 1.7-1.8e-5) put one of 40 one-row outputs 2.6e-5 off eager's
+    gated_tol = tol or 4 * TOLERANCE[dt]
     CASES += [
         Case(f"sdpa_decode_gqa_cache_{tag}", lambda q, k, v: _cache_prefix_mask(q, k, v, 70),
              (In((1, 8, 1, 16), dt), In((1, 2, 200, 16), dt), In((1, 2, 200, 16), dt)), tol=tol),
@@ -231,11 +235,11 @@ for dt, tol in {torch.float32: None, **LOW}.items():
         Case(f"linear_rows_bias_{tag}", F.linear, (In((3, 64), dt), In((40, 64), dt), In((40,), dt)), tol=tol),
         Case(f"linear_one_row_{tag}", F.linear, (In((1, 1, 128), dt), In((33, 128), dt)), tol=tol),
         Case(f"gated_halves_{tag}", lambda h: F.silu(h[..., :40]) * h[..., 40:], (In((2, 3, 80), dt),), tol=tol),
-        Case(f"gated_linear_one_row_{tag}", _gated_linear, (In((1, 64), dt), In((80, 64), dt)), tol=tol),
+        Case(f"gated_linear_one_row_{tag}", _gated_linear, (In((1, 64), dt), In((80, 64), dt)), tol=gated_tol),
         Case(f"gated_linear_rows_bias_gelu_tanh_{tag}",
              lambda x, w, b: _gated_linear(x, w, b, lambda t: F.gelu(t, approximate="tanh")),
-             (In((3, 64), dt), In((48, 64), dt), In((48,), dt)), tol=tol),
-        Case(f"gated_linear_many_rows_{tag}", _gated_linear, (In((2, 5, 32), dt), In((16, 32), dt)), tol=tol),
+             (In((3, 64), dt), In((48, 64), dt), In((48,), dt)), tol=gated_tol),
+        Case(f"gated_linear_many_rows_{tag}", _gated_linear, (In((2, 5, 32), dt), In((16, 32), dt)), tol=gated_tol),
         Case(f"add_rms_norm_linear_one_row_{tag}", _norm_linear,
              (In((1, 1, 64), dt), In((1, 1, 64), dt), In((64,), dt), In((40, 64), dt)), tol=norm_tol),
         Case(f"add_rms_norm_linear_rows_bias_{tag}", lambda x, r, w, b: _norm_linear(x, r, None, w, b),
