@@ -41,18 +41,28 @@ def _ops(builder) -> list[str]:
     return [n.op for n in builder.methods["forward"].nodes]
 
 
+def _one_route_node(module: torch.nn.Module, dtype: torch.dtype, gone: set[str], backend: str) -> tuple:
+    """(the export's one route_experts node, a session of it on backend), no op of `gone` left beside it."""
+    builder = _export(module, dtype)
+    ops = _ops(builder)
+    assert ops.count("route_experts") == 1 and not gone & set(ops), ops
+    [node] = [n for n in builder.methods["forward"].nodes if n.op == "route_experts"]
+    return node, builder.load().session(backend)
+
+
+def _token_rows(dtype: torch.dtype) -> list[torch.Tensor]:
+    """A decode step's one row of tokens and a prompt's nine, in dtype."""
+    return [torch.randn(tokens, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+            for tokens, seed in ((1, 0), (9, 1))]
+
+
 @pytest.mark.parametrize("k,normalize", [(4, True), (2, False), (12, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_router_chain_becomes_one_node_and_matches_eager(k, normalize, dtype, backend):
     module = Router(k, normalize, dtype)
-    builder = _export(module, dtype)
-    ops = _ops(builder)
-    assert ops.count("route_experts") == 1 and not {"softmax", "topk", "div", "cast"} & set(ops), ops
-    [node] = [n for n in builder.methods["forward"].nodes if n.op == "route_experts"]
+    node, session = _one_route_node(module, dtype, {"softmax", "topk", "div", "cast"}, backend)
     assert node.attrs["k"] == k and node.attrs["normalize"] == normalize
-    session = builder.load().session(backend)
-    for tokens, seed in ((1, 0), (9, 1)):
-        x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    for x in _token_rows(dtype):
         with torch.no_grad():
             want_weights, want_ids = module(x)
             logits = module.gate(x).float().numpy()
@@ -93,14 +103,9 @@ def test_logits_first_router_is_route_experts_and_matches_eager(k, dtype, backen
     """The top k of the logits and their softmax are the top k of the softmax renormalized: one route_experts node
     (normalize), equal to gpt-oss's chain to float32 rounding."""
     module = LogitsFirst(dtype, k)
-    builder = _export(module, dtype)
-    ops = _ops(builder)
-    assert ops.count("route_experts") == 1 and not {"softmax", "topk"} & set(ops), ops
-    [node] = [n for n in builder.methods["forward"].nodes if n.op == "route_experts"]
+    node, session = _one_route_node(module, dtype, {"softmax", "topk"}, backend)
     assert node.attrs["k"] == k and node.attrs["normalize"] and node.attrs["dtype"].name == str(dtype)[6:]
-    session = builder.load().session(backend)
-    for tokens, seed in ((1, 0), (9, 1)):
-        x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    for x in _token_rows(dtype):
         with torch.no_grad():
             want_weights, _ = module(x)
             logits = module.gate(x).float().numpy()
