@@ -51,6 +51,25 @@ def test_experts_are_gathered_linears_and_match_the_expert_loop(family, backend)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_gpt_oss_attention_is_one_sdpa_with_sinks():
+    """gpt-oss's attention (transformers' eager function: scores, mask, a sink column, max, softmax, the column
+    dropped, the product) exports as one sdpa node a layer with the layer's sinks as its fifth input, after one
+    rope_cache_update; the model keeps transformers' own attention implementation."""
+    model = tiny_decoder("gpt_oss")
+    before = model.config._attn_implementation
+    program = export_llama(model, MAX_CONTEXT, CHUNK)
+    assert model.config._attn_implementation == before
+    layers = model.config.num_hidden_layers
+    for name in ("prefill", "decode"):
+        method = program.methods[name]
+        ops = [n.op for n in method.nodes]
+        assert ops.count("softmax") == ops.count("amax") == 0, name
+        attention = [n for n in method.nodes if n.op == "sdpa"]
+        assert len(attention) == layers and ops.count("rope_cache_update") == layers, name
+        sinks = [method.values[n.inputs[4]] for n in attention]
+        assert all(v.kind == ValueKind.CONSTANT and v.name.endswith("self_attn.sinks") for v in sinks), name
+
+
 def _dequantized_copy(model, config: Quantize):
     """The model with every weight matrix (linear, embedding, router, expert stacks) replaced by its quantized
     and dequantized values, quantized by rows as the export quantizes them (gpt-oss's [E, K, N] stacks as the
@@ -89,12 +108,12 @@ def test_int8_experts_equal_the_dequantized_model(family, backend, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", [None, "int8", "int4"], ids=["float32", "int8", "int4"])
 def test_cpu_decode_lowers_whole_into_the_native_executor(family, mode, monkeypatch):
     """route_experts and the gathered linears, float and quantized, with their combine, have executor
-    instructions: a MoE decode step is one native call, and it generates what the Python plan does (both call
-    native/experts.c)."""
+    instructions (and gpt-oss's attention with sinks and its rotary table's halves repeated by a cat): a MoE
+    decode step is one native call, and it generates what the Python plan does (both call native/experts.c)."""
     from kiln.runtime.backends.cpu import native
     from kiln.runtime.llm.decoding import greedy_generate
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.export.torch_ops import sdpa as sink_sdpa
 from kiln.export.torch_ops import slot_attention
 from tests.ops.harness import TOLERANCE, Case, In, check
 
@@ -54,6 +55,21 @@ CASES = [
          (In((1, 2, 5, 8)), In((1, 2, 5, 8)), In((1, 2, 5, 8))),
          dynamic=({2: Dim("t", max=64)}, {2: Dim("t", max=64)}, {2: Dim("t", max=64)}),
          run_shapes=(((1, 2, 5, 8),) * 3, ((1, 2, 9, 8),) * 3)),
+    # attention with per-head sink logits (gpt-oss): row 1 sees no key (the sink takes it all: zeros, not NaN)
+    Case("sdpa_sinks_gqa_bool_mask", lambda q, k, v, m, s: sink_sdpa(
+        q, k, v, m & torch.tensor([[True], [False], [True]]), s, 0.35),
+         (In((1, 4, 3, 8)), In((1, 2, 6, 8)), In((1, 2, 6, 8)), In((3, 6), torch.bool, "bool"), In((4,)))),
+    Case("sdpa_sinks_float_mask", lambda q, k, v, m, s: sink_sdpa(q, k, v, m, s, 0.3),
+         (In((2, 2, 4, 8)), In((2, 2, 5, 8)), In((2, 2, 5, 8)), In((4, 5)), In((2,)))),
+    Case("sdpa_sinks_decode", lambda q, k, v, m, s: sink_sdpa(q, k, v, m, s, 0.25),
+         (In((1, 8, 1, 16)), In((1, 2, 9, 16)), In((1, 2, 9, 16)), In((1, 1, 1, 9), torch.bool, "bool"),
+          In((8,)))),
+    Case("sdpa_sinks_prefill", lambda q, k, v, m, s: sink_sdpa(  # (query 5 sees no key)
+        q, k, v, (m | torch.eye(16, 20, dtype=torch.bool)) & (torch.arange(16)[:, None] != 5), s, 0.125),
+         (In((1, 4, 16, 64)), In((1, 2, 20, 64)), In((1, 2, 20, 64)), In((16, 20), torch.bool, "bool"), In((4,)))),
+    Case("sdpa_sinks_bf16", lambda q, k, v, s: sink_sdpa(q, k, v, None, s, 0.25),
+         (In((1, 2, 3, 16), torch.bfloat16), In((1, 2, 6, 16), torch.bfloat16), In((1, 2, 6, 16), torch.bfloat16),
+          In((2,), torch.bfloat16)), tol=2e-2),
     Case("conv1d", lambda x, w, b: F.conv1d(x, w, b, padding=1), (In((2, 3, 10)), In((4, 3, 3)), In((4,)))),
     Case("conv2d", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (In((1, 3, 9, 9)), In((4, 3, 3, 3)),
                                                                             In((4,)))),

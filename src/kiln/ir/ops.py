@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OPSET_VERSION = 14
+OPSET_VERSION = 15
 """History: 1 the first op set; 2 conv gained padding_end and a fused activation (activation, activation_min,
 activation_max); index_put, index_copy and slice_scatter gained in_place; quantized_linear and
 quantized_embedding (weight-only int8/int4), rope and gated_activation were added; 3 rope gained interleaved;
@@ -34,7 +34,8 @@ of each token's k expert rows); 12 norm_rope_cache_update was added (rope_cache_
 RMS-normalized per head first: the q/k norms of Qwen3 and Gemma 3 folded into the step's one node); 13
 gated_gathered_linear was added (a gathered_linear over stacked gate/up experts and the gated activation after it,
 as gated_linear is to linear); 14 add_rms_norm_route_experts was added (a MoE block's residual add and RMSNorm,
-its router's linear layer and route_experts as one node)."""
+its router's linear layer and route_experts as one node); 15 sdpa gained sinks (per-head sink logits, gpt-oss's
+attention as one node)."""
 
 
 class AttrType(enum.IntEnum):
@@ -258,10 +259,13 @@ define("rope", "x cos sin", A("interleaved", T.BOOL, False),
        doc="Rotary position embedding: x * cos + rotate(x) * sin over the last dim D; cos and sin broadcast "
            "against x. rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (rotate-half, Llama), or with interleaved "
            "the pairs (x[2i], x[2i+1]) -> (-x[2i+1], x[2i]) (GPT-J).")
-define("sdpa", "q k v mask?", A("causal", T.BOOL, False), A("scale", T.FLOAT, None),
+define("sdpa", "q k v mask? sinks?", A("causal", T.BOOL, False), A("scale", T.FLOAT, None),
        doc="softmax(q @ k^T * scale + mask) @ v over [..., L, E] / [..., S, E]; scale absent: 1/sqrt(E). "
            "causal masks j > i (top-left aligned); a bool mask keeps True; a float mask is added. "
-           "k/v with fewer heads than q (dim -3) are shared by groups of q heads (GQA).")
+           "k/v with fewer heads than q (dim -3) are shared by groups of q heads (GQA). sinks [Hq] (a float "
+           "dtype): each q head's sink logit, one more term in its softmax's sum that has no value (gpt-oss): "
+           "out = sum_j exp(s_j - M) v_j / (sum_j exp(s_j - M) + exp(sink - M)), so a query that sees no key gets "
+           "zeros where without sinks it gets NaN.")
 define("slot_attention", "q k_cache v_cache slots positions", A("scale", T.FLOAT), A("window", T.INT, 0),
        doc="Causal attention of B sequences over a KV cache of N slots, each sequence in its own slot: q [B, Hq, "
            "T, E], k_cache [N, S, Hkv, E], v_cache [N, S, Hkv, Ev], slots int64 [B], positions int64 [B, T] in "

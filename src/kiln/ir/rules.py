@@ -896,7 +896,7 @@ def _grid_sample(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
 
 @rule("sdpa")
 def _sdpa(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    q, k, v, mask = ins + [None] * (4 - len(ins))
+    q, k, v, mask, sinks = ins + [None] * (5 - len(ins))
     need(q is not None and k is not None and v is not None, "q, k or v is absent")
     need(len(q.shape) >= 2 and len(k.shape) == len(q.shape) == len(v.shape), "q, k and v ranks")
     need(q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2], f"q {list(q.shape)}, k {list(k.shape)} and "
@@ -911,6 +911,9 @@ def _sdpa(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
                                                                            f"or {q.dtype.name} mask")
         need(broadcast(mask.shape, q.shape[:-1] + (k.shape[-2],)) == q.shape[:-1] + (k.shape[-2],),
              f"mask {mask} does not broadcast to the scores' {list(q.shape[:-1] + (k.shape[-2],))}")
+    if sinks is not None:  # one logit per q head
+        need(len(q.shape) >= 3 and sinks.shape == (q.shape[-3],) and sinks.dtype.is_float,
+             f"sinks {sinks} is not one float per q head of q {list(q.shape)}")
     return [Spec(same_dtype(q, k, v), q.shape[:-1] + (v.shape[-1],))]
 
 

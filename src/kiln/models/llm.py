@@ -13,16 +13,24 @@ folder or a GGUF file; store the tokenizer, chat template and stop tokens in the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from kiln.export import Method, ProgramBuilder, Quantize, export
+from kiln.export import (
+    Method,
+    ProgramBuilder,
+    Quantize,
+    export,
+    torch_ops,  # noqa: F401 - defines torch.ops.kiln.*
+)
 from kiln.models.llm_source import llm_metadata, load_causal_lm
 from kiln.runtime.llm.info import (
     DECODE_ROWS_KEY,
@@ -73,6 +81,7 @@ class _SlotCache(_BufferCache):
 
 
 SLOT_ATTENTION = "kiln_slot_attention"
+SINK_ATTENTION = "kiln_sink_attention"
 """The transformers attention implementation a slotted StaticCacheLM sets: kiln's slot_attention op."""
 
 
@@ -86,6 +95,18 @@ def _attend_slots(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         scaling = query.shape[-1] ** -0.5
     out = torch.ops.kiln.slot_attention(query, key, value, kiln_slots, kiln_positions, float(scaling),
                                         int(kiln_windows[module.layer_idx]))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_with_sinks(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
+                       s_aux: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface for attention with per-head sink logits (gpt-oss passes them as
+    s_aux): kiln's sdpa with its sinks input (torch.ops.kiln.sdpa), one node where transformers' eager function is
+    about ten; k and v arrive with their own (fewer) heads, as kiln's sdpa takes them."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = torch.ops.kiln.sdpa(query, key, value, attention_mask, s_aux, float(scaling))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -228,6 +249,12 @@ class StaticCacheLM(torch.nn.Module):
         if slots is not None:
             AttentionInterface.register(SLOT_ATTENTION, _attend_slots)
             model.set_attn_implementation(SLOT_ATTENTION)
+        # attention with sink logits runs as kiln's sdpa with sinks during this module's steps only (_attention):
+        # the model itself keeps transformers' attention
+        self.sink_attention = slots is None and any(isinstance(getattr(m, "sinks", None), torch.Tensor)
+                                                    for m in model.modules())
+        if self.sink_attention:
+            AttentionInterface.register(SINK_ATTENTION, _attend_with_sinks)
         for i, ring in enumerate(self.layer_is_ring):
             shape = (1, kv_heads, self.ring_size if ring else self.max_context, head_dim)
             if slots is not None:
@@ -254,9 +281,24 @@ class StaticCacheLM(torch.nn.Module):
                              [getattr(self, f"value_cache_{i}") for i in range(self.num_layers)],
                              [ring_slots if ring else cache_position for ring in self.layer_is_ring])
         inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
-        out = self.model(**inputs, attention_mask=self._mask(cache_position, blocks),
-                         position_ids=cache_position[None, :], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with self._attention():
+            out = self.model(**inputs, attention_mask=self._mask(cache_position, blocks),
+                             position_ids=cache_position[None, :], past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
         return out.logits[:, -1, :]
+
+    @contextlib.contextmanager
+    def _attention(self) -> Iterator[None]:
+        """The model's attention implementation for a step: kiln's sdpa with sinks where its attention has sink
+        logits (gpt-oss), restored afterwards; otherwise the model's own."""
+        config = self.model.config
+        previous = config._attn_implementation
+        if self.sink_attention:
+            config._attn_implementation = SINK_ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
 
     def _mask(self, cache_position: torch.Tensor,
               blocks: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -295,9 +337,10 @@ class StaticCacheLM(torch.nn.Module):
         return (blocks[:, None] == slot_blocks[None, :]) & (blocks[:, None] >= 0)
 
     def _as_attention_mask(self, visible: torch.Tensor) -> torch.Tensor:
-        """SDPA takes booleans; other attention implementations (Gemma 2's eager one, with its soft-capping) add
-        the mask to the scores, so they need 0 where visible and the dtype's minimum elsewhere."""
-        if self.model.config._attn_implementation == "sdpa":
+        """SDPA (and kiln's sdpa with sinks) takes booleans; other attention implementations (Gemma 2's eager one,
+        with its soft-capping) add the mask to the scores, so they need 0 where visible and the dtype's minimum
+        elsewhere."""
+        if self.model.config._attn_implementation == "sdpa" or self.sink_attention:
             return visible
         dtype = self.model.dtype
         blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)

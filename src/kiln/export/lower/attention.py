@@ -38,3 +38,18 @@ def slot_attention(ctx: LowerContext, node: torch.fx.Node) -> int:
     inputs = [ctx.value(args[name]) for name in names[:5]]
     return ctx.emit("slot_attention", inputs, ctx.meta(node), scale=float(args["scale"]),
                     window=int(args.get("window", 0)))
+
+
+@lowering(torch.ops.kiln.sdpa.default)
+def sdpa_sinks(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """kiln::sdpa (attention with per-head sink logits) as kiln's sdpa with its sinks input."""
+    names = ("q", "k", "v", "mask", "sinks", "scale")
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    dtype, shape = ctx.meta(node)
+    mask = args.get("mask")
+    mask_v = ctx.optional(mask)
+    if mask is not None and ctx.dtype(mask_v).is_float and ctx.dtype(mask_v) != dtype:
+        mask_v = ctx.cast(mask_v, dtype)
+    inputs = [ctx.value(args["q"]), ctx.value(args["k"]), ctx.value(args["v"]), mask_v, ctx.value(args["sinks"])]
+    return ctx.emit("sdpa", inputs, (dtype, shape), causal=False, scale=float(args["scale"]))

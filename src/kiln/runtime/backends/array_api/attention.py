@@ -23,16 +23,20 @@ def rotate(xp: Any, x: Any, interleaved: bool) -> Any:
 
 
 def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None,
-         matmul: Callable[[Any, Any], Any] | None = None) -> Any:
+         matmul: Callable[[Any, Any], Any] | None = None, sinks: Any = None) -> Any:
     """softmax(q k^T * scale + mask) v in q's dtype (already float32 or wider), one batched matmul pair
-    (`matmul`, xp.matmul unless the backend has its own).
+    (`matmul`, xp.matmul unless the backend has its own). sinks [Hq]: each q head's sink logit, one more term of
+    its softmax's sum with no value (a query that sees no key then gets zeros, not NaN).
 
     GQA without repeating k/v: q heads [.., Hkv * g, L, E] are viewed as [.., Hkv, g * L, E], one matmul per kv
-    head for its whole group of q heads, and the mask follows the same grouping.
+    head for its whole group of q heads, and the mask (and the sinks) follow the same grouping.
     """
     L, S = q.shape[-2], k.shape[-2]
     out_shape = q.shape[:-1] + v.shape[-1:]
     groups = 1
+    if sinks is not None:
+        sinks = sinks.astype(q.dtype).reshape(-1, 1, 1)  # [Hq, 1, 1]: a row per query of its head
+        sinks = xp.broadcast_to(sinks, (sinks.shape[0], L, 1))
     if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         heads, groups = k.shape[-3], q.shape[-3] // k.shape[-3]
         q = q.reshape(q.shape[:-3] + (heads, groups * L, q.shape[-1]))
@@ -43,6 +47,8 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
             mask = xp.broadcast_to(mask, mask.shape[:-2] + (L, S))
             mask = xp.concatenate([mask] * groups, axis=-2)
         # (a mask with one row for every query, as in a decode step, broadcasts over the grouped rows as it is)
+        if sinks is not None:
+            sinks = sinks.reshape(heads, groups * L, 1)
     if scale is None:
         scale = 1 / math.sqrt(q.shape[-1])
     matmul = matmul or xp.matmul
@@ -53,9 +59,15 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
         scores = xp.where(xp.tile(keep, (groups, 1)), scores, -xp.inf)
     if mask is not None:
         scores = xp.where(mask, scores, -xp.inf) if mask.dtype == xp.bool_ else scores + mask
-    scores -= xp.max(scores, axis=-1, keepdims=True)
+    top = xp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        top = xp.maximum(top, sinks)
+    scores -= top
     xp.exp(scores, out=scores)
-    scores /= xp.sum(scores, axis=-1, keepdims=True)
+    total = xp.sum(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + xp.exp(sinks - top)
+    scores /= total
     return matmul(scores, v).reshape(out_shape)
 
 

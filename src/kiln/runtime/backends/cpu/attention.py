@@ -31,16 +31,16 @@ def _visible_keys(k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> tuple[np.nd
 
 
 @kernel("sdpa")
-def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
-         scale: float | None) -> np.ndarray:
+def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, sinks: np.ndarray | None = None, *,
+         causal: bool, scale: float | None) -> np.ndarray:
     dtype = q.dtype
-    q, k, v, mask = upcast(q, k, v, mask)
-    compiled = native.attention(q, k, v, mask, causal, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    q, k, v, mask, sinks = upcast(q, k, v, mask, sinks)
+    compiled = native.attention(q, k, v, mask, causal, 1 / math.sqrt(q.shape[-1]) if scale is None else scale, sinks)
     if compiled is not None:
         return compiled.astype(dtype, copy=False)
     if mask is not None and mask.dtype == np.bool_ and not causal:
         k, v, mask = _visible_keys(k, v, mask)
-    return array_api.sdpa(np, q, k, v, mask, causal, scale).astype(dtype, copy=False)
+    return array_api.sdpa(np, q, k, v, mask, causal, scale, sinks=sinks).astype(dtype, copy=False)
 
 
 

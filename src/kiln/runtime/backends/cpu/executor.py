@@ -308,6 +308,29 @@ def _expand(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 
 # ---- compute ----
 
+@lowering("cat")
+def _cat(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
+    """One copy per input into its block of the output, where the dims before `dim` hold one element (then each
+    input's block is one contiguous run of the output): a rotary table's gathered row repeated to full width, as
+    gpt-oss's rotation in halves has it (fuse_rope)."""
+    parts = _inputs(lw, node)
+    shape = lw.shape_of(node.outputs[0])
+    dim = int(attrs["dim"]) % max(len(shape), 1)
+    _need(all(p is not None for p in parts) and math.prod(shape[:dim]) == 1, "dims before the cat's of size one")
+    out = lw.new(shape, parts[0].dtype)
+    offset = 0
+    for part in parts:
+        if part.size == 0:
+            continue
+        merged, strides = _merged_dims(part.shape, part.strides)
+        _need(len(merged) <= 4, "an input of more than 4 strided dims")
+        pad = 4 - len(merged)
+        block = out.view(offset, part.shape, c_strides(part.shape, part.dtype.itemsize))
+        lw.emit("copy", part, block, part.dtype.itemsize, *((1,) * pad + merged), *((0,) * pad + strides))
+        offset += part.size * part.dtype.itemsize
+    lw.output(node, out)
+
+
 def _rows(x: Loc) -> int:
     return math.prod(x.shape[:-1])
 
@@ -596,7 +619,7 @@ def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 
 @lowering("sdpa")
 def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    q, k, v, mask = _inputs(lw, node)
+    q, k, v, mask, sinks = (_inputs(lw, node) + [None])[:5]
     _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k, v)), "rank-4 float32")
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -606,10 +629,13 @@ def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     if mask is not None:
         _need(mask.dtype == BOOL and len(mask.shape) <= 4, "a bool mask")
         mask_strides = broadcast_strides(mask, (B, Hq, L, S))
+    if sinks is not None:
+        _need(sinks.dtype == F32 and sinks.shape == (Hq,), "float32 sinks, one a q head")
+        sinks = lw.contiguous(sinks)
     q = lw.contiguous(q)
     scale = attrs["scale"] if attrs["scale"] is not None else 1 / math.sqrt(D)
     out = lw.new((B, Hq, L, Dv), F32)
-    lw.emit("attention", q, k, v, mask, out, lw.work(4 * S), B, Hq, Hkv, L, S, D, Dv, *elements(k)[:3],
+    lw.emit("attention", q, k, v, mask, sinks, out, lw.work(4 * S), B, Hq, Hkv, L, S, D, Dv, *elements(k)[:3],
             *elements(v)[:3], *mask_strides, int(bool(attrs["causal"])), as_float_word(scale))
     lw.output(node, out)
 

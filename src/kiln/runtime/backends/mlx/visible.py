@@ -142,11 +142,11 @@ def hints(arrays: ProgramArrays, method: Method, made_by: dict[int, Node], input
 
 def narrowed_sdpa(keys: int | None, every_row_sees: bool) -> Callable[..., mx.array]:
     """sdpa over the first `keys` keys (every key after them is masked out for every query; None: all of them)."""
-    def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, *, causal: bool,
-             scale: float | None) -> mx.array:
+    def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, sinks: mx.array | None = None,
+             *, causal: bool, scale: float | None) -> mx.array:
         if keys is not None and mask is not None and mask.shape[-1] == k.shape[-2] > keys:
             k, v, mask = k[..., :keys, :], v[..., :keys, :], mask[..., :keys]
-        return attention.sdpa(q, k, v, mask, causal=causal, scale=scale, every_row_sees=every_row_sees)
+        return attention.sdpa(q, k, v, mask, sinks, causal=causal, scale=scale, every_row_sees=every_row_sees)
     return sdpa
 
 

@@ -68,7 +68,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_gathered_qlinear_f32": (_ptr,) * 9 + (_i64,) * 9,
     "kiln_layer_norm_f32": (_ptr,) * 4 + (_i64, _i64, ctypes.c_float),
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
-    "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float, _i64),
+    "kiln_attention_f32": (_ptr,) * 7 + (_i64,) * 18 + (ctypes.c_float, _i64),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
     "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
@@ -362,10 +362,10 @@ ATTENTION_MAX_QUERIES = 16
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
-              scale: float) -> np.ndarray | None:
-    """sdpa of float32 q [B, Hq, L, D], k and v [B, Hkv, S, D] (any strides, the last dimension contiguous) and a
-    bool mask broadcastable to [B, Hq, L, S], in one compiled call (attention.c); None when the helpers cannot
-    take it (other dtypes or ranks, an additive mask)."""
+              scale: float, sinks: np.ndarray | None = None) -> np.ndarray | None:
+    """sdpa of float32 q [B, Hq, L, D], k and v [B, Hkv, S, D] (any strides, the last dimension contiguous), a
+    bool mask broadcastable to [B, Hq, L, S] and float32 sinks [Hq], in one compiled call (attention.c); None when
+    the helpers cannot take it (other dtypes or ranks, an additive mask)."""
     lib = library()
     if lib is None or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return None
@@ -374,6 +374,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[::3] != (B, D) \
             or v.shape[:3] != (B, Hkv, S) or Hkv == 0 or Hq % Hkv or k.strides[3] != 4 or v.strides[3] != 4:
         return None
+    if sinks is not None:
+        if sinks.shape != (Hq,):
+            return None
+        sinks = np.ascontiguousarray(sinks, dtype=np.float32)
     if mask is not None:
         if mask.dtype != np.bool_ or mask.ndim > 4:
             return None
@@ -386,9 +390,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     out = np.empty((B, Hq, L, v.shape[3]), dtype=np.float32)
     if out.size:
         work = np.empty(S, dtype=np.float32)
-        lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), out.ctypes.data,
-                               work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3], *(s // 4 for s in k.strides[:3]),
-                               *(s // 4 for s in v.strides[:3]), *mask_strides, int(causal), float(scale), threads())
+        lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), address(sinks),
+                               out.ctypes.data, work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3],
+                               *(s // 4 for s in k.strides[:3]), *(s // 4 for s in v.strides[:3]), *mask_strides,
+                               int(causal), float(scale), threads())
     return out
 
 

@@ -8,8 +8,9 @@
  * head and key, their last dimension contiguous; Hq a multiple of Hkv (the q heads of a kv head are consecutive,
  * as GQA lays them out). mask: bytes (bool) addressed by strides over batch, q head, query and key (0 where it
  * broadcasts), or none; causal: query i sees keys j <= i (the reference's tril(ones(L, S))). A query that sees
- * no key gets NaN, as the reference (softmax of all -inf) gives. Scores are kept for one query at a time in
- * `work` (S floats).
+ * no key gets NaN, as the reference (softmax of all -inf) gives. sinks [Hq], or none: each q head's sink logit,
+ * one more term in its softmax's sum with no value (gpt-oss); a query that sees no key then gets zeros. Scores are
+ * kept for one query at a time in `work` (S floats).
  */
 #include <math.h>
 #include <stdint.h>
@@ -64,11 +65,12 @@ static inline void weighted_sum(float *restrict o, const float *restrict p, i64 
 }
 
 /* softmax(q . k_j * scale) over keys j < count (k_j at kq + j * ks; mq, when given, hides key j where mq[j * ms]
- * is 0) times the values at vq + j * vs, into oi; NaN where no key is seen, as the reference's softmax gives */
+ * is 0) and the sink logit (-inf: none) times the values at vq + j * vs, into oi; NaN where no key (and no sink)
+ * is seen, as the reference's softmax gives */
 static void attend(const float *restrict qi, const float *restrict kq, i64 ks, const float *restrict vq, i64 vs,
-                   const unsigned char *restrict mq, i64 ms, i64 count, i64 D, i64 Dv, float scale,
+                   const unsigned char *restrict mq, i64 ms, i64 count, i64 D, i64 Dv, float scale, float sink,
                    float *restrict work, float *restrict oi) {
-    float top = -INFINITY;
+    float top = sink;
     for (i64 j = 0; j < count; j++) {
         work[j] = mq && !mq[j * ms] ? -INFINITY : dot(qi, kq + j * ks, D) * scale;
         top = work[j] > top ? work[j] : top;
@@ -83,6 +85,7 @@ static void attend(const float *restrict qi, const float *restrict kq, i64 ks, c
     for (; j + 16 <= count; j += 16) sums += *(const v16u *)(work + j);
     float total = sum_lanes(sums);
     for (; j < count; j++) total += work[j];
+    total += exp_f32(sink - top); /* (0 without a sink) */
     weighted_sum(oi, work, count, vq, vs, Dv);
     const float inverse = 1.0f / total;
     for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
@@ -108,6 +111,7 @@ static inline void visible(const unsigned char *mi, i64 ms, i64 i, i64 S, i64 ca
 typedef struct {
     const float *q, *k, *v;
     const unsigned char *mask;
+    const float *sinks;
     float *out;
     i64 Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh, ml, ms, causal;
     float scale;
@@ -132,6 +136,7 @@ static void attention_tiles(const void *ctx, i64 begin, i64 end) {
         const i64 b = bh / a->Hq, h = bh % a->Hq;
         const float *kq = a->k + b * a->kb + (h / group) * a->kh, *vq = a->v + b * a->vb + (h / group) * a->vh;
         const unsigned char *mh = a->mask ? a->mask + b * a->mb + h * a->mh : 0;
+        const float sink = a->sinks ? a->sinks[h] : -INFINITY;
         /* the keys any query of the head sees, transposed once ([D][keys], zero past them) */
         i64 lo = S, hi = 0;
         for (i64 i = 0; i < a->L; i++) {
@@ -156,8 +161,8 @@ static void attention_tiles(const void *ctx, i64 begin, i64 end) {
                     thi = seen[r] > thi ? seen[r] : thi;
                 }
             }
-            if (thi <= tlo) { /* no row sees a key */
-                for (i64 e = 0; e < rows * Dv; e++) o0[e] = NAN;
+            if (thi <= tlo) { /* no row sees a key: NaN, or zeros beside a sink */
+                for (i64 e = 0; e < rows * Dv; e++) o0[e] = a->sinks ? 0.0f : NAN;
                 continue;
             }
             const i64 j0 = (tlo - lo) / KT * KT, j1 = thi - lo; /* the tile's keys, from a whole vector of kt */
@@ -173,7 +178,7 @@ static void attention_tiles(const void *ctx, i64 begin, i64 end) {
             }
             int dead[QT] = {0};
             for (i64 r = 0; r < rows; r++) {
-                float *sr = scores + r * span, top = -INFINITY;
+                float *sr = scores + r * span, top = sink;
                 const unsigned char *mi = mh ? mh + (i0 + r) * a->ml : 0;
                 for (i64 j = j0; j < j1; j++) {
                     const i64 key = lo + j;
@@ -186,7 +191,7 @@ static void attention_tiles(const void *ctx, i64 begin, i64 end) {
                     for (i64 j = j0; j < j1; j++) sr[j] = 0.0f;
                     continue;
                 }
-                float total = 0.0f;
+                float total = exp_f32(sink - top); /* (0 without a sink) */
                 for (i64 j = j0; j < j1; j++) sr[j] = exp_f32(sr[j] - top); /* (vectorized; hidden keys: 0) */
                 for (i64 j = j0; j < j1; j++) total += sr[j];
                 const float inverse = 1.0f / total;
@@ -220,13 +225,14 @@ static void attention_tiles(const void *ctx, i64 begin, i64 end) {
 enum { TILED_MIN_QUERIES = 16 };
 
 void kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
-                        const unsigned char *restrict mask, float *restrict out, float *restrict work, i64 B, i64 Hq,
+                        const unsigned char *restrict mask, const float *restrict sinks, float *restrict out,
+                        float *restrict work, i64 B, i64 Hq,
                         i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb,
                         i64 mh, i64 ml, i64 ms, i64 causal, float scale, i64 threads) {
     const i64 group = Hq / Hkv;
     if (L >= TILED_MIN_QUERIES && Dv % 64 == 0) {
-        const attention_args a = {q, k, v, mask, out, Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh, ml, ms,
-                                  causal, scale};
+        const attention_args a = {q, k, v, mask, sinks, out, Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh,
+                                  ml, ms, causal, scale};
         parallel_for(attention_tiles, &a, B * Hq, threads);
         return;
     }
@@ -239,7 +245,7 @@ void kiln_attention_f32(const float *restrict q, const float *restrict k, const 
                 i64 first, seen;
                 visible(mi, ms, i, S, causal, &first, &seen);
                 attend(qi, kh0 + first * ks, ks, vh0 + first * vs, vs, mi ? mi + first * ms : 0, ms, seen - first, D,
-                       Dv, scale, work, out + ((b * Hq + h) * L + i) * Dv);
+                       Dv, scale, sinks ? sinks[h] : -INFINITY, work, out + ((b * Hq + h) * L + i) * Dv);
             }
 }
 
@@ -263,7 +269,7 @@ i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, co
                 const i64 p = positions[b * T + t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
                 const i64 row = (slots[b] * S + lo) * Hkv + h / group;
                 attend(q + ((b * Hq + h) * T + t) * D, k + row * D, Hkv * D, v + row * Dv, Hkv * Dv, 0, 0, p - lo + 1,
-                       D, Dv, scale, work, out + ((b * Hq + h) * T + t) * Dv);
+                       D, Dv, scale, -INFINITY, work, out + ((b * Hq + h) * T + t) * Dv);
             }
     return 1;
 }

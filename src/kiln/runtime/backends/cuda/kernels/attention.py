@@ -172,7 +172,7 @@ def _one_position_cos_sin(q: Any, k: Any, v: Any, cos: Any, sin: Any, k_cache: A
 
 
 @kernel("sdpa")
-def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -> Any:
+def sdpa(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, causal: bool, scale: float | None) -> Any:
     """softmax(q k^T * scale + mask) v: one query per head by the split-key decode kernel, several by the flash
     kernel (float16/bfloat16) or two cuBLAS products around the fused masked softmax, anything else by the
     portable path (products on cuBLAS).
@@ -180,7 +180,14 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None) -
     The keys the mask hides are skipped on the device (the decode kernel reads the mask before k and v), not by
     narrowing the cache on the host as the CPU kernel does: that needs the mask on the host, and the
     synchronization per layer cost more than it saved (SmolLM2-shaped decode at 128 of 512 slots on an H100: 78.6
-    ms with it, 73.1 without)."""
+    ms with it, 73.1 without).
+
+    With sinks (gpt-oss), the portable path: no kernel here takes a sink logit yet."""
+    if sinks is not None:
+        dtype = q.dtype
+        q, k, v, mask, sinks = upcast(q, k, v, mask, sinks)
+        return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas,
+                             sinks=sinks).astype(dtype, copy=False)
     if _decode_attention_applies(q, k, v, mask, causal):
         return _decode_attention(q, k, v, mask, scale)
     if _flash_attention_applies(q, k, v, mask):

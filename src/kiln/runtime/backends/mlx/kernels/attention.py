@@ -39,12 +39,15 @@ def _mask4(mask: mx.array, q: mx.array, S: int) -> mx.array:
 
 
 @kernel("sdpa")
-def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, *, causal: bool,
-         scale: float | None, every_row_sees: bool = False) -> mx.array:
-    """every_row_sees: the mask is known to leave every query a key (no NaN rows to make)."""
+def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, sinks: mx.array | None = None, *,
+         causal: bool, scale: float | None, every_row_sees: bool = False) -> mx.array:
+    """every_row_sees: the mask is known to leave every query a key (no NaN rows to make). sinks: MLX's own (its
+    fused kernel takes a sink logit per q head); a query that sees no key then gets zeros, as kiln's op defines."""
     dtype = q.dtype
     if on_cpu():
         q, k, v = upcast(q, k, v)
+    if sinks is not None:
+        sinks = sinks.astype(mx.float32 if on_cpu() else q.dtype)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1 / math.sqrt(E) if scale is None else scale
     lead = q.shape[:-3]
@@ -66,10 +69,10 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None = None, *,
             else:
                 fused_mask = mx.where(keep, fused_mask, mx.array(-math.inf, dtype=fused_mask.dtype))
     out = mx.fast.scaled_dot_product_attention(_as4(q), _as4(k), _as4(v), scale=scale,
-                                               mask=fused_mask)
+                                               mask=fused_mask, sinks=sinks)
     if isinstance(fused_mask, mx.array) and fused_mask.dtype == mx.bool_ and not every_row_sees:
         dead = ~mx.any(fused_mask, axis=-1, keepdims=True)
-        out = mx.where(dead, mx.array(math.nan, dtype=out.dtype), out)
+        out = mx.where(dead, mx.array(math.nan if sinks is None else 0.0, dtype=out.dtype), out)
     return out.reshape(q.shape[:-1] + v.shape[-1:]).astype(dtype)
 
 
