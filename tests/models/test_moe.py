@@ -131,16 +131,18 @@ def test_cpu_decode_lowers_whole_into_the_native_executor(family, mode, monkeypa
 
 
 @pytest.mark.parametrize("mode", [None, "int8"], ids=["float32", "int8"])
-def test_a_serving_batch_of_experts_lowers_whole_too(mode, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_serving_batch_of_experts_lowers_whole_too(family, mode, monkeypatch):
     """A slotted program's decode step over 6 sequences routes 12 rows (several to one expert, more than the 8 rows
-    the few-row linears take at once): it still runs as one native call, and decodes what the Python plan does."""
+    the few-row linears take at once): it still runs as one native call (gpt-oss's too: slot_attention with sinks,
+    its rotary halves a cat of a row a sequence), and decodes what the Python plan does."""
     from kiln.runtime.backends.cpu import native
     from kiln.runtime.llm.decoding import decode_batch
 
     if native.library() is None:
         pytest.skip("no C compiler: no native executor")
     config = None if mode is None else Quantize(mode)
-    program = export_llama(tiny_decoder("qwen3_moe"), MAX_CONTEXT, CHUNK, slots=6, quantize=config).load()
+    program = export_llama(tiny_decoder(family), MAX_CONTEXT, CHUNK, slots=6, quantize=config).load()
     prompts = [PROMPT[i:i + 3 + i] for i in range(6)]
     results = {}
     for executor in ("native", "python"):

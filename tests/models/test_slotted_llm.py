@@ -14,7 +14,7 @@ from kiln.models.zoo import tiny_decoder  # noqa: E402
 from kiln.runtime.llm import Generator  # noqa: E402
 from kiln.runtime.llm.decoding import decode_batch, greedy_generate, prefill  # noqa: E402
 
-FAMILIES = ("llama", "qwen3", "gemma3", "mistral", "phi3", "gpt2", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen3", "gemma3", "mistral", "phi3", "gpt2", "qwen3_moe", "mixtral", "gpt_oss")
 PROMPTS = ([5, 9, 17, 33, 2, 70, 71, 72, 73, 74, 75], [3, 1, 4, 1, 5], [100, 101, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 SLOTS = (2, 0, 3)  # not in order, and one slot (1) left empty
 STEPS = 10
@@ -111,6 +111,12 @@ def test_soft_capped_attention_is_refused_with_slots():
         export_llama(tiny_decoder("gemma2"), 40, 8, slots=2)
 
 
-def test_attention_sinks_are_refused_with_slots():
-    with pytest.raises(NotImplementedError, match="sink logits"):
-        export_llama(tiny_decoder("gpt_oss"), 40, 8, slots=2)
+def test_attention_sinks_are_slot_attentions_sinks(programs):
+    """gpt-oss's per-head sink logits ride in each layer's slot_attention node (its sixth input, the layer's
+    constant), in decode and prefill alike."""
+    program = programs("gpt_oss", 4)
+    for name in ("prefill", "decode"):
+        method = program.ir.methods[name]
+        attention = [n for n in method.nodes if n.op == "slot_attention"]
+        assert attention and all(len(n.inputs) == 6 for n in attention), name
+        assert all(method.values[n.inputs[5]].name.endswith("self_attn.sinks") for n in attention), name

@@ -17,28 +17,6 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.library.custom_op("kiln::slot_attention", mutates_args=())
-def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """kiln's slot_attention op (kiln.ir.ops has its definition): q [B, Hq, T, E], caches [N, S, Hkv, E],
-    slots [B], positions [B, T] -> [B, Hq, T, Ev]."""
-    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, S, E]
-    values = v_cache[slots].transpose(1, 2)
-    j = torch.arange(k_cache.shape[1], device=q.device)
-    position = positions[:, None, :, None]  # [B, 1, T, 1]
-    visible = j <= position
-    if window > 0:
-        visible = visible & (j > position - window)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,
-                                          enable_gqa=q.shape[1] != keys.shape[1])
-
-
-@slot_attention.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-      scale: float, window: int = 0) -> torch.Tensor:
-    return q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
-
-
 @torch.library.custom_op("kiln::sdpa", mutates_args=())
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
          scale: float) -> torch.Tensor:
@@ -59,6 +37,31 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
       scale: float) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("kiln::slot_attention", mutates_args=())
+def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor, scale: float, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """kiln's slot_attention op (kiln.ir.ops has its definition): q [B, Hq, T, E], caches [N, S, Hkv, E],
+    slots [B], positions [B, T], sinks [Hq] or None -> [B, Hq, T, Ev]."""
+    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, S, E]
+    values = v_cache[slots].transpose(1, 2)
+    j = torch.arange(k_cache.shape[1], device=q.device)
+    position = positions[:, None, :, None]  # [B, 1, T, 1]
+    visible = j <= position
+    if window > 0:
+        visible = visible & (j > position - window)
+    if sinks is not None:
+        return sdpa(q, keys, values, visible, sinks, scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
+@slot_attention.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+      scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
 
 
 __all__ = ["sdpa", "slot_attention"]

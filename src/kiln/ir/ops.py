@@ -34,8 +34,8 @@ of each token's k expert rows); 12 norm_rope_cache_update was added (rope_cache_
 RMS-normalized per head first: the q/k norms of Qwen3 and Gemma 3 folded into the step's one node); 13
 gated_gathered_linear was added (a gathered_linear over stacked gate/up experts and the gated activation after it,
 as gated_linear is to linear); 14 add_rms_norm_route_experts was added (a MoE block's residual add and RMSNorm,
-its router's linear layer and route_experts as one node); 15 sdpa gained sinks (per-head sink logits, gpt-oss's
-attention as one node)."""
+its router's linear layer and route_experts as one node); 15 sdpa and slot_attention gained sinks (per-head sink
+logits: gpt-oss's attention as one node, served from slots too)."""
 
 
 class AttrType(enum.IntEnum):
@@ -266,13 +266,14 @@ define("sdpa", "q k v mask? sinks?", A("causal", T.BOOL, False), A("scale", T.FL
            "dtype): each q head's sink logit, one more term in its softmax's sum that has no value (gpt-oss): "
            "out = sum_j exp(s_j - M) v_j / (sum_j exp(s_j - M) + exp(sink - M)), so a query that sees no key gets "
            "zeros where without sinks it gets NaN.")
-define("slot_attention", "q k_cache v_cache slots positions", A("scale", T.FLOAT), A("window", T.INT, 0),
+define("slot_attention", "q k_cache v_cache slots positions sinks?", A("scale", T.FLOAT), A("window", T.INT, 0),
        doc="Causal attention of B sequences over a KV cache of N slots, each sequence in its own slot: q [B, Hq, "
            "T, E], k_cache [N, S, Hkv, E], v_cache [N, S, Hkv, Ev], slots int64 [B], positions int64 [B, T] in "
            "[0, S); out [B, Hq, T, Ev] in q's dtype. Query (b, h, t) attends the keys k_cache[slots[b], j, h // "
            "(Hq / Hkv)] at j <= positions[b, t] (and j > positions[b, t] - window when window > 0), as "
            "softmax(q k^T * scale) v. A decode step over several sequences (T = 1) and a prompt chunk of one "
-           "(B = 1) are the same op; a backend reads only the slots and keys the positions reach.")
+           "(B = 1) are the same op; a backend reads only the slots and keys the positions reach. sinks [Hq]: each q "
+           "head's sink logit, as sdpa's.")
 
 # ---- shape and view ops ----
 define("reshape", "x", A("shape", T.SYMINTS), doc="Same elements in row-major order, new shape.")

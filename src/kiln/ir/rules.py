@@ -950,7 +950,8 @@ def _norm_rope_cache_update(ins: list[Spec | None], attrs: dict[str, Any]) -> li
 
 @rule("slot_attention")
 def _slot_attention(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]:
-    q, k_cache, v_cache, slots, positions = present(ins, 5)
+    q, k_cache, v_cache, slots, positions = present(ins[:5], 5)
+    sinks = ins[5] if len(ins) > 5 else None
     need(len(q.shape) == 4 and len(k_cache.shape) == 4 and len(v_cache.shape) == 4, "q and caches are not 4-d")
     b, hq, t, e = q.shape
     need(k_cache.shape[3] == e and k_cache.shape[:3] == v_cache.shape[:3], "caches do not fit q")
@@ -958,4 +959,5 @@ def _slot_attention(ins: list[Spec | None], attrs: dict[str, Any]) -> list[Spec]
     need(slots.shape == (b,) and positions.shape == (b, t), f"slots {slots} / positions {positions} for {b}x{t}")
     need(slots.dtype == DType.int64 and positions.dtype == DType.int64, "slots and positions are not int64")
     need(attrs["window"] >= 0, "negative window")
+    need(sinks is None or (sinks.shape == (hq,) and sinks.dtype.is_float), f"sinks {sinks} is not one float a q head")
     return [Spec(same_dtype(q, k_cache, v_cache), (b, hq, t, v_cache.shape[3]))]

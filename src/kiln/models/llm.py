@@ -94,7 +94,7 @@ def _attend_slots(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = torch.ops.kiln.slot_attention(query, key, value, kiln_slots, kiln_positions, float(scaling),
-                                        int(kiln_windows[module.layer_idx]))
+                                        int(kiln_windows[module.layer_idx]), kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -206,8 +206,8 @@ class StaticCacheLM(torch.nn.Module):
     step's weight reads; every row's keys are written before any row attends, so each sees the earlier ones.
     Attention is kiln's slot_attention op (transformers' attention implementation is set to it on the model),
     which reads only the positions each sequence has; sliding-window layers keep every position (no ring) and
-    mask by the window. Layers that soft-cap their scores (Gemma 2) or add sink logits (gpt-oss) are not supported
-    with slots.
+    mask by the window; gpt-oss's sink logits are slot_attention's sinks. Layers that soft-cap their scores (Gemma 2)
+    are not supported with slots.
     """
 
     def __init__(self, model: PreTrainedModel, max_context: int, prefill_chunk: int | None = None,
@@ -220,10 +220,6 @@ class StaticCacheLM(torch.nn.Module):
         if slots is not None and getattr(config, "attn_logit_softcapping", None):
             raise NotImplementedError(f"{config.model_type}: attention with soft-capped scores "
                                       "(attn_logit_softcapping) cannot be exported with slots yet; export it without")
-        if slots is not None and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-            raise NotImplementedError(f"{config.model_type}: attention with sink logits (gpt-oss's per-head sinks) "
-                                      "cannot be exported with slots yet (kiln's slot_attention has no sinks); export "
-                                      "it without")
         self.sliding_window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None) \
             or ["sliding_attention" if self.sliding_window else "full_attention"] * config.num_hidden_layers

@@ -30,12 +30,14 @@ def sdpa(ctx: LowerContext, node: torch.fx.Node) -> int:
 
 @lowering(torch.ops.kiln.slot_attention.default)
 def slot_attention(ctx: LowerContext, node: torch.fx.Node) -> int:
-    names = ("q", "k_cache", "v_cache", "slots", "positions", "scale", "window")
+    names = ("q", "k_cache", "v_cache", "slots", "positions", "scale", "window", "sinks")
     args = dict(zip(names, node.args))
     args.update(node.kwargs)
     if int(args.get("window", 0)) < 0:
         raise Unsupported(f"slot_attention window must be >= 0, got {args['window']}")
     inputs = [ctx.value(args[name]) for name in names[:5]]
+    if args.get("sinks") is not None:
+        inputs.append(ctx.value(args["sinks"]))
     return ctx.emit("slot_attention", inputs, ctx.meta(node), scale=float(args["scale"]),
                     window=int(args.get("window", 0)))
 

@@ -83,10 +83,10 @@ def slot_visibility(key: Any, positions: Any, window: int) -> Any:
 
 
 def slot_attention(xp: Any, q: Any, keys: Any, values: Any, positions: Any, first: int, scale: float, window: int,
-                   matmul: Callable[[Any, Any], Any] | None = None) -> Any:
+                   matmul: Callable[[Any, Any], Any] | None = None, sinks: Any = None) -> Any:
     """slot_attention over keys and values already gathered per sequence: q [B, Hq, T, E], keys [B, L, Hkv, E]
     and values [B, L, Hkv, Ev] holding the cache positions first .. first + L - 1 of each sequence's slot,
-    positions [B, T]; out [B, Hq, T, Ev] in q's dtype (float32 or wider).
+    positions [B, T], sinks [Hq] or None (as sdpa's); out [B, Hq, T, Ev] in q's dtype (float32 or wider).
 
     GQA as in sdpa: the q heads of a kv head are one [g * T, E] block, so each kv head is one matmul per sequence.
     """
@@ -100,8 +100,15 @@ def slot_attention(xp: Any, q: Any, keys: Any, values: Any, positions: Any, firs
     visible = slot_visibility(xp.arange(L) + first, positions, window)  # the same for every q head of a group
     scores = scores.reshape(B, Hkv, groups, T, L)
     scores = xp.where(visible[:, :, None], scores, -xp.inf)
-    scores -= xp.max(scores, axis=-1, keepdims=True)
+    top = xp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sinks = sinks.astype(scores.dtype).reshape(Hkv, groups, 1, 1)  # a q head's, for each of its queries
+        top = xp.maximum(top, sinks)
+    scores -= top
     xp.exp(scores, out=scores)
-    scores /= xp.sum(scores, axis=-1, keepdims=True)
+    total = xp.sum(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + xp.exp(sinks - top)
+    scores /= total
     out = matmul(scores.reshape(B, Hkv, groups * T, L), xp.transpose(values, (0, 2, 1, 3)))
     return out.reshape(B, Hq, T, values.shape[-1])

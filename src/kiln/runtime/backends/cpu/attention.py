@@ -81,18 +81,20 @@ def check_slots(slots: np.ndarray, positions: np.ndarray, slot_count: int, lengt
 
 @kernel("slot_attention")
 def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-                   scale: float, window: int = 0) -> np.ndarray:
+                   sinks: np.ndarray | None = None, *, scale: float, window: int = 0) -> np.ndarray:
     """A few queries a sequence: compiled, each query reading only the keys it sees (native.slot_attention).
     Otherwise gathers only the keys some query of the batch sees (from the earliest any window starts to the
     latest position), so a step costs what its positions reach, not the cache's length."""
     check_slots(slots, positions, k_cache.shape[0], k_cache.shape[1])
     if q.size == 0:
         return np.zeros(q.shape[:-1] + v_cache.shape[-1:], q.dtype)
-    compiled = native.slot_attention(q, k_cache, v_cache, slots, positions, scale, window)  # a few queries each
+    sinks = upcast(sinks)[0]
+    compiled = native.slot_attention(q, k_cache, v_cache, slots, positions, scale, window, sinks)  # few queries each
     if compiled is not None:
         return compiled.astype(q.dtype, copy=False)
     last = int(positions.max()) + 1
     first = max(0, int(positions.min()) - window + 1) if window > 0 else 0
     dtype = q.dtype
     q, keys, values = upcast(q, k_cache[slots, first:last], v_cache[slots, first:last])
-    return array_api.slot_attention(np, q, keys, values, positions, first, scale, window).astype(dtype, copy=False)
+    return array_api.slot_attention(np, q, keys, values, positions, first, scale, window,
+                                    sinks=sinks).astype(dtype, copy=False)

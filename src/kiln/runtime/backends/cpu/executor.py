@@ -308,26 +308,38 @@ def _expand(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
 
 # ---- compute ----
 
+CAT_ROWS = 256
+"""The most rows (the product of the dims before a cat's) the executor copies a cat's inputs for, one copy per row
+and input."""
+
+
 @lowering("cat")
 def _cat(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    """One copy per input into its block of the output, where the dims before `dim` hold one element (then each
-    input's block is one contiguous run of the output): a rotary table's gathered row repeated to full width, as
-    gpt-oss's rotation in halves has it (fuse_rope)."""
+    """Each input's block of every row (the dims before `dim`) copied into its place in the output (executor.c's
+    strided copy, one a row and input): a rotary table's gathered rows repeated to full width, as gpt-oss's rotation
+    in halves has it (fuse_rope), one row a sequence of a step."""
     parts = _inputs(lw, node)
     shape = lw.shape_of(node.outputs[0])
     dim = int(attrs["dim"]) % max(len(shape), 1)
-    _need(all(p is not None for p in parts) and math.prod(shape[:dim]) == 1, "dims before the cat's of size one")
+    rows = math.prod(shape[:dim])
+    _need(all(p is not None for p in parts) and rows <= CAT_ROWS, f"at most {CAT_ROWS} rows")
     out = lw.new(shape, parts[0].dtype)
-    offset = 0
-    for part in parts:
-        if part.size == 0:
-            continue
-        merged, strides = _merged_dims(part.shape, part.strides)
-        _need(len(merged) <= 4, "an input of more than 4 strided dims")
-        pad = 4 - len(merged)
-        block = out.view(offset, part.shape, c_strides(part.shape, part.dtype.itemsize))
-        lw.emit("copy", part, block, part.dtype.itemsize, *((1,) * pad + merged), *((0,) * pad + strides))
-        offset += part.size * part.dtype.itemsize
+    row_bytes = math.prod(shape[dim:]) * out.dtype.itemsize
+    for row, index in enumerate(np.ndindex(*shape[:dim])):
+        offset = row * row_bytes
+        for part in parts:
+            block = part.shape[dim:]
+            size = math.prod(block) * part.dtype.itemsize
+            if size == 0:
+                continue
+            source = part.view(sum(i * st for i, st in zip(index, part.strides[:dim], strict=True)), block,
+                               part.strides[dim:])
+            merged, strides = _merged_dims(source.shape, source.strides)
+            _need(len(merged) <= 4, "an input block of more than 4 strided dims")
+            pad = 4 - len(merged)
+            lw.emit("copy", source, out.view(offset, block, c_strides(block, part.dtype.itemsize)),
+                    part.dtype.itemsize, *((1,) * pad + merged), *((0,) * pad + strides))
+            offset += size
     lw.output(node, out)
 
 
@@ -602,7 +614,7 @@ def _norm_rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> 
 
 @lowering("slot_attention")
 def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    q, k_cache, v_cache, slots, positions = _inputs(lw, node)
+    q, k_cache, v_cache, slots, positions, sinks = (_inputs(lw, node) + [None])[:6]
     _need(all(len(a.shape) == 4 and a.dtype == F32 for a in (q, k_cache, v_cache)), "rank-4 float32")
     B, Hq, T, D = q.shape
     count, S, Hkv = k_cache.shape[:3]
@@ -610,10 +622,12 @@ def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
           and v_cache.shape[:3] == (count, S, Hkv) and k_cache.contiguous and v_cache.contiguous, "shapes")
     _need(slots.dtype == I64 and slots.shape == (B,) and positions.dtype == I64 and positions.shape == (B, T),
           "int64 slots and positions")
+    _need(sinks is None or (sinks.dtype == F32 and sinks.shape == (Hq,)), "float32 sinks, one a q head")
     q, slots, positions = lw.contiguous(q), lw.contiguous(slots), lw.contiguous(positions)
+    sinks = None if sinks is None else lw.contiguous(sinks)
     out = lw.new((B, Hq, T, v_cache.shape[3]), F32)
-    lw.emit("slot_attention", q, k_cache, v_cache, slots, positions, out, lw.work(4 * max(S, 1)), B, Hq, Hkv, T, S,
-            D, v_cache.shape[3], count, int(attrs["window"]), as_float_word(attrs["scale"]))
+    lw.emit("slot_attention", q, k_cache, v_cache, slots, positions, sinks, out, lw.work(4 * max(S, 1)), B, Hq, Hkv,
+            T, S, D, v_cache.shape[3], count, int(attrs["window"]), as_float_word(attrs["scale"]))
     lw.output(node, out)
 
 

@@ -70,7 +70,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 7 + (_i64,) * 18 + (ctypes.c_float, _i64),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
-    "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float,),
+    "kiln_slot_attention_f32": (_ptr,) * 8 + (_i64,) * 9 + (ctypes.c_float,),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
     "kiln_execute": (_ptr, _i64, _ptr, _i64),
     "kiln_execute_timed": (_ptr, _i64, _ptr, _i64, _ptr),
@@ -452,11 +452,11 @@ def rope_cache_update(q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarr
 
 
 def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-                   scale: float, window: int) -> np.ndarray | None:
+                   scale: float, window: int, sinks: np.ndarray | None = None) -> np.ndarray | None:
     """slot_attention of float32 q [B, Hq, T, D] (T <= ATTENTION_MAX_QUERIES) over contiguous caches
-    [slot_count, S, Hkv, D|Dv], slots int64 [B], positions int64 [B, T], in one compiled call (attention.c): each
-    query reads only the keys it sees. None when the helpers cannot take it or an index is outside the cache
-    (the caller's checks raise)."""
+    [slot_count, S, Hkv, D|Dv], slots int64 [B], positions int64 [B, T] and float32 sinks [Hq] or None, in one
+    compiled call (attention.c): each query reads only the keys it sees. None when the helpers cannot take it or
+    an index is outside the cache (the caller's checks raise)."""
     lib = library()
     if lib is None or q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4 or q.shape[2] > ATTENTION_MAX_QUERIES:
         return None
@@ -464,15 +464,17 @@ def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     count, S, Hkv = k_cache.shape[:3]
     if q.dtype != np.float32 or not float32_contiguous(k_cache, v_cache) or k_cache.shape[3] != D or Hkv == 0 \
             or Hq % Hkv or v_cache.shape[:3] != (count, S, Hkv) or slots.shape != (B,) or positions.shape != (B, T) \
-            or slots.dtype != np.int64 or positions.dtype != np.int64:
+            or slots.dtype != np.int64 or positions.dtype != np.int64 or (sinks is not None and sinks.shape != (Hq,)):
         return None
     q, slots, positions = (a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (q, slots, positions))
+    if sinks is not None:
+        sinks = np.ascontiguousarray(sinks, dtype=np.float32)
     out = np.empty((B, Hq, T, v_cache.shape[3]), dtype=np.float32)
     work = np.empty(max(S, 1), dtype=np.float32)
     if out.size and not lib.kiln_slot_attention_f32(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
-                                                    slots.ctypes.data, positions.ctypes.data, out.ctypes.data,
-                                                    work.ctypes.data, B, Hq, Hkv, T, S, D, v_cache.shape[3], count,
-                                                    int(window), float(scale)):
+                                                    slots.ctypes.data, positions.ctypes.data, address(sinks),
+                                                    out.ctypes.data, work.ctypes.data, B, Hq, Hkv, T, S, D,
+                                                    v_cache.shape[3], count, int(window), float(scale)):
         return None
     return out
 

@@ -252,10 +252,11 @@ void kiln_attention_f32(const float *restrict q, const float *restrict k, const 
 /* slot_attention for a few queries a sequence: query t of sequence b sees the cache positions lo..p of its slot,
  * p = positions[b][t] and lo = p - window + 1 (window > 0) or 0, and no others. q [B, Hq, T, D], caches
  * [slots, S, Hkv, D] and [slots, S, Hkv, Dv], out [B, Hq, T, Dv], all contiguous; slots [B], positions [B, T]
- * int64. Returns 0, writing nothing, when a slot or a position is outside the cache (the caller raises). */
+ * int64; sinks [Hq] or none, as kiln_attention_f32's. Returns 0, writing nothing, when a slot or a position is
+ * outside the cache (the caller raises). */
 i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
-                            const i64 *restrict slots, const i64 *restrict positions, float *restrict out,
-                            float *restrict work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv, i64 slot_count,
+                            const i64 *restrict slots, const i64 *restrict positions, const float *restrict sinks,
+                            float *restrict out, float *restrict work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv, i64 slot_count,
                             i64 window, float scale) {
     for (i64 b = 0; b < B; b++) {
         if (slots[b] < 0 || slots[b] >= slot_count) return 0;
@@ -269,7 +270,7 @@ i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, co
                 const i64 p = positions[b * T + t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
                 const i64 row = (slots[b] * S + lo) * Hkv + h / group;
                 attend(q + ((b * Hq + h) * T + t) * D, k + row * D, Hkv * D, v + row * Dv, Hkv * Dv, 0, 0, p - lo + 1,
-                       D, Dv, scale, -INFINITY, work, out + ((b * Hq + h) * T + t) * Dv);
+                       D, Dv, scale, sinks ? sinks[h] : -INFINITY, work, out + ((b * Hq + h) * T + t) * Dv);
             }
     return 1;
 }

@@ -33,7 +33,7 @@ enum {
     OP_COMPARE = 9,   /* a b out | kind dtype(0 int64, 1 float32) shape[4] a_strides[4] b_strides[4] (elements) */
     OP_COPY = 10,     /* src dst | item shape[4] src_strides[4] (bytes); dst contiguous */
     OP_BINARY = 11,   /* a b out | kind dtype(0 int64, 1 float32, 2 bool) shape[4] a_strides[4] b_strides[4] */
-    OP_SLOT_ATTENTION = 12, /* q k_cache v_cache slots positions out work | 9 sizes, scale(float bits) */
+    OP_SLOT_ATTENTION = 12, /* q k_cache v_cache slots positions sinks out work | 9 sizes, scale(float bits) */
     OP_ROPE_SLOT = 13,      /* q k v cos sin k_cache v_cache slots positions q_out | 14 sizes and strides */
     OP_LAYER_NORM = 14,     /* x weight bias out | rows n eps(float bits) */
     OP_UNARY = 15,          /* x out | n function (native.UNARY's order) */
@@ -119,7 +119,7 @@ void kiln_attention_f32(const float *q, const float *k, const float *v, const un
                         i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms,
                         i64 causal, float scale, i64 threads);
 i64 kiln_slot_attention_f32(const float *q, const float *k, const float *v, const i64 *slots, const i64 *positions,
-                            float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
+                            const float *sinks, float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
                             i64 slot_count, i64 window, float scale);
 i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
                               float *k_cache, float *v_cache, const i64 *slots, const i64 *positions, float *q_out,
@@ -305,9 +305,9 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             return 1;
         }
         case OP_SLOT_ATTENTION: {
-            const i64 *s = a + 15;
-            return (int)kiln_slot_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), s[0], s[1],
-                                                s[2], s[3], s[4], s[5], s[6], s[7], s[8], as_float(s[9]));
+            const i64 *s = a + 17;
+            return (int)kiln_slot_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), PTR(15), s[0],
+                                                s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], as_float(s[9]));
         }
         case OP_ROPE_SLOT: {
             const i64 *s = a + 21;

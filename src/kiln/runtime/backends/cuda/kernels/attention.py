@@ -200,15 +200,15 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, causal: bool, 
 
 
 @kernel("slot_attention")
-def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: Any, scale: float,
-                   window: int = 0) -> Any:
+def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: Any, sinks: Any = None, *,
+                   scale: float, window: int = 0) -> Any:
     """A decode step (one query per sequence) by the split-key decode kernel reading each sequence's slot in
     place, up to its own position (no gather, no host read of the positions, so a CUDA graph holds it); several
     queries per sequence (a prefill chunk) by the flash kernel over the gathered slots with the positions as a bool
     mask built on the device (key tiles past the last position are skipped there), or, for types flash.cu does
-    not take, by the portable composition over the whole slot (cuBLAS products)."""
+    not take and with sinks (gpt-oss), by the portable composition over the whole slot (cuBLAS products)."""
     keys, values = cp.swapaxes(k_cache, 1, 2), cp.swapaxes(v_cache, 1, 2)  # [N, Hkv, L, E] views
-    if _slot_decode_applies(q, keys, values, slots, positions):
+    if sinks is None and _slot_decode_applies(q, keys, values, slots, positions):
         run = _slot_runs_apply(q, keys, values, window)
         out = _decode_attention(q, keys, values, None, scale, slots=slots, positions=positions, window=window,
                                 run_rows=run)
@@ -218,13 +218,14 @@ def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: An
         return out
     k_rows, v_rows = k_cache[slots], v_cache[slots]  # [B, L, Hkv, E]
     keys, values = cp.swapaxes(k_rows, 1, 2), cp.swapaxes(v_rows, 1, 2)
-    if positions.shape == q.shape[:1] + q.shape[2:3] and _flash_attention_applies(q, keys, values, None):
+    if sinks is None and positions.shape == q.shape[:1] + q.shape[2:3] and \
+            _flash_attention_applies(q, keys, values, None):
         visible = slot_visibility(cp.arange(keys.shape[2]), positions, window)
         return _flash_attention(q, keys, values, visible, False, scale)
     dtype = q.dtype
-    q, keys, values = upcast(q, k_rows, v_rows)
-    return portable_slot_attention(cp, q, keys, values, positions, 0, scale, window,
-                                   matmul=matmul_cublas).astype(dtype, copy=False)
+    q, keys, values, sinks = upcast(q, k_rows, v_rows, sinks)
+    return portable_slot_attention(cp, q, keys, values, positions, 0, scale, window, matmul=matmul_cublas,
+                                   sinks=sinks).astype(dtype, copy=False)
 
 
 def _slot_decode_applies(q: Any, keys: Any, values: Any, slots: Any, positions: Any) -> bool:

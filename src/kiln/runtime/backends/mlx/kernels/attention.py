@@ -98,17 +98,20 @@ def rope_cache_update(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin:
 
 
 @kernel("slot_attention")
-def slot_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array, positions: mx.array, *,
-                   scale: float, window: int = 0, visible_keys: int | None = None) -> mx.array:
+def slot_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array, positions: mx.array,
+                   sinks: mx.array | None = None, *, scale: float, window: int = 0,
+                   visible_keys: int | None = None) -> mx.array:
     """Each sequence's slot gathered ([B, S, Hkv, E], as many keys as the plan hint says some position reaches:
-    visible_keys, else the whole cache) and attended by MLX's fused kernel with the mask from the positions.
-    Every query sees at least its own key, so there are no empty rows to guard."""
+    visible_keys, else the whole cache) and attended by MLX's fused kernel with the mask from the positions (and
+    the sinks as its own). Every query sees at least its own key, so there are no empty rows to guard."""
     dtype = q.dtype
     length = k_cache.shape[1] if visible_keys is None else min(visible_keys, k_cache.shape[1])
     keys = k_cache[slots, :length].transpose(0, 2, 1, 3)
     values = v_cache[slots, :length].transpose(0, 2, 1, 3)
     if on_cpu():
         q, keys, values = upcast(q, keys, values)
+    if sinks is not None:
+        sinks = sinks.astype(q.dtype)
     visible = slot_visibility(mx.arange(length), positions, window)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible, sinks=sinks)
     return out.astype(dtype)
