@@ -81,8 +81,9 @@ class _SlotCache(_BufferCache):
 
 
 SLOT_ATTENTION = "kiln_slot_attention"
-SINK_ATTENTION = "kiln_sink_attention"
 """The transformers attention implementation a slotted StaticCacheLM sets: kiln's slot_attention op."""
+SINK_ATTENTION = "kiln_sink_attention"
+"""The one a StaticCacheLM of one sequence sets during its steps where attention has sink logits: kiln's sdpa."""
 
 
 def _attend_slots(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
