@@ -6,6 +6,7 @@ import torch
 
 from kiln.export import torch_ops  # noqa: F401 - defines torch.ops.kiln.*
 from kiln.export.lower.registry import LowerContext, Unsupported, lowering
+from kiln.ir.dtypes import DType
 
 aten = torch.ops.aten
 
@@ -18,14 +19,19 @@ def sdpa(ctx: LowerContext, node: torch.fx.Node) -> int:
     if args.get("dropout_p", 0.0) not in (0, 0.0, None):
         raise Unsupported("attention dropout at inference (dropout_p must be 0)")
     dtype, shape = ctx.meta(node)
-    mask = args.get("attn_mask")
-    mask_v = ctx.optional(mask)
-    if mask is not None and ctx.dtype(mask_v).is_float and ctx.dtype(mask_v) != dtype:
-        mask_v = ctx.cast(mask_v, dtype)
+    mask_v = _mask(ctx, args.get("attn_mask"), dtype)
     scale = args.get("scale")
     return ctx.emit("sdpa", [ctx.value(args["query"]), ctx.value(args["key"]), ctx.value(args["value"]), mask_v],
                     (dtype, shape), causal=bool(args.get("is_causal", False)),
                     scale=None if scale is None else float(scale))
+
+
+def _mask(ctx: LowerContext, mask: torch.fx.Node | None, dtype: DType) -> int:
+    """An attention mask's value: absent, bool as it is, or a float mask in the attention's dtype."""
+    mask_v = ctx.optional(mask)
+    if mask is not None and ctx.dtype(mask_v).is_float and ctx.dtype(mask_v) != dtype:
+        mask_v = ctx.cast(mask_v, dtype)
+    return mask_v
 
 
 @lowering(torch.ops.kiln.slot_attention.default)
@@ -49,9 +55,6 @@ def sdpa_sinks(ctx: LowerContext, node: torch.fx.Node) -> int:
     args = dict(zip(names, node.args))
     args.update(node.kwargs)
     dtype, shape = ctx.meta(node)
-    mask = args.get("mask")
-    mask_v = ctx.optional(mask)
-    if mask is not None and ctx.dtype(mask_v).is_float and ctx.dtype(mask_v) != dtype:
-        mask_v = ctx.cast(mask_v, dtype)
-    inputs = [ctx.value(args["q"]), ctx.value(args["k"]), ctx.value(args["v"]), mask_v, ctx.value(args["sinks"])]
+    inputs = [ctx.value(args["q"]), ctx.value(args["k"]), ctx.value(args["v"]), _mask(ctx, args.get("mask"), dtype),
+              ctx.value(args["sinks"])]
     return ctx.emit("sdpa", inputs, (dtype, shape), causal=False, scale=float(args["scale"]))

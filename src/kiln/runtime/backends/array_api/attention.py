@@ -59,6 +59,12 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
         scores = xp.where(xp.tile(keep, (groups, 1)), scores, -xp.inf)
     if mask is not None:
         scores = xp.where(mask, scores, -xp.inf) if mask.dtype == xp.bool_ else scores + mask
+    return matmul(_softmax(xp, scores, sinks), v).reshape(out_shape)
+
+
+def _softmax(xp: Any, scores: Any, sinks: Any) -> Any:
+    """softmax over the last dim of the scores, in place, with each row's sink logit (sinks broadcast against the
+    scores' rows, or None) one more term of its sum."""
     top = xp.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
         top = xp.maximum(top, sinks)
@@ -68,7 +74,7 @@ def sdpa(xp: Any, q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float 
     if sinks is not None:
         total = total + xp.exp(sinks - top)
     scores /= total
-    return matmul(scores, v).reshape(out_shape)
+    return scores
 
 
 def slot_visibility(key: Any, positions: Any, window: int) -> Any:
@@ -100,15 +106,8 @@ def slot_attention(xp: Any, q: Any, keys: Any, values: Any, positions: Any, firs
     visible = slot_visibility(xp.arange(L) + first, positions, window)  # the same for every q head of a group
     scores = scores.reshape(B, Hkv, groups, T, L)
     scores = xp.where(visible[:, :, None], scores, -xp.inf)
-    top = xp.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
         sinks = sinks.astype(scores.dtype).reshape(Hkv, groups, 1, 1)  # a q head's, for each of its queries
-        top = xp.maximum(top, sinks)
-    scores -= top
-    xp.exp(scores, out=scores)
-    total = xp.sum(scores, axis=-1, keepdims=True)
-    if sinks is not None:
-        total = total + xp.exp(sinks - top)
-    scores /= total
+    scores = _softmax(xp, scores, sinks)
     out = matmul(scores.reshape(B, Hkv, groups * T, L), xp.transpose(values, (0, 2, 1, 3)))
     return out.reshape(B, Hq, T, values.shape[-1])

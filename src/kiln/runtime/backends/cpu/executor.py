@@ -612,6 +612,14 @@ def _norm_rope_cache_update(lw: Lowering, node: Node, attrs: dict[str, Any]) -> 
     _rope_cache_update(lw, node, attrs, [q, k, v, cos, sin, k_cache, v_cache, *indices])
 
 
+def _sinks(lw: Lowering, sinks: Loc | None, heads: int) -> Loc | None:
+    """An attention's sinks as attention.c reads them (float32, one a q head, contiguous), or None."""
+    if sinks is None:
+        return None
+    _need(sinks.dtype == F32 and sinks.shape == (heads,), "float32 sinks, one a q head")
+    return lw.contiguous(sinks)
+
+
 @lowering("slot_attention")
 def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     q, k_cache, v_cache, slots, positions, sinks = (_inputs(lw, node) + [None])[:6]
@@ -622,9 +630,8 @@ def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
           and v_cache.shape[:3] == (count, S, Hkv) and k_cache.contiguous and v_cache.contiguous, "shapes")
     _need(slots.dtype == I64 and slots.shape == (B,) and positions.dtype == I64 and positions.shape == (B, T),
           "int64 slots and positions")
-    _need(sinks is None or (sinks.dtype == F32 and sinks.shape == (Hq,)), "float32 sinks, one a q head")
+    sinks = _sinks(lw, sinks, Hq)
     q, slots, positions = lw.contiguous(q), lw.contiguous(slots), lw.contiguous(positions)
-    sinks = None if sinks is None else lw.contiguous(sinks)
     out = lw.new((B, Hq, T, v_cache.shape[3]), F32)
     lw.emit("slot_attention", q, k_cache, v_cache, slots, positions, sinks, out, lw.work(4 * max(S, 1)), B, Hq, Hkv,
             T, S, D, v_cache.shape[3], count, int(attrs["window"]), as_float_word(attrs["scale"]))
@@ -643,9 +650,7 @@ def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     if mask is not None:
         _need(mask.dtype == BOOL and len(mask.shape) <= 4, "a bool mask")
         mask_strides = broadcast_strides(mask, (B, Hq, L, S))
-    if sinks is not None:
-        _need(sinks.dtype == F32 and sinks.shape == (Hq,), "float32 sinks, one a q head")
-        sinks = lw.contiguous(sinks)
+    sinks = _sinks(lw, sinks, Hq)
     q = lw.contiguous(q)
     scale = attrs["scale"] if attrs["scale"] is not None else 1 / math.sqrt(D)
     out = lw.new((B, Hq, L, Dv), F32)

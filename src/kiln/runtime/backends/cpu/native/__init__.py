@@ -361,6 +361,11 @@ ATTENTION_MAX_QUERIES = 16
 16 rows in tiles of queries against blocks of keys: attention.c)."""
 
 
+def _float32(sinks: np.ndarray | None) -> np.ndarray | None:
+    """An attention's sinks as attention.c reads them: contiguous float32 (or None)."""
+    return None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, causal: bool,
               scale: float, sinks: np.ndarray | None = None) -> np.ndarray | None:
     """sdpa of float32 q [B, Hq, L, D], k and v [B, Hkv, S, D] (any strides, the last dimension contiguous), a
@@ -374,10 +379,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     if q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[::3] != (B, D) \
             or v.shape[:3] != (B, Hkv, S) or Hkv == 0 or Hq % Hkv or k.strides[3] != 4 or v.strides[3] != 4:
         return None
-    if sinks is not None:
-        if sinks.shape != (Hq,):
-            return None
-        sinks = np.ascontiguousarray(sinks, dtype=np.float32)
+    if sinks is not None and sinks.shape != (Hq,):
+        return None
     if mask is not None:
         if mask.dtype != np.bool_ or mask.ndim > 4:
             return None
@@ -390,7 +393,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     out = np.empty((B, Hq, L, v.shape[3]), dtype=np.float32)
     if out.size:
         work = np.empty(S, dtype=np.float32)
-        lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), address(sinks),
+        lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), address(_float32(sinks)),
                                out.ctypes.data, work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3],
                                *(s // 4 for s in k.strides[:3]), *(s // 4 for s in v.strides[:3]), *mask_strides,
                                int(causal), float(scale), threads())
@@ -467,12 +470,11 @@ def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
             or slots.dtype != np.int64 or positions.dtype != np.int64 or (sinks is not None and sinks.shape != (Hq,)):
         return None
     q, slots, positions = (a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (q, slots, positions))
-    if sinks is not None:
-        sinks = np.ascontiguousarray(sinks, dtype=np.float32)
     out = np.empty((B, Hq, T, v_cache.shape[3]), dtype=np.float32)
     work = np.empty(max(S, 1), dtype=np.float32)
     if out.size and not lib.kiln_slot_attention_f32(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
-                                                    slots.ctypes.data, positions.ctypes.data, address(sinks),
+                                                    slots.ctypes.data, positions.ctypes.data,
+                                                    address(_float32(sinks)),
                                                     out.ctypes.data, work.ctypes.data, B, Hq, Hkv, T, S, D,
                                                     v_cache.shape[3], count, int(window), float(scale)):
         return None

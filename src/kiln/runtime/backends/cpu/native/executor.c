@@ -119,8 +119,8 @@ void kiln_attention_f32(const float *q, const float *k, const float *v, const un
                         i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms,
                         i64 causal, float scale, i64 threads);
 i64 kiln_slot_attention_f32(const float *q, const float *k, const float *v, const i64 *slots, const i64 *positions,
-                            const float *sinks, float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
-                            i64 slot_count, i64 window, float scale);
+                            const float *sinks, float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D,
+                            i64 Dv, i64 slot_count, i64 window, float scale);
 i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
                               float *k_cache, float *v_cache, const i64 *slots, const i64 *positions, float *q_out,
                               i64 B, i64 Hq, i64 Hkv, i64 D, i64 S, i64 slot_count, i64 qsb, i64 qsh, i64 ksb,

@@ -183,20 +183,16 @@ def sdpa(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, *, causal: bool, 
     ms with it, 73.1 without).
 
     With sinks (gpt-oss), the portable path: no kernel here takes a sink logit yet."""
-    if sinks is not None:
-        dtype = q.dtype
-        q, k, v, mask, sinks = upcast(q, k, v, mask, sinks)
-        return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas,
-                             sinks=sinks).astype(dtype, copy=False)
-    if _decode_attention_applies(q, k, v, mask, causal):
+    if sinks is None and _decode_attention_applies(q, k, v, mask, causal):
         return _decode_attention(q, k, v, mask, scale)
-    if _flash_attention_applies(q, k, v, mask):
+    if sinks is None and _flash_attention_applies(q, k, v, mask):
         return _flash_attention(q, k, v, mask, causal, scale)
-    if _grouped_attention(q, k, v, mask) and cublas.supports(q.dtype):
+    if sinks is None and _grouped_attention(q, k, v, mask) and cublas.supports(q.dtype):
         return _products_attention(q, k, v, mask, causal, scale)
     dtype = q.dtype
-    q, k, v, mask = upcast(q, k, v, mask)
-    return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas).astype(dtype, copy=False)
+    q, k, v, mask, sinks = upcast(q, k, v, mask, sinks)
+    return portable_sdpa(cp, q, k, v, mask, causal, scale, matmul=matmul_cublas,
+                         sinks=sinks).astype(dtype, copy=False)
 
 
 @kernel("slot_attention")
