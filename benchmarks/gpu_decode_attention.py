@@ -65,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs.split(";"):
             for knob, value in {**defaults, **CONFIGS[name]}.items():
                 setattr(attention, knob, value)
-            got = attention.sdpa(qc, kc, vc, mc, False, None)
+            got = attention.sdpa(qc, kc, vc, mc, causal=False, scale=None)
             error = float((torch.from_dlpack(got).float() - want.float()).abs().max())
             assert error < 2e-2, (name, context, error)
-            us = gpu_time(cp, lambda mc=mc: attention.sdpa(qc, kc, vc, mc, False, None), calls=args.calls) * 1e6
+            us = gpu_time(cp, lambda mc=mc: attention.sdpa(qc, kc, vc, mc, causal=False, scale=None),
+                          calls=args.calls) * 1e6
             rows.append([str(context), name, f"{us:.2f}", f"{torch_us:.2f}", f"{torch_us / us:.2f}", f"{error:.1e}"])
         for knob, value in defaults.items():
             setattr(attention, knob, value)

@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         mask_t = (torch.arange(slots, device="cuda") <= context)[None, None, None, :]
         mask = cp.asarray(mask_t)
         want = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask_t, enable_gqa=True).float()
-        got = to_torch(sdpa(q, k, v, mask, False, None)).float()
+        got = to_torch(sdpa(q, k, v, mask, causal=False, scale=None)).float()
         error = (got - want).abs().max().item() / want.abs().max().item()
-        times = {"kiln": gpu_time(cp, lambda mask=mask: sdpa(q, k, v, mask, False, None), args.calls),
+        times = {"kiln": gpu_time(cp, lambda mask=mask: sdpa(q, k, v, mask, causal=False, scale=None), args.calls),
                  "torch": gpu_time(cp, lambda mask=mask_t: F.scaled_dot_product_attention(
                      q_t, k_t, v_t, attn_mask=mask, enable_gqa=True), args.calls)}
         nbytes = 2 * kv_heads * (context + 1) * e * k_t.element_size()
@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         mask_t = (torch.arange(slots, device="cuda")[None] <= torch.arange(prompt, device="cuda")[:, None])[None, None]
         mask = cp.asarray(mask_t)
         want = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask_t, enable_gqa=True).float()
-        got = to_torch(sdpa(q, k, v, mask, False, None)).float()
+        got = to_torch(sdpa(q, k, v, mask, causal=False, scale=None)).float()
         error = (got - want).abs().max().item() / want.abs().max().item()
         k_p, v_p = k_t[:, :, :prompt].contiguous(), v_t[:, :, :prompt].contiguous()
-        times = {"kiln": gpu_time(cp, lambda q=q, mask=mask: sdpa(q, k, v, mask, False, None), args.calls)}
+        times = {"kiln": gpu_time(cp, lambda q=q, mask=mask: sdpa(q, k, v, mask, causal=False, scale=None), args.calls)}
         if cublas.supports(q.dtype):
             times["products"] = gpu_time(cp, lambda q=q, mask=mask: _products_attention(q, k, v, mask, False, None),
                                          args.calls)

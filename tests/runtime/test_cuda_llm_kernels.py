@@ -238,7 +238,7 @@ def test_decode_attention_matches_float64(dtype, heads, kv_heads, e, mask_kind, 
     md = None if mask is None else cp.asarray(mask)
     assert _decode_attention_applies(qd, kd, vd, md, False)
     scale = 1 / np.sqrt(e)
-    got = cp.asnumpy(sdpa(qd, kd, vd, md, False, None)).astype(np.float64)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, causal=False, scale=None)).astype(np.float64)
     want = _attention64(q, k, v, mask, scale)
     tol = TOL[np.dtype(dtype)]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
@@ -262,7 +262,8 @@ def test_decode_attention_with_a_group_split_over_blocks(heads_per_block, heads,
         k = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
         v = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
         mask = (np.arange(seq) < visible)[None, None, None]
-        got = cp.asnumpy(attention.sdpa(*(cp.asarray(a) for a in (q, k, v, mask)), False, None)).astype(np.float64)
+        got = attention.sdpa(*(cp.asarray(a) for a in (q, k, v, mask)), causal=False, scale=None)
+        got = cp.asnumpy(got).astype(np.float64)
         want = _attention64(q, k, v, mask, 1 / np.sqrt(e))
         np.testing.assert_allclose(got, want, rtol=TOL[BFLOAT16], atol=TOL[BFLOAT16])
 
@@ -276,7 +277,7 @@ def test_decode_attention_of_a_query_that_sees_nothing_is_nan() -> None:
     mask = cp.zeros((1, 1, 1, 100), cp.bool_)
     mask[..., 50] = True
     mask = cp.concatenate([mask, cp.zeros_like(mask)], axis=1)  # head 0 sees one key, head 1 none
-    out = cp.asnumpy(sdpa(q, k, k, mask, False, None))
+    out = cp.asnumpy(sdpa(q, k, k, mask, causal=False, scale=None))
     assert np.allclose(out[0, 0], 1.0) and np.isnan(out[0, 1]).all()
 
 
@@ -310,7 +311,7 @@ def test_slot_decode_attention_reads_each_slot_in_place(dtype, heads, kv_heads, 
     q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
     args = [cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)]
     assert _slot_decode_applies(args[0], cp.swapaxes(args[1], 1, 2), cp.swapaxes(args[2], 1, 2), args[3], args[4])
-    got = cp.asnumpy(slot_attention(*args, 0.125, window)).astype(np.float64)
+    got = cp.asnumpy(slot_attention(*args, scale=0.125, window=window)).astype(np.float64)
     want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
     tol = TOL[np.dtype(dtype)]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
@@ -345,7 +346,7 @@ def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, monk
     monkeypatch.setattr(attention, "_slot_runs_attention", lambda *a: called.append(a[6]) or runs(*a))
     monkeypatch.setattr(attention, "SLOT_RUNS_ABOVE", 0)  # (a step this small takes the decode kernel otherwise)
     got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
-                                              0.125)).astype(np.float64)
+                                              scale=0.125)).astype(np.float64)
     assert called == [run]
     want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, 0)
     tol = TOL[np.dtype(dtype)]
@@ -359,7 +360,7 @@ def test_slot_decode_attention_of_a_slot_outside_the_cache_reads_nothing() -> No
 
     cache = cp.ones((2, 70, 1, 64), cp.float16)
     out = cp.asnumpy(slot_attention(cp.ones((2, 2, 1, 64), cp.float16), cache, cache,
-                                    cp.asarray([1, 7], cp.int64), cp.asarray([[5], [5]], cp.int64), 0.1))
+                                    cp.asarray([1, 7], cp.int64), cp.asarray([[5], [5]], cp.int64), scale=0.1))
     assert np.allclose(out[0], 1.0) and np.isnan(out[1]).all()
 
 
@@ -380,7 +381,7 @@ def test_slot_prefill_attention_by_flash_with_the_positions_as_mask(dtype, windo
     flash = attention._flash_attention
     monkeypatch.setattr(attention, "_flash_attention", lambda *a: called.append(1) or flash(*a))
     got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
-                                              0.125, window)).astype(np.float64)
+                                              scale=0.125, window=window)).astype(np.float64)
     assert called
     want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
     tol = TOL[np.dtype(dtype)]
@@ -601,7 +602,7 @@ def test_flash_attention_matches_float64(dtype, heads, kv_heads, e, mode, querie
     full = np.tril(np.ones((queries, keys), bool)) if causal else None
     want_mask = mask if full is None else (full if mask is None else mask & full)
     want = _attention64(q.transpose(0, 2, 1, 3), k, v, want_mask, 1 / np.sqrt(e))
-    got = cp.asnumpy(sdpa(qd, kd, vd, md, causal, None)).astype(np.float64)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, causal=causal, scale=None)).astype(np.float64)
     tol = TOL[np.dtype(dtype)]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
@@ -617,7 +618,7 @@ def test_flash_attention_scale_and_a_query_that_sees_nothing() -> None:
     mask[..., 5, :] = False  # query 5 sees no key
     qd, kd, vd, md = (cp.asarray(a) for a in (q, k, v, mask))
     assert _flash_attention_applies(qd, kd, vd, md)
-    got = cp.asnumpy(sdpa(qd, kd, vd, md, False, 0.3)).astype(np.float64)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, causal=False, scale=0.3)).astype(np.float64)
     assert np.isnan(got[:, :, 5]).all()
     want = _attention64(q, k, v, mask, 0.3)
     keep = np.arange(70) != 5
@@ -653,5 +654,5 @@ def test_flash_attention_past_the_tiles_it_flags() -> None:
     mask[..., 0, keys - 90:] = True  # query 0 also sees keys past the flagged tiles
     qd, kd, vd, md = (cp.asarray(a) for a in (q, k, v, mask))
     assert _flash_attention_applies(qd, kd, vd, md)
-    got = cp.asnumpy(sdpa(qd, kd, vd, md, False, None)).astype(np.float64)
+    got = cp.asnumpy(sdpa(qd, kd, vd, md, causal=False, scale=None)).astype(np.float64)
     np.testing.assert_allclose(got, _attention64(q, k, v, mask, 1 / np.sqrt(32)), rtol=1.6e-2, atol=1.6e-2)
