@@ -140,6 +140,27 @@ def test_equal_constants_are_stored_once(exported):
     assert sum(b.nbytes for b in dup.blobs) == sum(d.nbytes for d in dup_data) < 2 * weight_bytes
 
 
+def test_a_tensor_is_hashed_once_until_it_is_written(monkeypatch):
+    """Every method of an LLM reads the same weights: the builder hashes a tensor's memory once, yet sees an
+    in-place write (the version counter) and tells equal bytes from other tensors as before."""
+    from kiln.export import builder as builder_module
+
+    hashed = []
+    blake2b = builder_module.hashlib.blake2b
+    monkeypatch.setattr(builder_module.hashlib, "blake2b", lambda data, **kw: hashed.append(1) or blake2b(data, **kw))
+    b = builder_module.ProgramBuilder()
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    first = b.constant(w, "w")
+    assert b.constant(w, "w again") == b.constant(w.detach(), "w detached") == first and len(hashed) == 1
+    assert b.constant(w.clone(), "copy") == first and len(hashed) == 2  # other memory: hashed, the same constant
+    assert b.constant(w.t(), "transposed") != first and len(hashed) == 3  # not contiguous: hashed every time
+    with torch.no_grad():
+        w.add_(1)
+    written = b.constant(w, "written")
+    assert written != first and len(hashed) == 4
+    assert np.array_equal(b.constant_array(written), w.numpy())
+
+
 def _base(arr: np.ndarray):
     """The object that owns an array's memory, following views and buffer wrappers."""
     while isinstance(arr, (np.ndarray, memoryview)):

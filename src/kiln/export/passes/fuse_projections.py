@@ -8,6 +8,10 @@ activation, attention) take strided rows, so nothing is copied back apart. The s
 its parts, and weight quantization, which runs later, quantizes it row by row as it would have the parts. Weights
 whose quantized form is known already (a GGUF file's) stack only with weights of the same form, so each stacked
 weight is kept exactly (a Q4_K_M file's Q6_K value projection stays apart from its Q4_K query and key).
+
+A weight read by several linears (a model whose layers share their weights) stacks only where every linear reading
+it stacks with the same partners: the stacked weights are then equal bytes, stored once, and the parts are read by
+nothing. Anywhere else the part would have to stay beside the stacked copy, so its group does not stack.
 """
 
 from __future__ import annotations
@@ -25,34 +29,49 @@ if TYPE_CHECKING:
 
 
 def fuse_projections(method: Method, builder: ProgramBuilder, known: KnownQuantization | None = None) -> int:
-    """Stack each group of >= 2 linears on one input (constant weights and biases read by nothing else, of one
-    known quantized layout or none); returns how many linears were stacked."""
+    """Stack each group of >= 2 linears on one input (constant weights and biases, of one known quantized layout
+    or none, read by nothing else or only by groups alike); returns how many linears were stacked."""
     usage = Usage.of(method)
     groups: dict[tuple, list[Node]] = {}
     for node in method.nodes:
-        key = _group_key(method, usage, node)
+        key = _group_key(method, node)
         if key is not None and known is not None:
             key += (known.layout_of(constant_value(method, builder, node.inputs[1])),)
         if key is not None:
             groups.setdefault(key, []).append(node)
+    stacking = _alike_where_shared([nodes for nodes in groups.values() if len(nodes) >= 2], usage)
     fused: dict[int, Node] = {}  # id of a group's first linear -> the stacked linear to put before it
-    for nodes in groups.values():
-        if len(nodes) >= 2:
-            fused[id(nodes[0])] = _stack(method, builder, nodes)
+    for nodes in stacking:
+        fused[id(nodes[0])] = _stack(method, builder, nodes)
     method.nodes = [n for node in method.nodes for n in ((fused[id(node)], node) if id(node) in fused else (node,))]
-    return sum(len(nodes) for nodes in groups.values() if len(nodes) >= 2)
+    return sum(len(nodes) for nodes in stacking)
 
 
-def _group_key(method: Method, usage: Usage, node: Node) -> tuple | None:
-    """Linears stack when they read the same input with weights of one dtype and width, biases alike."""
+def _parts(node: Node) -> tuple[int, ...]:
+    """The constants a linear's stacking moves into the stacked ones: its weight and its bias, if any."""
+    return tuple(v for v in node.inputs[1:3] if v != NO_VALUE)
+
+
+def _alike_where_shared(groups: list[list[Node]], usage: Usage) -> list[list[Node]]:
+    """The groups whose every part is read only by linears of groups that stack the same parts in the same order.
+    (One pass is enough: a group dropped here holds a part whose readers' groups all hold it too.)"""
+    signature = {id(node): tuple(_parts(n) for n in nodes) for nodes in groups for node in nodes}
+    def alone(part: int) -> bool:
+        readers = usage.reader_nodes.get(part, ())
+        return len({signature.get(id(r)) for r in readers}) == 1 and id(readers[0]) in signature
+    return [nodes for nodes in groups if all(alone(p) for n in nodes for p in _parts(n))]
+
+
+def _group_key(method: Method, node: Node) -> tuple | None:
+    """Linears stack when they read the same input with constant weights of one dtype and width, biases alike."""
     if node.op != "linear":
         return None
     x, w = node.inputs[:2]
     b = node.inputs[2] if len(node.inputs) > 2 else NO_VALUE
     weight = method.values[w]
-    if weight.kind != ValueKind.CONSTANT or len(weight.shape) != 2 or len(usage.reader_nodes.get(w, ())) != 1:
+    if weight.kind != ValueKind.CONSTANT or len(weight.shape) != 2:
         return None
-    if b != NO_VALUE and (method.values[b].kind != ValueKind.CONSTANT or len(usage.reader_nodes.get(b, ())) != 1):
+    if b != NO_VALUE and method.values[b].kind != ValueKind.CONSTANT:
         return None
     bias_dtype = method.values[b].dtype if b != NO_VALUE else None
     return x, weight.dtype, weight.shape[1], bias_dtype, method.values[node.outputs[0]].dtype
