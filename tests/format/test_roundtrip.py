@@ -159,6 +159,9 @@ def test_a_tensor_is_hashed_once_until_it_is_written(monkeypatch):
     written = b.constant(w, "written")
     assert written != first and len(hashed) == 4
     assert np.array_equal(b.constant_array(written), w.numpy())
+    with torch.inference_mode():  # no version counter to trust: hashed each time, still one constant
+        frozen = torch.arange(5.0)
+    assert b.constant(frozen, "frozen") == b.constant(frozen, "frozen again") and len(hashed) == 6
 
 
 def _base(arr: np.ndarray):

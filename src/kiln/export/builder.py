@@ -36,8 +36,8 @@ def _memory_key(t: torch.Tensor) -> tuple | None:
     """Where a contiguous CPU tensor's bytes are and which write they are at (its version counter), or None for
     any other tensor. The builder keeps the key only for a tensor whose memory became a blob (tensor_bytes shares
     it) and holds the tensor with it, so no other tensor can be allocated there while the key lives."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
-        return None
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.is_inference():
+        return None  # (an inference-mode tensor has no version counter: hashed every time)
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype, t._version)
 
 
