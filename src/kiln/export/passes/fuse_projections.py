@@ -56,6 +56,7 @@ def _alike_where_shared(groups: list[list[Node]], usage: Usage) -> list[list[Nod
     """The groups whose every part is read only by linears of groups that stack the same parts in the same order.
     (One pass is enough: a group dropped here holds a part whose readers' groups all hold it too.)"""
     signature = {id(node): tuple(_parts(n) for n in nodes) for nodes in groups for node in nodes}
+
     def alone(part: int) -> bool:
         readers = usage.reader_nodes.get(part, ())
         return len({signature.get(id(r)) for r in readers}) == 1 and id(readers[0]) in signature
