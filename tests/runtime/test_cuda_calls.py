@@ -1,0 +1,150 @@
+"""The CUDA tests and GPU benchmarks call the CUDA kernels' Python functions with arguments that bind to those
+functions' signatures, checked from the sources (no GPU or CuPy needed). CI runs none of those tests: when op set 15
+gave `sdpa` an optional `sinks` input in the fifth place, 412 device tests that passed `causal` and `scale` by
+position failed with TypeError, and only the next session's run on a GPU showed it."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import kiln
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = Path(kiln.__file__).parent / "runtime" / "backends" / "cuda" / "kernels"
+PACKAGE = "kiln.runtime.backends.cuda.kernels"
+CALLERS = sorted(ROOT.glob("tests/runtime/test_cuda*.py")) + sorted(ROOT.glob("benchmarks/gpu_*.py"))
+
+
+def _signature(fn: ast.FunctionDef) -> inspect.Signature:
+    """The signature a def states (defaults stand in as 0: only which parameters may be left out matters)."""
+    a, P = fn.args, inspect.Parameter
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    params = [P(arg.arg, P.POSITIONAL_ONLY if i < len(a.posonlyargs) else P.POSITIONAL_OR_KEYWORD,
+                default=P.empty if d is None else 0) for i, (arg, d) in enumerate(zip(positional, defaults))]
+    if a.vararg:
+        params.append(P(a.vararg.arg, P.VAR_POSITIONAL))
+    params += [P(arg.arg, P.KEYWORD_ONLY, default=P.empty if d is None else 0)
+               for arg, d in zip(a.kwonlyargs, a.kw_defaults)]
+    if a.kwarg:
+        params.append(P(a.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def _kernel_functions() -> dict[tuple[str, str], inspect.Signature]:
+    """(module, function) -> signature for every top-level def of the CUDA kernel modules, and ("op", name) for
+    each one registered as an op's kernel (`@kernel("sdpa")`: what CUDA_KERNELS.kernels["sdpa"] is)."""
+    found = {}
+    for path in KERNELS.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                found[(path.stem, node.name)] = _signature(node)
+                for decorator in node.decorator_list:
+                    if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Name)
+                            and decorator.func.id == "kernel"):
+                        found.update((("op", a.value), found[(path.stem, node.name)]) for a in decorator.args
+                                     if isinstance(a, ast.Constant))
+    return found
+
+
+def _registry_lookups(tree: ast.AST) -> dict[str, set]:
+    """Local names bound to CUDA_KERNELS.kernels["op"] (also in a tuple assignment) -> {("op", "op")}."""
+    named: dict[str, set] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
+                 else [(target, value)])
+        for name, lookup in pairs:
+            if (isinstance(name, ast.Name) and isinstance(lookup, ast.Subscript)
+                    and isinstance(lookup.slice, ast.Constant) and ast.unparse(lookup.value).endswith(
+                        "CUDA_KERNELS.kernels")):
+                named.setdefault(name.id, set()).add(("op", lookup.slice.value))
+    return named
+
+
+def _positional_count(args: list[ast.expr]) -> int | None:
+    """How many positional arguments a call passes, or None where a starred one's length cannot be read off the
+    source (a starred literal, or a generator over one, can)."""
+    count = 0
+    for arg in args:
+        if not isinstance(arg, ast.Starred):
+            count += 1
+            continue
+        value = arg.value
+        if isinstance(value, (ast.GeneratorExp, ast.ListComp)) and len(value.generators) == 1:
+            value = value.generators[0].iter
+        if not isinstance(value, (ast.Tuple, ast.List)) or any(isinstance(e, ast.Starred) for e in value.elts):
+            return None
+        count += len(value.elts)
+    return count
+
+
+def calls_that_do_not_bind(source: str, functions: dict[tuple[str, str], inspect.Signature]) -> tuple[list, int]:
+    """([(line, call, error)] for the source's calls of kernel functions that would raise TypeError, number of calls
+    checked). Names are resolved through the file's imports from the kernels package, wherever they are made."""
+    tree = ast.parse(source)
+    named = _registry_lookups(tree)  # local name -> (module, function) it was imported or looked up as
+    modules: dict[str, set] = {}  # local name -> kernel module
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(PACKAGE):
+            continue
+        for alias in node.names:
+            local = alias.asname or alias.name
+            if node.module == PACKAGE and (KERNELS / f"{alias.name}.py").exists():
+                modules.setdefault(local, set()).add(alias.name)
+            elif node.module != PACKAGE:
+                named.setdefault(local, set()).add((node.module.rsplit(".", 1)[1], alias.name))
+    bad, checked = [], 0
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        target = None
+        if isinstance(node.func, ast.Name) and len(named.get(node.func.id, ())) == 1:
+            (target,) = named[node.func.id]
+        elif (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+              and len(modules.get(node.func.value.id, ())) == 1):
+            (module,) = modules[node.func.value.id]
+            target = (module, node.func.attr)
+        signature = functions.get(target)
+        count = _positional_count(node.args)
+        if signature is None or count is None or any(k.arg is None for k in node.keywords):
+            continue
+        checked += 1
+        try:
+            signature.bind(*[0] * count, **{k.arg: 0 for k in node.keywords})
+        except TypeError as e:
+            bad.append((node.lineno, ast.unparse(node.func), str(e)))
+    return bad, checked
+
+
+@pytest.fixture(scope="module")
+def functions() -> dict[tuple[str, str], inspect.Signature]:
+    return _kernel_functions()
+
+
+@pytest.mark.parametrize("path", CALLERS, ids=lambda p: p.name)
+def test_calls_of_the_cuda_kernels_bind(path: Path, functions) -> None:
+    bad, _ = calls_that_do_not_bind(path.read_text(), functions)
+    assert not bad, f"{path.name}: " + "; ".join(f"line {line}: {call}: {error}" for line, call, error in bad)
+
+
+def test_the_check_reads_the_calls_it_is_for(functions) -> None:
+    """It sees the suite's kernel calls (not a check of nothing), and it fails the calls that failed on the GPU."""
+    checked = sum(calls_that_do_not_bind(path.read_text(), functions)[1] for path in CALLERS)
+    assert checked >= 50
+    old = ("def test():\n    from kiln.runtime.backends.cuda.kernels.attention import sdpa, slot_attention\n"
+           "    from kiln.runtime.backends.cuda.kernels import attention\n"
+           "    sdpa(q, k, v, mask, False, None)\n"
+           "    attention.sdpa(*(cp.asarray(a) for a in (q, k, v, mask)), False, None)\n"
+           "    slot_attention(q, kc, vc, slots, positions, 0.125, 0)\n"
+           "    sdpa(q, k, v, mask, causal=False, scale=None)\n"
+           "    linear, sdpa2 = CUDA_KERNELS.kernels['linear'], CUDA_KERNELS.kernels['sdpa']\n"
+           "    sdpa2(q, k, v, mask, False, None)\n")
+    bad, checked = calls_that_do_not_bind(old, functions)
+    assert checked == 5 and [line for line, _, _ in bad] == [4, 5, 6, 9]
