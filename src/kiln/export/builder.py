@@ -39,7 +39,7 @@ def _memory_key(t: torch.Tensor) -> tuple | None:
     if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or not t.is_contiguous()
             or t.numel() == 0 or t.is_inference()):
         return None  # (a subclass's storage may not be its bytes; an inference tensor has no version counter)
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype, t._version)
+    return (t.data_ptr(), tuple(t.shape), t.dtype, t._version)
 
 
 class ProgramBuilder:
@@ -52,7 +52,7 @@ class ProgramBuilder:
         self.metadata: dict[str, str] = {}
         self._blob_data: list[np.ndarray] = []
         self._blob_index: dict[bytes, int] = {}
-        self._digests: dict[tuple, tuple[bytes, torch.Tensor]] = {}
+        self._blob_of_memory: dict[tuple, tuple[int, torch.Tensor]] = {}  # _memory_key -> (blob, tensor held)
         self._constant_index: dict[tuple, int] = {}
         self._state_index: dict[str, int] = {}
         self.source_ops: Counter[str] = Counter()
@@ -66,9 +66,9 @@ class ProgramBuilder:
         a layer's weights between layers) is not hashed again: a Qwen3-30B-A3B-shaped export of 6 layers sharing one
         layer's weights spent 25.3 s here on a 2-core Xeon (of 48 s), and spends 5.4 s."""
         memo = _memory_key(tensor)
-        known = self._digests.get(memo) if memo is not None else None
+        known = self._blob_of_memory.get(memo) if memo is not None else None
         if known is not None:
-            blob = self._blob_index[known[0]]
+            blob = known[0]
         else:
             data = tensor_bytes(tensor)
             digest = hashlib.blake2b(memoryview(data), digest_size=20).digest() + len(data).to_bytes(8, "little")
@@ -77,7 +77,7 @@ class ProgramBuilder:
                 blob = self._blob_index[digest] = len(self._blob_data)
                 self._blob_data.append(data)
                 if memo is not None:  # (held, at no cost: its memory is the blob's, and no other can take it)
-                    self._digests[memo] = (digest, tensor)
+                    self._blob_of_memory[memo] = (blob, tensor)
         key = (blob, kiln_dtype(tensor.dtype), tuple(tensor.shape))
         index = self._constant_index.get(key)
         if index is None:
