@@ -79,6 +79,17 @@ __device__ __forceinline__ U4 load_stream(const void* p) {
     return r;
 }
 
+// Asks L2 for the 128-byte lines of `bytes` bytes from p, thread t of `threads` a line at a time: for a kernel's
+// inputs that come from DRAM (a layer's norm weights, the residual of a few kernels ago, a KV cache), issued before
+// grid_dependency_sync so that the reads after it find them in L2 instead of waiting a DRAM round trip each. L2 is
+// where every SM's writes meet, so a line fetched while the kernel before still writes it is not stale (L1 is not
+// touched): safe on any input, whoever writes it. A hint; the caller passes addresses inside the tensor.
+__device__ __forceinline__ void prefetch_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, int t, int threads) {
+    const char* c = static_cast<const char*>(p);
+    for (long long at = (long long)t * 128; at < bytes; at += (long long)threads * 128) prefetch_line(c + at);
+}
+
 // Each type also unpacks a U4 into its PER16 values as floats.
 struct F32 {
     typedef float T;

@@ -47,7 +47,23 @@ __device__ __forceinline__ void merge_partial(float& m, float& l, float* o, floa
     m = top;
 }
 
+// Asks L2 for key (or value) rows [s0, s1) of one head, rows `stride` elements apart, e elements each: the block's
+// share of a layer's cache, which the weights streamed since the last step have pushed out to DRAM.
+template <class S>
+__device__ __forceinline__ void prefetch_cache_rows(const typename S::T* rows, long long stride, int e, int s0,
+                                                    int s1) {
+    const int lines = (int)((e * sizeof(typename S::T) + 127) / 128);
+    const char* base = reinterpret_cast<const char*>(rows);
+    for (int i = threadIdx.x; i < (s1 - s0) * lines; i += blockDim.x) {
+        const long long s = s0 + i / lines;
+        prefetch_line(base + s * stride * (long long)sizeof(typename S::T) + (i % lines) * 128);
+    }
+}
+
 // attend_chunk<N>: 1 2 4 8
+// Before its wait, a block asks L2 for its chunk's key and value rows (where the query's row and last position
+// are, read through L2 as they stand: the kernel before writes at most the newest key, and L2 is coherent), so the
+// first phase after the wait reads them from L2, not DRAM.
 // (G, the group size its registers hold: q heads per kv head up to 1, 2, 4 or 8)
 template <class S, int G>
 __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename S::T* __restrict__ q, const typename S::T* __restrict__ k,
@@ -57,6 +73,24 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              long long mb, long long mh, long long ms, int splits,
                              const long long* __restrict__ slots, const long long* __restrict__ positions,
                              int slot_count, int window, int chunk, int run_rows, int parts) {
+    {
+        const int b = blockIdx.z, hk = blockIdx.y / parts;
+        int s0 = blockIdx.x * chunk, s1 = min(seq, s0 + chunk);
+        long long row = b;
+        if (positions != nullptr) {
+            const long long last = __ldcg(positions + b);
+            s1 = (int)max((long long)s0, min((long long)s1, last + 1));
+            if (window > 0) s0 = (int)min((long long)s1, max((long long)s0, last - window + 1));
+        }
+        if (slots != nullptr) {
+            row = __ldcg(slots + b);
+            if (row < 0 || row >= slot_count) s1 = s0;
+        }
+        if (s1 > s0) {
+            prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, e, s0, s1);
+            prefetch_cache_rows<S>(v + row * vb + hk * vh, vs, e, s0, s1);
+        }
+    }
     grid_dependency_sync();
     constexpr int V = S::PER16;
     __shared__ float merged[DECODE_WARPS][G][2];

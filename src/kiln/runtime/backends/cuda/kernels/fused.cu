@@ -186,13 +186,21 @@ __global__ void __launch_bounds__(NORM_ROPE_WARPS * 32) norm_rope_cache_update(
         long long ks1, long long ks3, long long vs0, long long vs1, long long vs3, long long cs0, long long cs3,
         float eps, int interleaved) {
     typedef typename S::T T;
-    grid_dependency_sync();
     __shared__ float rows[NORM_ROPE_WARPS][NORM_ROPE_WIDTH];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, heads = hq + 2 * hkv;
     const long long r = (long long)blockIdx.x * NORM_ROPE_WARPS + warp;
-    if (r >= (long long)batch * heads) return;  // (whole warps: no block barrier follows)
+    const bool live = r < (long long)batch * heads;
     const int h = (int)(r % heads);
     const long long b = r / heads;
+    if (live && h < hq + hkv) {  // the row's norm weight and cos/sin asked of L2 while q, k, v are still computed
+        prefetch_l2(h < hq ? qw : kw, (long long)d * sizeof(T), lane, 32);
+        if (cs3 == 1) {
+            prefetch_l2(cos_ + b * cs0, (long long)d * sizeof(T), lane, 32);
+            prefetch_l2(sin_ + b * cs0, (long long)d * sizeof(T), lane, 32);
+        }
+    }
+    grid_dependency_sync();
+    if (!live) return;  // (whole warps: no block barrier follows)
     const long long slot = index[0] < 0 ? index[0] + size : index[0];
     if (h >= hq + hkv) {
         const int hk = h - hq - hkv;
@@ -206,14 +214,23 @@ __global__ void __launch_bounds__(NORM_ROPE_WARPS * 32) norm_rope_cache_update(
     const long long xs = is_q ? qs3 : ks3;
     const T* w = is_q ? qw : kw;
     float* row = rows[warp];
-    float ss = 0.0f;
-    for (int j = lane; j < d; j += 32) {
-        const float t = S::load(x[j * xs]);
-        row[j] = t;
-        ss += t * t;
+    float ss = 0.0f, wl[NORM_ROPE_WIDTH / 32];  // (the weight read with the row: one round trip, not two)
+#pragma unroll
+    for (int i = 0; i < NORM_ROPE_WIDTH / 32; ++i) {
+        const int j = lane + 32 * i;
+        if (j < d) {
+            const float t = S::load(x[j * xs]);
+            row[j] = t;
+            ss += t * t;
+            wl[i] = S::load(w[j]);
+        }
     }
     const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
-    for (int j = lane; j < d; j += 32) row[j] = S::load(S::store(row[j] * inv * S::load(w[j])));
+#pragma unroll
+    for (int i = 0; i < NORM_ROPE_WIDTH / 32; ++i) {
+        const int j = lane + 32 * i;
+        if (j < d) row[j] = S::load(S::store(row[j] * inv * wl[i]));
+    }
     __syncwarp();
     T* out = is_q ? q_out + (b * hq + h) * d : k_cache + ((b * hkv + hk) * size + slot) * d;
     const T* c = cos_ + b * cs0;

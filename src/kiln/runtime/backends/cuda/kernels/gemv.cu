@@ -21,8 +21,9 @@
 // - MODE & 4, the residual add and RMSNorm before it: every block adds x and the residual r, rounded as the add
 //   rounds (block 0 writes that sum out), and normalizes it into shared memory, as fused.cu's rms_norm does (the
 //   sum of squares in another order). The warps issue their first weight loads before that, so the weight stream
-//   starts while the block normalizes. The grid is then capped at the resident blocks (linalg.py) and each warp
-//   takes every stride-th output, so a block normalizes once, not once per 8 outputs.
+//   starts while the block normalizes, and (without an activation) the block asks L2 for r and the norm weight
+//   before its wait. The grid is then capped at the resident blocks (linalg.py) and each warp takes every
+//   stride-th output, so a block normalizes once, not once per 8 outputs.
 
 #define GEMV_WARPS 8     // warps per block: linalg.py's GEMV_WARPS (4 and 16 measured: slower end to end)
 #define GEMV_ROWS 4      // input rows at most: linalg.py's GEMV_ROWS
@@ -101,9 +102,22 @@ __device__ __forceinline__ void issue_first(U4 (&wv)[NR][DEPTH][GEMV_LOADS], con
 
 #define GEMV_NORM_PIECES 4  // 16-byte pieces of each row a thread of the norm prologue holds (k <= 8192 at 2 bytes)
 
+// Asks L2 for what add_rms_norm_rows reads besides x, before the caller's grid_dependency_sync: x comes from the
+// kernel just before (in L2), but res from a few kernels back and the norm weight nw from DRAM (nw is read after
+// the block's sum of squares, so it would be a second round trip to DRAM).
+template <class S>
+__device__ __forceinline__ void prefetch_norm_inputs(const typename S::T* __restrict__ res,
+                                                     const typename S::T* __restrict__ nw, int rows, int k,
+                                                     int has_nw) {
+    prefetch_l2(res, (long long)rows * k * sizeof(typename S::T), threadIdx.x, blockDim.x);
+    if (has_nw) prefetch_l2(nw, (long long)k * sizeof(typename S::T), threadIdx.x, blockDim.x);
+}
+
 // xs[r] = rms_norm(x[r] + res[r]) * nw for the block's rows (x, res contiguous [rows, k]), the rounded sums written
 // to sum by block 0, as fused.cu's rms_norm computes them. A thread loads all its 16-byte pieces of a row before it
-// adds any and keeps them in registers; one barrier per row (rows are few).
+// adds any and keeps them in registers; one barrier per row (rows are few). The norm weight is read after the sum
+// of squares (from L2, where prefetch_norm_inputs put it): held from the start, its 16 registers a thread cost the
+// norm-prologue GEMV a resident block per SM (64 -> 80 registers), and so a quarter of its loads in flight.
 template <class S>
 __device__ void add_rms_norm_rows(const typename S::T* __restrict__ x, const typename S::T* __restrict__ res,
                                   const typename S::T* __restrict__ nw, typename S::T* __restrict__ sum,
@@ -193,6 +207,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
     long long o = (long long)blockIdx.x * per_block + warp / split;
     U4 wv[NR][DEPTH][GEMV_LOADS];
     const long long step_bytes = step * (long long)sizeof(T);
+    // (Not in the gated forms: there ptxas then took 74 registers where it took 64 and spilled 12 bytes, a resident
+    // block fewer per SM for a dense model's widest weight.)
+    if (NORM && !ACT) prefetch_norm_inputs<S>(res, nw, rows, k, has_nw);
     if (w_constant && o < n)  // a program constant's rows: loaded while the kernel before this one finishes
         issue_first<NR, DEPTH>(wv, w + o * k + skip, step_bytes, pieces, lane);
     grid_dependency_sync();
@@ -371,12 +388,19 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typena
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pieces = k / S::PER16;
     const long long t = blockIdx.y, stride = (long long)gridDim.x * WR, step_bytes = (long long)k * sizeof(T);
     const bool single = topk <= GEMV_WARPS;  // (each warp one row of the token at most: its loads run ahead)
-    grid_dependency_sync();
     long long o = (long long)blockIdx.x * WR;
     U4 wv[WR][2][GEMV_LOADS];
-    long long e0 = warp < topk ? index[t * topk + warp] : -1;
+    // A guess at the warp's expert, read through L2 before the wait: in a MoE block the router ran two kernels
+    // before this one (router, gate/up, this), so its index is final by the time this kernel may start, and the
+    // first weight rows are in flight while the gate/up kernel still runs. The wait then reads the index again;
+    // where the guess was wrong (the router ran just before, or a stale value), the loads are issued again.
+    long long guess = single && warp < topk ? __ldcg(index + t * topk + warp) : -1;
+    if (guess >= 0 && guess < experts && o < n)
+        issue_first<WR, 2>(wv, w + (guess * n + o) * k, step_bytes, pieces, lane);
+    grid_dependency_sync();
+    const long long e0 = warp < topk ? index[t * topk + warp] : -1;
     const bool ahead = single && e0 >= 0 && e0 < experts;
-    if (ahead && o < n) issue_first<WR, 2>(wv, w + (e0 * n + o) * k, step_bytes, pieces, lane);
+    if (ahead && o < n && e0 != guess) issue_first<WR, 2>(wv, w + (e0 * n + o) * k, step_bytes, pieces, lane);
     for (; o < n; o += stride) {
         for (int j = warp; j < topk; j += GEMV_WARPS) {
             const long long s = t * topk + j, e = single ? e0 : index[s];
@@ -417,7 +441,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gathered_combine(const typena
 // (a ticket, which it resets to 0 for the next launch: experts.py hands over a zeroed one) picks each row's k
 // experts as route_rows does, a warp per row, from the scratch read through L2. N rounds of each warp's loads of its
 // router row (a program constant: N * 32 * GEMV_LOADS pieces, the whole row at K = 2048 bfloat16 with N = 4) are
-// issued before grid_dependency_sync, so the router's weight is in flight while the kernel before still finishes.
+// issued before grid_dependency_sync, so the router's weight is in flight while the kernel before still finishes
+// (and the residual and norm weight are asked of L2, as gemv's norm prologue does).
 template <class S, int N>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) add_rms_norm_route(
         const typename S::T* __restrict__ x, const typename S::T* __restrict__ res,
@@ -432,6 +457,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) add_rms_norm_route(
     const long long o = (long long)blockIdx.x * GEMV_WARPS + warp;  // this warp's expert
     U4 wv[1][N][GEMV_LOADS];
     if (o < n) issue_first<1, N>(wv, w + o * k, 0, pieces, lane);
+    prefetch_norm_inputs<S>(res, nw, rows, k, has_nw);
     grid_dependency_sync();
     extern __shared__ U4 normalized[];  // rows * k values
     T* xs = reinterpret_cast<T*>(normalized);
