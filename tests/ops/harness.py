@@ -3,9 +3,11 @@ compared with eager PyTorch under per-dtype tolerances."""
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,11 @@ import kiln
 
 COVERED_ATEN_OPS: set[str] = set()
 """ATen ops lowered by the op cases run in this session; conftest reports the count."""
+
+PROGRAMS: Path | None = None
+"""Where each case's exported program is kept for the session (tests/ops/conftest.py sets it; shared by
+pytest-xdist's workers). A case runs on every backend and its export, most of a case's time, is the same for all:
+the first backend's is written here and the others load it; a worker that finds none exports it itself."""
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-7, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
@@ -122,11 +129,7 @@ def check(case: Case, backend: str) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))  # str hash() is salted per process
     args = tuple(make(s, gen) for s in case.inputs)
     dynamic = None if case.dynamic is None else (tuple(case.dynamic),)  # FnModule.forward takes *args
-    # constant folding would compute all-constant cases (arange, full, ...) at export with the CPU kernels and so
-    # never run the backend's own kernel
-    builder = kiln.export(FnModule(case.fn), args, dynamic_shapes=dynamic, skip_passes={"fold_constants"})
-    COVERED_ATEN_OPS.update(builder.source_ops)
-    program = builder.load()
+    program = exported(case, args, dynamic)
     session = program.session(backend, validate=True)
     runs = [args] if case.run_shapes is None else [
         tuple(make(s, gen, shape) for s, shape in zip(case.inputs, shapes)) for shapes in case.run_shapes]
@@ -140,6 +143,35 @@ def check(case: Case, backend: str) -> None:
     assert not host_ops, f"{case.name}: {sorted(host_ops)} ran on the host"
     if session.backend.can_capture or session.backend.can_compile:
         check_replayed(program, backend, runs, case)
+
+
+def _key(case: Case) -> str:
+    """A file name for the case's program: its name and a digest of what its export depends on (its function, down
+    to the line a lambda is on, and its input specs; the arguments come from the name's seed)."""
+    fn = case.fn
+    code = getattr(fn, "__code__", None)
+    what = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)),
+            code.co_firstlineno if code is not None else None, case.inputs, str(case.dynamic))
+    return f"{''.join(c if c.isalnum() or c in '_-' else '_' for c in case.name)}-{zlib.crc32(repr(what).encode()):08x}"
+
+
+def exported(case: Case, args: tuple[Any, ...], dynamic: Any) -> Any:
+    """The case's program, exported (or, where another backend's test of it ran first, loaded from PROGRAMS)."""
+    path = None if PROGRAMS is None else PROGRAMS / f"{_key(case)}.kiln"
+    if path is not None and path.exists():
+        COVERED_ATEN_OPS.update(path.with_suffix(".ops").read_text().split())
+        return kiln.load(path.read_bytes())
+    # constant folding would compute all-constant cases (arange, full, ...) at export with the CPU kernels and so
+    # never run the backend's own kernel
+    builder = kiln.export(FnModule(case.fn), args, dynamic_shapes=dynamic, skip_passes={"fold_constants"})
+    COVERED_ATEN_OPS.update(builder.source_ops)
+    data = builder.to_bytes()
+    if path is not None:  # (the ops first: a program found means its ops are there; each file written whole)
+        for suffix, payload in ((".ops", " ".join(builder.source_ops).encode()), (".kiln", data)):
+            temporary = path.with_suffix(f"{suffix}.{os.getpid()}")
+            temporary.write_bytes(payload)
+            os.replace(temporary, path.with_suffix(suffix))
+    return kiln.load(data)
 
 
 def check_replayed(program: Any, backend: str, runs: list[tuple[Any, ...]], case: Case) -> None:
