@@ -86,3 +86,33 @@ def test_staged_quantized_linear_matches_definition(bits, group, symmetric, k, w
     assert launched == ["qgemv_staged"]
     tol = 1e-4 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
+
+
+@pytest.mark.parametrize("bits,group,symmetric,k", STAGED_CASES)
+@pytest.mark.parametrize("weight_rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_staged_form_gives_the_bits_of_the_two_kernels(bits, group, symmetric, k, weight_rows, rows, dtype,
+                                                             activation, monkeypatch) -> None:
+    """gated_quantized_linear's one kernel (qgemv_staged's gated form: a warp's gate rows and their up rows,
+    act(gate) * up in the epilogue) against quantized_linear and gated_activation run apart (QGEMV_GATED off):
+    the same bits, for a count of outputs (77) that leaves warps of the last block without rows; 1 weight row a
+    warp is taken as 2 (a gate row and its up row); 3 input rows are not the kernel's (the two kernels run)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    args, _ = _case(np.random.default_rng(k + rows), (1, rows), 2 * 77, k, bits, group, symmetric, dtype, True)
+    arrays = [None if a is None else cp.asarray(a) for a in args]
+    launched = []
+    real = linalg.nvrtc.function
+    monkeypatch.setattr(linalg.nvrtc, "function", lambda *a: launched.append(a[1:]) or real(*a))
+    got = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
+    gated = [f for f in launched if f[0] == "qgemv_staged" and len(f) > 2 and f[2] >= 1000]
+    assert len(gated) == (1 if rows <= 2 else 0)
+    monkeypatch.setattr(linalg, "QGEMV_GATED", False)
+    want = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
+    assert got.shape == want.shape == (1, rows, 77) and got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))

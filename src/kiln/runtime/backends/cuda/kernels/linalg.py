@@ -206,17 +206,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     applies = rows and _qgemv_applies(x2, q, bits, group_size)
     rows_cap = next(r for r in (1, 2, 4, 8) if r >= rows)  # (quant.cu: the instance's ROWS)
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
-    if (applies and QGEMV == "staged" and rows_cap <= 4
-            and (shared := _staged_smem(rows_cap, k, bits)) <= QGEMV_STAGED_SMEM):
-        weight_rows = _staged_weight_rows(n, rows_cap)
-        function = nvrtc.function("quant", "qgemv_staged", dtype, 100 * weight_rows + 10 * bits + rows_cap)
-        if shared > 48 * 1024:
-            function.raw.max_dynamic_shared_size_bytes = shared
-        constant = all(constants.is_constant(a) for a in (q, scale) + ((zero,) if zero is not None else ()))
-        function((-(-n // (QUANT_WARPS * weight_rows)),), (32 * QUANT_WARPS,),
-                 (x2, q, scale, zero_arg, bias_arg, out, np.int32(rows), np.int32(n), np.int32(k),
-                  np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(constant)),
-                 shared_mem=shared)
+    if applies and _staged(x2, k, bits) is not None:
+        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, zero_mode)
     elif applies and QGEMV in ("staged", "direct"):
         nvrtc.function("quant", "qgemv", dtype, 16 * bits + rows_cap)(
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
@@ -229,6 +220,74 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
              np.int32(group_size), zero_mode, np.int32(bias is not None)))
     return out.reshape(*lead, n)
 
+
+def _staged(x2: Any, k: int, bits: int) -> int | None:
+    """qgemv_staged's shared memory for these rows, or None where it does not take them."""
+    rows_cap = next((r for r in (1, 2, 4) if r >= x2.shape[0]), 0)
+    if QGEMV != "staged" or not rows_cap:
+        return None
+    shared = _staged_smem(rows_cap, k, bits)
+    return shared if shared <= QGEMV_STAGED_SMEM else None
+
+
+def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, bits: int, group_size: int,
+                  zero_mode: Any, activation: str = "") -> None:
+    """quant.cu's qgemv_staged into out; with an activation, its gated form (q stacks gate rows then up rows, out
+    takes act(gate) * up: half q's rows)."""
+    rows, k, n = x2.shape[0], x2.shape[1], q.shape[0]
+    rows_cap = next(r for r in (1, 2, 4) if r >= rows)
+    shared = _staged_smem(rows_cap, k, bits)
+    weight_rows = _staged_weight_rows(n, rows_cap)
+    if activation:
+        weight_rows = max(2, weight_rows)
+    function = nvrtc.function("quant", "qgemv_staged", out.dtype,
+                              (1000 if activation else 0) + 100 * weight_rows + 10 * bits + rows_cap)
+    if shared > 48 * 1024:
+        function.raw.max_dynamic_shared_size_bytes = shared
+    constant = all(constants.is_constant(a) for a in (q, scale) + ((zero,) if zero is not None else ()))
+    outputs_a_warp = weight_rows // 2 if activation else weight_rows
+    function((-(-(n // 2 if activation else n) // (QUANT_WARPS * outputs_a_warp)),), (32 * QUANT_WARPS,),
+             (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
+              np.int32(rows), np.int32(n), np.int32(k), np.int32(group_size), zero_mode,
+              np.int32(bias is not None), np.int32(constant), np.int32(GATE_CODES.get(activation, 0))),
+             shared_mem=shared)
+
+
+@kernel("gated_quantized_linear")
+def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
+                           offset: bool, activation: str) -> Any:
+    """For one or two rows, qgemv_staged's gated form: the gate/up product and the activation in one kernel (the
+    same bits as quantized_linear and gated_activation after it); their composition otherwise."""
+    lead, k, n = x.shape[:-1], x.shape[-1], q.shape[0]
+    x2 = x.reshape(-1, k)
+    parts = (x2, scale) + tuple(a for a in (zero, bias) if a is not None)
+    if (QGEMV_GATED and activation in GATE_CODES and n % 2 == 0 and x2.shape[0] <= 2 and nvrtc.supports(*parts)
+            and contiguous(q, scale, *(a for a in (zero, bias) if a is not None))
+            and _qgemv_applies(x2 := cp.ascontiguousarray(x2), q, bits, group_size)
+            and _staged(x2, k, bits) is not None):
+        out = cp.empty((x2.shape[0], n // 2), dtype=scale.dtype)
+        zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))
+        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, zero_mode, activation)
+        return out.reshape(*lead, n // 2)
+    return composite.gated_quantized_linear(CUDA_KERNELS.kernels, x, q, scale, zero, bias, bits, group_size, offset,
+                                            activation)
+
+
+@kernel("add_rms_norm_quantized_linear")
+def add_rms_norm_quantized_linear(x: Any, residual: Any, norm_weight: Any, q: Any, scale: Any, zero: Any, bias: Any,
+                                  axes: int, eps: float | None, bits: int, group_size: int, offset: bool,
+                                  activation: str) -> tuple[Any, Any]:
+    """add_rms_norm, then the quantized product (gated_quantized_linear above where there is an activation)."""
+    kernels = CUDA_KERNELS.kernels
+    total, normed = kernels["add_rms_norm"](x, residual, norm_weight, axes, eps)
+    if activation:
+        return total, gated_quantized_linear(normed, q, scale, zero, bias, bits, group_size, offset, activation)
+    return total, quantized_linear(normed, q, scale, zero, bias, bits, group_size, offset)
+
+
+QGEMV_GATED = True
+"""Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs
+the product and gated_activation as two kernels)."""
 
 QGEMV = "staged"
 """The few-row quantized linear's kernel (quant.cu), for benchmarks/gpu_quant_linear.py's A/B: "staged"

@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(32 * WARPS, 3) gathered_qgemv(const typename S
         out[s * n + o] = S::store(valid ? v + (has_bias ? S::load(bias[w]) : 0.0f) : __int_as_float(0x7fc00000));
 }
 
-// qgemv_staged<N>: 141 142 144 181 182 184 241 242 281 282 441 442 481 482
+// qgemv_staged<N>: 141 142 144 181 182 184 241 242 281 282 441 442 481 482 1241 1242 1281 1282 1441 1442 1481 1482
 // out[r, n] for r < rows as qgemv computes it, built for what bounded qgemv (Nsight Compute: a warp's life was one
 // short burst of weight loads, then the scale loads and the x loads, each a round trip of its own, then the warp
 // left; the SM's bytes in flight were a fraction of what the memory needs, at 25-40% of the bandwidth):
@@ -284,7 +284,11 @@ __global__ void __launch_bounds__(32 * WARPS, 3) gathered_qgemv(const typename S
 //   constants (`constant`) the first round's loads are issued before grid_dependency_sync, so the layer's stream
 //   starts while the kernel before it finishes (as gemv.cu does).
 // N = 100 * WR + 10 * BITS + ROWS (the most input rows this instance takes: 1, 2 or 4; WR > 1 only up to 2 rows,
-// where the registers allow it without spilling; 8 rows are qgemv's).
+// where the registers allow it without spilling; 8 rows are qgemv's), + 1000 for the gated form
+// (gated_quantized_linear): q stacks n / 2 gate rows and then n / 2 up rows, a warp takes WR / 2 gate rows and the
+// up rows that pair with them, and writes act(gate) * up [rows, n / 2] (`act`: common.cuh's gate_activation), each
+// half rounded to the storage type first, as the linear's output and the gated_activation kernel after it would
+// be: the same bits as the two kernels, one kernel and hand-over fewer a layer.
 // Needs what qgemv needs, and ROWS * K * 4 (+ the sums) bytes of shared memory (linalg.py's QGEMV_STAGED_SMEM).
 // QS_LOADS: 16-byte weight loads per lane and round (WR rows x UP pieces). 8 with 2 blocks an SM (128 registers)
 // against 4 with 3 (80), H100, 1 row, us: int4 g64 q/k/v 6.4 -> 4.1, gate/up 12.7 -> 11.9, LM head 73.8 -> 67.6,
@@ -294,7 +298,21 @@ __global__ void __launch_bounds__(32 * WARPS, 3) gathered_qgemv(const typename S
 
 // Round p0's loads of the warp's WR rows: UP weight pieces of each a lane, and each piece's scale and zero term,
 // kept in their storage type until used (a conversion here would wait for the load).
-template <class S, int WR, int UP>
+// The warp's weight row j: o0 + j, or in the gated form gate row o0 + j % (WR / 2) for j < WR / 2 and its up row
+// (n / 2 further) after; whether that row exists.
+template <int WR, bool GATED>
+__device__ __forceinline__ int qstaged_row(int o0, int j, int n, bool& live) {
+    if (!GATED) {
+        live = o0 + j < n;
+        return o0 + j;
+    }
+    constexpr int PAIRS = WR > 1 ? WR / 2 : 1;  // (WR is even in the gated form: the bound is for the compiler)
+    const int half = n / 2, gate = o0 + j % PAIRS;
+    live = gate < half;
+    return j < PAIRS ? gate : half + gate;
+}
+
+template <class S, int WR, int UP, bool GATED>
 __device__ __forceinline__ void qstaged_issue(U4 (&wv)[WR][UP], typename S::T (&sc)[WR][UP],
                                               typename S::T (&zr)[WR][UP], const unsigned char* __restrict__ q,
                                               const typename S::T* __restrict__ scale,
@@ -302,11 +320,12 @@ __device__ __forceinline__ void qstaged_issue(U4 (&wv)[WR][UP], typename S::T (&
                                               int per, int ngroups, int group, int p0, int lane, bool has_zero) {
 #pragma unroll
     for (int j = 0; j < WR; ++j) {
-        const int o = o0 + j;
+        bool row_live;
+        const int o = qstaged_row<WR, GATED>(o0, j, n, row_live);
 #pragma unroll
         for (int u = 0; u < UP; ++u) {
             const int p = p0 + u * 32 + lane;
-            const bool live = o < n && p < pieces;
+            const bool live = row_live && p < pieces;
             wv[j][u] = live ? load_stream(q + ((long long)o * pieces + p) * 16) : U4{0u, 0u, 0u, 0u};
             const long long g = (long long)o * ngroups + (p * per) / group;
             sc[j][u] = live ? scale[g] : typename S::T(0);
@@ -320,25 +339,27 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
                       const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
                       const typename S::T* __restrict__ zero, const typename S::T* __restrict__ bias,
                       typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
-                      int has_bias, int constant) {
-    constexpr int WR = N / 100, BITS = N / 10 % 10, ROWS = N % 10, UP = QS_LOADS / WR;
+                      int has_bias, int constant, int act) {
+    constexpr bool GATED = N >= 1000;
+    constexpr int WR = N / 100 % 10, BITS = N / 10 % 10, ROWS = N % 10, UP = QS_LOADS / WR;
+    static_assert(!GATED || WR % 2 == 0, "the gated form pairs gate and up rows");
     constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
     constexpr int C = PER / 4;                // float4 chunks of x per piece
     constexpr int V = S::PER16;               // x values per 16-byte load
     extern __shared__ float4 staged[];        // [ROWS][C][pieces] float4, then [ROWS][pieces] sums
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pieces = k / PER, ngroups = k / group;
-    const int o0 = (blockIdx.x * WARPS + warp) * WR;
+    const int o0 = (blockIdx.x * WARPS + warp) * (GATED ? WR / 2 : WR);  // (the first gate row, gated)
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
     const bool sums = BITS == 4 || has_zero;  // whether sum(x) of a piece enters the result
     float* piece_sums = reinterpret_cast<float*>(staged + (long long)ROWS * C * pieces);
     U4 wv[WR][UP];
     typename S::T sc[WR][UP], zr[WR][UP];
     if (constant)
-        qstaged_issue<S, WR, UP>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
+        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
     grid_dependency_sync();
     if (!constant)
-        qstaged_issue<S, WR, UP>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
+        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
     // stage x: each thread a 16-byte load of V values; the PER / V threads of a piece add their sums by shuffles
     {
         constexpr int SPAN = PER / V;  // threads per piece (2..8), consecutive lanes
@@ -371,7 +392,7 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
     const float zero8 = zero_mode == ZERO_ABSENT && BITS == 4 ? 8.0f : 0.0f;
     for (int p0 = 0; p0 < pieces; p0 += 32 * UP) {  // (a warp-wide bound)
         if (p0 > 0)
-            qstaged_issue<S, WR, UP>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, p0, lane,
+            qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, p0, lane,
                                      has_zero);
 #pragma unroll
         for (int u = 0; u < UP; ++u) {
@@ -429,11 +450,33 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
                     const float s = S::load(sc[j][u]);
                     const float z = has_zero ? S::load(zr[j][u]) : 0.0f;
                     const float b = zero_mode == ZERO_OFFSETS ? z : (zero_mode == ZERO_POINTS ? -s * z : 0.0f);
-                    const float codes_x = BITS == 4 ? 128.0f * (dq[j][r] - sum_x) - zero8 * sum_x : dq[j][r];
-                    acc[j][r] += s * codes_x + b * sum_x;
+                    // (rounded step by step, never contracted: every instance, the gated form's too, sums the
+                    // same bits)
+                    const float codes_x = BITS == 4 ? __fsub_rn(__fmul_rn(128.0f, __fsub_rn(dq[j][r], sum_x)),
+                                                                __fmul_rn(zero8, sum_x))
+                                                    : dq[j][r];
+                    acc[j][r] = __fadd_rn(acc[j][r], __fadd_rn(__fmul_rn(s, codes_x), __fmul_rn(b, sum_x)));
                 }
             }
         }
+    }
+    if (GATED) {
+        const int half = n / 2;
+#pragma unroll
+        for (int j = 0; j < WR / 2; ++j) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= rows) break;
+                const float g = warp_sum(acc[j][r]), u = warp_sum(acc[j + WR / 2][r]);
+                const int o = o0 + j;
+                if (lane == 0 && o < half) {
+                    const float gate = S::load(S::store(g + (has_bias ? S::load(bias[o]) : 0.0f)));
+                    const float up = S::load(S::store(u + (has_bias ? S::load(bias[half + o]) : 0.0f)));
+                    out[(long long)r * half + o] = S::store(gate_activation(gate, act) * up);
+                }
+            }
+        }
+        return;
     }
 #pragma unroll
     for (int j = 0; j < WR; ++j) {
