@@ -410,6 +410,25 @@ def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bit
 
 
 @needs_native
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 256), (4, 32), (4, 64), (4, 128)],
+                         ids=["int8-g64", "int8-channel", "int4-g32", "int4-g64", "int4-g128"])
+def test_integer_dot_is_its_definition(bits, group, monkeypatch):
+    """kiln_qlinear_dot_f32 against the integer product's definition (tests/runtime/int8_dot.py: the inputs
+    rounded to int8 per 32, ties to even, exact integer sums), within float32 summation: the bound above allows
+    the rounding's whole effect, this pins the rounding itself (what the GPU's integer kernel must match)."""
+    from tests.runtime.int8_dot import integer_dot
+
+    if not native.integer_dot():
+        pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
+    monkeypatch.setenv("KILN_QUANT_DOT", "int8")
+    q, scale, zero, bias = _quantized_case(bits, group, 1030, 256, bits * group)
+    x = np.random.default_rng(2).standard_normal((3, 256), dtype=np.float32)
+    got = CPU_KERNELS.kernels["quantized_linear"](x, q, scale, zero, bias, bits, group)
+    want = integer_dot(x, q, scale, zero, bias, bits, group, offset=False)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@needs_native
 @pytest.mark.parametrize("bits,group,k", [(4, 64, 96), (4, 48, 192), (8, 40, 160), (8, 32, 80)])
 def test_integer_dot_declines_shapes_it_cannot_take(bits, group, k):
     """int4 needs k a multiple of 64 and groups of 32 or of a multiple of 64; int8 k and groups multiples of 32:
