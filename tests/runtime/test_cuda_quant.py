@@ -54,6 +54,15 @@ def test_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
 
 
+def _kernels_looked_up(linalg, monkeypatch) -> list[tuple]:
+    """The (kernel, dtype[, size]) of each quant.cu kernel linalg looks up from now on (nvrtc.function's arguments
+    after the source's name)."""
+    launched: list[tuple] = []
+    real = linalg.nvrtc.function
+    monkeypatch.setattr(linalg.nvrtc, "function", lambda *a: launched.append(a[1:]) or real(*a))
+    return launched
+
+
 STAGED_CASES = [(4, 32, "offset", 3072), (4, 64, False, 4160), (4, 128, True, 2048), (8, 32, True, 2400),
                 (8, 16, "offset", 1024), (8, 64, False, 4096)]
 """(bits, group, symmetric, k) for qgemv_staged: k from one partial round of loads to several (an int4 round of a
@@ -78,12 +87,10 @@ def test_staged_quantized_linear_matches_definition(bits, group, symmetric, k, w
     monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
     monkeypatch.setattr(constants, "is_constant", lambda array: constant)
     args, want = _case(np.random.default_rng(k + rows), (rows,), 77, k, bits, group, symmetric, dtype, True)
-    launched = []
-    real = linalg.nvrtc.function
-    monkeypatch.setattr(linalg.nvrtc, "function", lambda *a: launched.append(a[1]) or real(*a))
+    launched = _kernels_looked_up(linalg, monkeypatch)
     got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
                                   symmetric == "offset")
-    assert launched == ["qgemv_staged"]
+    assert [f[0] for f in launched] == ["qgemv_staged"]
     tol = 1e-4 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
 
@@ -106,9 +113,7 @@ def test_gated_staged_form_gives_the_bits_of_the_two_kernels(bits, group, symmet
     monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
     args, _ = _case(np.random.default_rng(k + rows), (1, rows), 2 * 77, k, bits, group, symmetric, dtype, True)
     arrays = [None if a is None else cp.asarray(a) for a in args]
-    launched = []
-    real = linalg.nvrtc.function
-    monkeypatch.setattr(linalg.nvrtc, "function", lambda *a: launched.append(a[1:]) or real(*a))
+    launched = _kernels_looked_up(linalg, monkeypatch)
     got = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
     gated = [f for f in launched if f[0] == "qgemv_staged" and len(f) > 2 and f[2] >= 1000]
     assert len(gated) == (1 if rows <= 2 else 0)

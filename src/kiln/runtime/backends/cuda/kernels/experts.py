@@ -43,6 +43,7 @@ from kiln.runtime.backends.cuda.kernels.linalg import (
     _gemv_split,
     _qgemv_applies,
     _resident_blocks,
+    quant_zero_mode,
 )
 from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
@@ -273,7 +274,7 @@ def gathered_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, index: Any,
         return portable_gathered_quantized(cp, x, q, scale, zero, index, bias, combine, bits=bits,
                                            group_size=group_size, offset=offset)
     x2, index = cp.ascontiguousarray(x2), _index(index)  # (gathered_qgemv reads rows K apart)
-    zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))  # quant.cu's modes
+    zero_mode = quant_zero_mode(zero, offset)
     if x2.shape[0] > GATHERED_GEMV_ROWS and x2.dtype in _TENSOR_CORE_TYPES and experts <= EXPERT_MAX \
             and k % EXPERT_TILE_K == 0:
         weight = cp.empty((experts, n, k), dtype=x2.dtype)  # every expert: a prompt's rows pick most of them

@@ -190,11 +190,10 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     lead, k = x.shape[:-1], x.shape[-1]
     n = q.shape[0]
     x2 = x.reshape(-1, k)
-    same = (x2, scale) + tuple(a for a in (zero, bias) if a is not None)
-    if not (nvrtc.supports(*same) and contiguous(q, scale, *(a for a in (zero, bias) if a is not None))):
+    if not _quant_parts_apply(x2, q, scale, zero, bias):
         return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size, offset).reshape(*lead, n)
     x2 = cp.ascontiguousarray(x2)
-    zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))  # quant.cu's modes
+    zero_mode = quant_zero_mode(zero, offset)
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
         nvrtc.function("quant", "dequantize", dtype)(
@@ -206,8 +205,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     applies = rows and _qgemv_applies(x2, q, bits, group_size)
     rows_cap = next(r for r in (1, 2, 4, 8) if r >= rows)  # (quant.cu: the instance's ROWS)
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
-    if applies and _staged(x2, k, bits) is not None:
-        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, zero_mode)
+    if applies and (shared := _staged_shared(x2, k, bits)) is not None:
+        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, zero_mode, shared)
     elif applies and QGEMV in ("staged", "direct"):
         nvrtc.function("quant", "qgemv", dtype, 16 * bits + rows_cap)(
             ((n + QUANT_WARPS - 1) // QUANT_WARPS,), (32 * QUANT_WARPS,),
@@ -221,7 +220,18 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     return out.reshape(*lead, n)
 
 
-def _staged(x2: Any, k: int, bits: int) -> int | None:
+def quant_zero_mode(zero: Any, offset: bool) -> Any:
+    """quant.cu's zero_mode for a quantized weight's zero array (absent, zero points or additive offsets)."""
+    return np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))
+
+
+def _quant_parts_apply(x2: Any, q: Any, scale: Any, zero: Any, bias: Any) -> bool:
+    """Whether quant.cu's kernels take these operands: one storage type, each part contiguous."""
+    parts = (scale,) + tuple(a for a in (zero, bias) if a is not None)
+    return nvrtc.supports(x2, *parts) and contiguous(q, *parts)
+
+
+def _staged_shared(x2: Any, k: int, bits: int) -> int | None:
     """qgemv_staged's shared memory for these rows, or None where it does not take them."""
     rows_cap = next((r for r in (1, 2, 4) if r >= x2.shape[0]), 0)
     if QGEMV != "staged" or not rows_cap:
@@ -231,12 +241,11 @@ def _staged(x2: Any, k: int, bits: int) -> int | None:
 
 
 def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, bits: int, group_size: int,
-                  zero_mode: Any, activation: str = "") -> None:
-    """quant.cu's qgemv_staged into out; with an activation, its gated form (q stacks gate rows then up rows, out
-    takes act(gate) * up: half q's rows)."""
+                  zero_mode: Any, shared: int, activation: str = "") -> None:
+    """quant.cu's qgemv_staged into out (`shared`: _staged_shared's bytes); with an activation, its gated form (q
+    stacks gate rows then up rows, out takes act(gate) * up: half q's rows)."""
     rows, k, n = x2.shape[0], x2.shape[1], q.shape[0]
     rows_cap = next(r for r in (1, 2, 4) if r >= rows)
-    shared = _staged_smem(rows_cap, k, bits)
     weight_rows = _staged_weight_rows(n, rows_cap)
     if activation:
         weight_rows = max(2, weight_rows)
@@ -260,14 +269,13 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
     same bits as quantized_linear and gated_activation after it); their composition otherwise."""
     lead, k, n = x.shape[:-1], x.shape[-1], q.shape[0]
     x2 = x.reshape(-1, k)
-    parts = (x2, scale) + tuple(a for a in (zero, bias) if a is not None)
-    if (QGEMV_GATED and activation in GATE_CODES and n % 2 == 0 and x2.shape[0] <= 2 and nvrtc.supports(*parts)
-            and contiguous(q, scale, *(a for a in (zero, bias) if a is not None))
+    if (QGEMV_GATED and activation in GATE_CODES and n % 2 == 0 and x2.shape[0] <= 2
+            and _quant_parts_apply(x2, q, scale, zero, bias)
             and _qgemv_applies(x2 := cp.ascontiguousarray(x2), q, bits, group_size)
-            and _staged(x2, k, bits) is not None):
+            and (shared := _staged_shared(x2, k, bits)) is not None):
         out = cp.empty((x2.shape[0], n // 2), dtype=scale.dtype)
-        zero_mode = np.int32((3 if zero is None else 2) if offset else (0 if zero is None else 1))
-        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, zero_mode, activation)
+        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, quant_zero_mode(zero, offset), shared,
+                      activation)
         return out.reshape(*lead, n // 2)
     return composite.gated_quantized_linear(CUDA_KERNELS.kernels, x, q, scale, zero, bias, bits, group_size, offset,
                                             activation)

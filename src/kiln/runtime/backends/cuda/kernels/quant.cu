@@ -356,10 +356,12 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
     U4 wv[WR][UP];
     typename S::T sc[WR][UP], zr[WR][UP];
     if (constant)
-        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
+        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane,
+                                        has_zero);
     grid_dependency_sync();
     if (!constant)
-        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane, has_zero);
+        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane,
+                                        has_zero);
     // stage x: each thread a 16-byte load of V values; the PER / V threads of a piece add their sums by shuffles
     {
         constexpr int SPAN = PER / V;  // threads per piece (2..8), consecutive lanes
@@ -393,7 +395,7 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
     for (int p0 = 0; p0 < pieces; p0 += 32 * UP) {  // (a warp-wide bound)
         if (p0 > 0)
             qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, p0, lane,
-                                     has_zero);
+                                            has_zero);
 #pragma unroll
         for (int u = 0; u < UP; ++u) {
             const int p = p0 + u * 32 + lane;
