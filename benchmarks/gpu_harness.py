@@ -103,3 +103,16 @@ def device_line(cp, torch) -> str:
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"{name}, torch {torch.__version__}, cupy {cp.__version__}"
 
+
+QUANT_KERNELS = {"dot": ("staged", True), "staged": ("staged", False), "direct": ("direct", False),
+                 "rows": ("rows", False)}
+"""The few-row quantized linear's kernels by a benchmark's names: (linalg.QGEMV, linalg.QUANT_DOT). "dot" is
+quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgemv_staged's float products."""
+
+
+def select_quant_kernel(linalg, name: str) -> None:
+    """Set kiln's CUDA quantized linear to `name` (QUANT_KERNELS; a name ending in -apart runs a gated gate/up
+    product and its activation as two kernels); "" restores the defaults."""
+    base = name.removesuffix("-apart")
+    linalg.QGEMV, linalg.QUANT_DOT = QUANT_KERNELS[base] if base else ("staged", None)
+    linalg.QGEMV_GATED = not name.endswith("-apart")

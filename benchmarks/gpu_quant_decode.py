@@ -6,10 +6,10 @@ A random-weight Llama of the given shape exported three times (kiln.models.llm.e
 activations): weights in bfloat16, int8 per output channel, int4 in groups of 64 (`--quantize`). Each program's
 decode step at one context runs from its session's CUDA graph, --steps back to back per sample, the contestants
 interleaved round by round, medians. For the quantized programs the step runs once per few-row kernel of quant.cu
-(`--kernels`, linalg.QGEMV's names: qgemv_staged "staged", qgemv "direct", qlinear_rows "rows"; "staged-apart":
-the gated activation as a kernel of its own, not qgemv_staged's epilogue), each a session of its own whose graph
-was captured with that kernel. `--op-times N` prints each program's N costliest ops of a step
-(run op by op, the first kernel named).
+(`--kernels`, gpu_harness.QUANT_KERNELS: qgemv_dot "dot", qgemv_staged "staged", qgemv "direct", qlinear_rows
+"rows"; "-apart" after a name: the gated activation as a kernel of its own, not the kernel's epilogue), each a
+session of its own whose graph was captured with that kernel. `--op-times N` prints each program's N costliest ops
+of a step (run op by op, the first kernel named).
 The roofline of a step is what it must read: every constant of the decode method once (codes, scales, zero points,
 the bf16 tensors; of an embedding table no other node reads, one row), plus the KV cache up to the context, at the
 copy bandwidth measured in the same run.
@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_harness  # noqa: E402
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import copy_bandwidth, device_line, gpu_op_times, print_table, time_round_robin  # noqa: E402
 from harness import stderr_log  # noqa: E402
@@ -72,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-fusion", action="store_true",
                         help="also export each quantized program without fuse_gated_linear and fuse_norm_linear (its "
                              "norms and gated activations as kernels of their own) and time both")
-    parser.add_argument("--kernels", default="staged,direct",
-                        help="quant.cu kernels for the quantized programs; a name ending in -apart runs the gate/up "
-                             "product and the gated activation as two kernels (linalg.QGEMV_GATED off)")
+    parser.add_argument("--kernels", default="dot,staged",
+                        help="quant.cu kernels for the quantized programs (gpu_harness.QUANT_KERNELS); a name ending "
+                             "in -apart runs the gate/up product and the gated activation as two kernels")
     parser.add_argument("--op-times", type=int, default=0, metavar="N", help="print each program's N costliest ops")
     parser.add_argument("--cache", type=Path, metavar="DIR",
                         help="keep the exported programs here and load them from here when present (an 8B shape "
@@ -123,12 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         stderr_log(f"{mode}: ready in {time.perf_counter() - t0:.0f} s, {program.constant_bytes / 1e9:.3f} GB")
         kernels = [""] if mode == "bf16" else [k for k in args.kernels.split(",") if k]
         if args.op_times:
-            linalg.QGEMV = kernels[0] or "staged"
+            gpu_harness.select_quant_kernel(linalg, kernels[0])
             print(f"{mode} {kernels[0]}: " + gpu_op_times(program, cp, "decode", (token, position), args.op_times))
         for kernel in kernels:
             label = f" {kernel}" if kernel else ""
-            linalg.QGEMV = kernel.removesuffix("-apart") or "staged"
-            linalg.QGEMV_GATED = not kernel.endswith("-apart")
+            gpu_harness.select_quant_kernel(linalg, kernel)
             session = program.session("cuda")
             for _ in range(3):  # the first runs capture the graph, with the kernel chosen now
                 session.run("decode", token, position)
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 cp.cuda.Device().synchronize()
             cases[mode + label] = run
             rooflines[mode + label] = (step_bytes(program) + kv_bytes) / bandwidth
-        linalg.QGEMV, linalg.QGEMV_GATED = "staged", True
+        gpu_harness.select_quant_kernel(linalg, "")
     medians = {k: v / args.steps for k, v in time_round_robin(cases, args.repeat).items()}
     print(f"{args.shape} decode at context {args.context}, bfloat16 activations, on {device_line(cp, torch)} (copy "
           f"bandwidth {bandwidth / 1e12:.2f} TB/s); CUDA graphs, median of {args.repeat} rounds of {args.steps} steps")

@@ -5,7 +5,7 @@
 For each linear layer of one decode step (q/k/v and gate/up stacked, as kiln's export stacks them) and each weight
 format (int4 in groups of 32 with offsets: GGUF's Q4_1/Q4_K; int4 in groups of 64 with zero points: kiln's own
 default; int8 in groups of 32, symmetric: Q8_0; int8 per output channel), the GPU time per call of each of
-quant.cu's few-row kernels (`--kernels`: qgemv_staged "staged", qgemv "direct", qlinear_rows "rows"; linalg.QGEMV),
+quant.cu's few-row kernels (`--kernels`: qgemv_dot "dot", qgemv_staged "staged", qgemv "direct", qlinear_rows "rows"),
 and of kiln's bf16 GEMV on the same layer, each reading weights that are not in L2 (copies over twice its size, in
 turn, as a model's layers do). Bandwidth is what a call must read (codes, scales, zero points or offsets) per
 second, against the copy bandwidth measured in the same run. Every result is checked against the float64 product
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
-from gpu_harness import copy_bandwidth, device_line, gpu_time, print_table  # noqa: E402
+from gpu_harness import copy_bandwidth, device_line, gpu_time, print_table, select_quant_kernel  # noqa: E402
 
 FORMATS = {"int4 g32 +offset": (4, 32, "offset"), "int4 g64 zero pt": (4, 64, "zero"),
            "int8 g32 sym": (8, 32, "symmetric"), "int8 channel": (8, None, "zero")}
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="decoder shape")
     parser.add_argument("--rows", type=int, default=1, help="input rows (default 1; at most 8)")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
-    parser.add_argument("--kernels", default="staged,direct,rows",
-                        help="quant.cu kernels to time, by linalg.QGEMV's names (default staged,direct,rows)")
+    parser.add_argument("--kernels", default="dot,staged,direct,rows",
+                        help="quant.cu kernels to time (gpu_harness.QUANT_KERNELS; default dot,staged,direct,rows)")
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help=f"weight formats (default all: {', '.join(FORMATS)})")
     parser.add_argument("--layers", default="q/k/v,o,gate/up,down,lm head", help="layers (default all)")
@@ -88,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                    for c in [copies[0]] * -(-2 * l2 // nbytes)]
         times, errors = {}, {}
         for kernel_name in kernels:
-            linalg.QGEMV = kernel_name
+            select_quant_kernel(linalg, kernel_name)
             got = cp.asnumpy(qlinear(x_d, *copies[0], None, bits, group, offset)).astype(np.float64)
             errors[kernel_name] = np.abs(got - want).max() / np.abs(want).max()
             turns = itertools.cycle(copies)
             call = (x_d, bits, group, offset)
             times[kernel_name] = gpu_time(
                 cp, lambda t=turns, c=call: qlinear(c[0], *next(t), None, c[1], c[2], c[3]), args.calls)
-        linalg.QGEMV = "staged"
+        select_quant_kernel(linalg, "")
         if label == next(iter(formats)):  # the bf16 GEMV once per layer
             w_bf = cp.asarray(w.astype(BFLOAT16))
             bf_copies = itertools.cycle([w_bf] + [w_bf.copy() for _ in range(-(-2 * l2 // w_bf.nbytes))])

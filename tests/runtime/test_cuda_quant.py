@@ -10,6 +10,7 @@ from kiln.export.quantize import quantize_rows
 from kiln.runtime.backends.array_api import BFLOAT16
 from kiln.runtime.backends.array_api.quant import dequantize
 from tests.conftest import BACKENDS
+from tests.runtime.int8_dot import integer_dot
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif("cuda" not in BACKENDS, reason="needs an NVIDIA GPU with CuPy")]
 
@@ -40,11 +41,13 @@ def _case(rng, lead: tuple[int, ...], n: int, k: int, bits: int, group: int, sym
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype, with_bias) -> None:
+def test_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype, with_bias, monkeypatch) -> None:
     import cupy as cp
 
+    from kiln.runtime.backends.cuda.kernels import linalg
     from kiln.runtime.backends.cuda.kernels.linalg import quantized_linear
 
+    monkeypatch.setattr(linalg, "QUANT_DOT", False)  # (the float products; qgemv_dot: the integer-product test)
     k = 3 * group
     args, want = _case(np.random.default_rng(rows * 7 + bits), (2, rows), 45, k, bits, group, symmetric, dtype,
                        with_bias)
@@ -85,6 +88,7 @@ def test_staged_quantized_linear_matches_definition(bits, group, symmetric, k, w
     from kiln.runtime.backends.cuda.kernels import linalg
 
     monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(linalg, "QUANT_DOT", False)  # (the float products: qgemv_dot has a test of its own)
     monkeypatch.setattr(constants, "is_constant", lambda array: constant)
     args, want = _case(np.random.default_rng(k + rows), (rows,), 77, k, bits, group, symmetric, dtype, True)
     launched = _kernels_looked_up(linalg, monkeypatch)
@@ -100,8 +104,9 @@ def test_staged_quantized_linear_matches_definition(bits, group, symmetric, k, w
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dot", [False, True], ids=["float", "dot"])
 def test_gated_staged_form_gives_the_bits_of_the_two_kernels(bits, group, symmetric, k, weight_rows, rows, dtype,
-                                                             activation, monkeypatch) -> None:
+                                                             activation, dot, monkeypatch) -> None:
     """gated_quantized_linear's one kernel (qgemv_staged's gated form: a warp's gate rows and their up rows,
     act(gate) * up in the epilogue) against quantized_linear and gated_activation run apart (QGEMV_GATED off):
     the same bits, for a count of outputs (77) that leaves warps of the last block without rows; 1 weight row a
@@ -111,13 +116,45 @@ def test_gated_staged_form_gives_the_bits_of_the_two_kernels(bits, group, symmet
     from kiln.runtime.backends.cuda.kernels import linalg
 
     monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(linalg, "QUANT_DOT", dot)
     args, _ = _case(np.random.default_rng(k + rows), (1, rows), 2 * 77, k, bits, group, symmetric, dtype, True)
     arrays = [None if a is None else cp.asarray(a) for a in args]
     launched = _kernels_looked_up(linalg, monkeypatch)
     got = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
-    gated = [f for f in launched if f[0] == "qgemv_staged" and len(f) > 2 and f[2] >= 1000]
+    gated = [f for f in launched if f[0] in ("qgemv_staged", "qgemv_dot") and len(f) > 2 and f[2] >= 1000]
     assert len(gated) == (1 if rows <= 2 else 0)
     monkeypatch.setattr(linalg, "QGEMV_GATED", False)
     want = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
     assert got.shape == want.shape == (1, rows, 77) and got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
+
+
+@pytest.mark.parametrize("bits,group,symmetric,k", STAGED_CASES)
+@pytest.mark.parametrize("weight_rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+def test_integer_products_match_their_definition(bits, group, symmetric, k, weight_rows, rows, dtype,
+                                                 monkeypatch) -> None:
+    """qgemv_dot against the integer product's definition (int8_dot.py, which the CPU's qdot is held to) within
+    the output's rounding and float32 sums, and against the float definition within what x's rounding costs (~1%
+    of the outputs' scale)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    args, want_float = _case(np.random.default_rng(k * 3 + rows), (rows,), 77, k, bits, group, symmetric, dtype,
+                             True)
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
+                                  symmetric == "offset")
+    assert [f[0] for f in launched] == ["qgemv_dot"]
+    got = cp.asnumpy(got).astype(np.float64)
+    x, q, scale, zero, bias = args
+    f32 = [None if a is None else a.astype(np.float32) for a in (x, scale, zero, bias)]
+    want = integer_dot(f32[0], q, f32[1], f32[2], f32[3], bits, group, symmetric == "offset")
+    scale_of = np.abs(want_float).max()
+    tol = 1e-5 if dtype == np.float32 else 8e-3
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale_of)
+    assert np.abs(got - want_float).max() <= 0.02 * scale_of

@@ -6,6 +6,7 @@ step reads 2x/4x fewer weight bytes than bfloat16), larger batches dequantize an
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import cupy as cp
@@ -249,7 +250,11 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
     weight_rows = _staged_weight_rows(n, rows_cap)
     if activation:
         weight_rows = max(2, weight_rows)
-    function = nvrtc.function("quant", "qgemv_staged", out.dtype,
+    dot = quant_dot() and k % 32 == 0
+    if dot:  # (int4 with 4 weight rows a warp and 2 input rows would spill: quant.cu instantiates none)
+        weight_rows = 2 if bits == 4 and rows_cap == 2 and weight_rows == 4 else weight_rows
+        shared = rows_cap * (k + k // (32 if bits == 4 else 16) * 8)  # (codes and two words a piece: less)
+    function = nvrtc.function("quant", "qgemv_dot" if dot else "qgemv_staged", out.dtype,
                               (1000 if activation else 0) + 100 * weight_rows + 10 * bits + rows_cap)
     if shared > 48 * 1024:
         function.raw.max_dynamic_shared_size_bytes = shared
@@ -292,6 +297,20 @@ def add_rms_norm_quantized_linear(x: Any, residual: Any, norm_weight: Any, q: An
         return total, gated_quantized_linear(normed, q, scale, zero, bias, bits, group_size, offset, activation)
     return total, quantized_linear(normed, q, scale, zero, bias, bits, group_size, offset)
 
+
+QUANT_DOT: bool | None = None
+"""Whether the few-row quantized linears multiply in integers (quant.cu's qgemv_dot: x rounded to int8 in blocks of
+32, as the CPU's native/qdot.c and llama.cpp do) or keep qgemv_staged's float products, whose only rounding is the
+output's. None follows KILN_QUANT_DOT at each call (`float` for the float products), the CPU's switch; a benchmark
+or test sets True or False."""
+
+
+def quant_dot() -> bool:
+    """QUANT_DOT's choice now: read at every launch, not at import, so that a program run after the environment
+    changes (a test's monkeypatch, a second session) takes the products the environment asks for."""
+    if QUANT_DOT is not None:
+        return QUANT_DOT
+    return os.environ.get("KILN_QUANT_DOT", "int8").strip().lower() != "float"
 
 QGEMV_GATED = True
 """Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs

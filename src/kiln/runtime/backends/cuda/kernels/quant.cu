@@ -334,6 +334,42 @@ __device__ __forceinline__ void qstaged_issue(U4 (&wv)[WR][UP], typename S::T (&
     }
 }
 
+// qgemv_staged's and qgemv_dot's outputs from a warp's sums acc[WR][ROWS]: out[r, o] + bias, or in the gated form
+// act(gate) * up (each half rounded to S first, as quantized_linear's output would be).
+template <class S, int WR, int ROWS, bool GATED>
+__device__ __forceinline__ void qstaged_store(const float (&acc)[WR][ROWS], const typename S::T* __restrict__ bias,
+                                              typename S::T* __restrict__ out, int o0, int rows, int n, int has_bias,
+                                              int act, int lane) {
+    if (GATED) {
+        const int half = n / 2;
+#pragma unroll
+        for (int j = 0; j < WR / 2; ++j) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= rows) break;
+                const float g = warp_sum(acc[j][r]), u = warp_sum(acc[j + WR / 2][r]);
+                const int o = o0 + j;
+                if (lane == 0 && o < half) {
+                    const float gate = S::load(S::store(g + (has_bias ? S::load(bias[o]) : 0.0f)));
+                    const float up = S::load(S::store(u + (has_bias ? S::load(bias[half + o]) : 0.0f)));
+                    out[(long long)r * half + o] = S::store(gate_activation(gate, act) * up);
+                }
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < WR; ++j) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r >= rows) break;
+            const float v = warp_sum(acc[j][r]);
+            const int o = o0 + j;
+            if (lane == 0 && o < n) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
+        }
+    }
+}
+
 template <class S, int N>
 __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(const typename S::T* __restrict__ x,
                       const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
@@ -462,32 +498,164 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
             }
         }
     }
-    if (GATED) {
-        const int half = n / 2;
+    qstaged_store<S, WR, ROWS, GATED>(acc, bias, out, o0, rows, n, has_bias, act, lane);
+}
+
+// qgemv_dot<N>: 141 142 144 181 182 184 241 242 281 282 441 481 482 1241 1242 1281 1282 1441 1481 1482
+// qgemv_staged with the products in integers, as llama.cpp's CUDA backend and kiln's CPU (native/qdot.c) run a
+// decode step's quantized linears: x is quantized while it is staged, in blocks of 32 (scale d = max |x| / 127, codes
+// rounded to nearest even, as qdot.c rounds them), and each piece's 32 (int4) or 16 (int8) weights meet their x
+// codes in dp4a instructions, summed exactly in int32. An int4 weight costs ~1 instruction (a nibble mask for four,
+// a dp4a for four) where qgemv_staged spends ~2.5 (a byte permute and an FMA each, and x read as float4s), which
+// bounds qgemv_staged at 64-77% of the bandwidth on the wide layers (int8 reaches 86-96% there). The result
+// differs from the float kernels by x's rounding to 8 bits, as the CPU's does (qdot.c: ~0.3% of a typical output);
+// linalg.QUANT_DOT (KILN_QUANT_DOT=float) keeps the float kernel. Per piece: s * d * (sum q xq) plus the group's
+// additive term times d * (sum xq) (the zero point's -z * s or the offset; int4's implicit 8 as -8 sum xq in the
+// integers). N and the rest as qgemv_staged (int4 with 4 weight rows a warp takes 1 input row: 2 would spill);
+// shared memory: ROWS x K bytes of codes and 8 bytes a piece; K a multiple of 32.
+// A block of x holding inf or NaN gives NaN outputs for its rows.
+#define QDOT_BLOCK 32
+
+__device__ __forceinline__ int dp4a_us(unsigned int a, unsigned int b, int c) {  // unsigned a bytes x signed b bytes
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int dp4a_ss(unsigned int a, unsigned int b, int c) {  // signed x signed
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// 4 codes (each -127..127) as the bytes of a word, the first lowest
+__device__ __forceinline__ unsigned int pack4(int a, int b, int c, int d) {
+    return (unsigned)(a & 255) | (unsigned)(b & 255) << 8 | (unsigned)(c & 255) << 16 | (unsigned)(d & 255) << 24;
+}
+
+template <class S, int N>
+__global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(const typename S::T* __restrict__ x,
+                      const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
+                      const typename S::T* __restrict__ zero, const typename S::T* __restrict__ bias,
+                      typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
+                      int has_bias, int constant, int act) {
+    constexpr bool GATED = N >= 1000;
+    constexpr int WR = N / 100 % 10, BITS = N / 10 % 10, ROWS = N % 10, UP = QS_LOADS / WR;
+    static_assert(!GATED || WR % 2 == 0, "the gated form pairs gate and up rows");
+    constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
+    constexpr int H = PER / 16;               // 16-byte x code words per piece (2 for int4, 1 for int8)
+    // [ROWS][H][pieces] U4 of x codes (int4: per 8 elements the even ones' codes, then the odd ones', to meet a
+    // weight word's low and high nibbles), then [ROWS][pieces] (d, sum of the piece's codes)
+    extern __shared__ U4 xcodes[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pieces = k / PER, ngroups = k / group;
+    const int o0 = (blockIdx.x * WARPS + warp) * (GATED ? WR / 2 : WR);
+    const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
+    float2* piece_terms = reinterpret_cast<float2*>(xcodes + (long long)ROWS * H * pieces);
+    U4 wv[WR][UP];
+    typename S::T sc[WR][UP], zr[WR][UP];
+    if (constant)
+        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane,
+                                        has_zero);
+    grid_dependency_sync();
+    if (!constant)
+        qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane,
+                                        has_zero);
+    // stage x: a thread quantizes 8 consecutive values; the 4 threads of a block of 32 (consecutive lanes) share
+    // its largest magnitude and their code sums by shuffles
+    {
+        const int per_row = k / 8, total = rows * per_row;
+        for (int base = 0; base < total; base += 32 * WARPS) {  // (a block-wide bound: every lane shuffles)
+            const int i = base + threadIdx.x;
+            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            float top = 0.0f;
+            int r = 0, j0 = 0;
+            if (i < total) {
+                r = i / per_row;
+                j0 = (i - r * per_row) * 8;
+                const typename S::T* xr = x + (long long)r * k + j0;
 #pragma unroll
-        for (int j = 0; j < WR / 2; ++j) {
+                for (int h = 0; h < 8 / S::PER16; ++h)
+                    S::unpack(*reinterpret_cast<const U4*>(xr + h * S::PER16), f + h * S::PER16);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) top = fmaxf(top, f[e] != f[e] ? KILN_INF : fabsf(f[e]));  // (NaN: inf)
+            }
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+            const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+            int c[8], sum = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                c[e] = __float2int_rn(f[e] * inverse);
+                sum += c[e];
+            }
+            // the piece's code sum: int4's piece is the block (4 threads), int8's half of it (2)
+#pragma unroll
+            for (int o = 1; o < (BITS == 4 ? 4 : 2); o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (i < total) {
+                const int p = j0 / PER, within = j0 - p * PER;  // the piece, and the thread's place in it
+                unsigned int* words = reinterpret_cast<unsigned int*>(xcodes);
+                if (BITS == 4) {  // 8 elements = one weight word: its even codes, then its odd ones
+                    const int word = within / 8;  // 0..3 of the piece: x code words 2 word, 2 word + 1
+                    const long long at = ((long long)(r * H + word / 2) * pieces + p) * 4 + (word % 2) * 2;
+                    words[at] = pack4(c[0], c[2], c[4], c[6]);
+                    words[at + 1] = pack4(c[1], c[3], c[5], c[7]);
+                } else {
+                    const long long at = ((long long)r * pieces + p) * 4 + within / 4;
+                    words[at] = pack4(c[0], c[1], c[2], c[3]);
+                    words[at + 1] = pack4(c[4], c[5], c[6], c[7]);
+                }
+                if (within == 0)
+                    piece_terms[(long long)r * pieces + p] = make_float2(top <= 3.0e38f ? d : __int_as_float(0x7fc00000),
+                                                                         __int_as_float(sum));
+            }
+        }
+    }
+    __syncthreads();
+    float acc[WR][ROWS];
+#pragma unroll
+    for (int j = 0; j < WR; ++j)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[j][r] = 0.0f;
+    for (int p0 = 0; p0 < pieces; p0 += 32 * UP) {  // (a warp-wide bound)
+        if (p0 > 0)
+            qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, p0, lane,
+                                            has_zero);
+#pragma unroll
+        for (int u = 0; u < UP; ++u) {
+            const int p = p0 + u * 32 + lane;
+            if (p >= pieces) break;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r >= rows) break;
-                const float g = warp_sum(acc[j][r]), u = warp_sum(acc[j + WR / 2][r]);
-                const int o = o0 + j;
-                if (lane == 0 && o < half) {
-                    const float gate = S::load(S::store(g + (has_bias ? S::load(bias[o]) : 0.0f)));
-                    const float up = S::load(S::store(u + (has_bias ? S::load(bias[half + o]) : 0.0f)));
-                    out[(long long)r * half + o] = S::store(gate_activation(gate, act) * up);
+                U4 xc[H];
+#pragma unroll
+                for (int h = 0; h < H; ++h) xc[h] = xcodes[(long long)(r * H + h) * pieces + p];
+                const float2 terms = piece_terms[(long long)r * pieces + p];
+                const int sum_codes = __float_as_int(terms.y);
+#pragma unroll
+                for (int j = 0; j < WR; ++j) {
+                    const unsigned int* w = &wv[j][u].x;
+                    int dot = 0;
+                    if (BITS == 4) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const unsigned int* xw = &xc[e / 2].x + (e % 2) * 2;
+                            dot = dp4a_us(w[e] & 0x0F0F0F0Fu, xw[0], dot);
+                            dot = dp4a_us((w[e] >> 4) & 0x0F0F0F0Fu, xw[1], dot);
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) dot = dp4a_ss(w[e], (&xc[0].x)[e], dot);
+                    }
+                    const float s = S::load(sc[j][u]);
+                    const float z = has_zero ? S::load(zr[j][u]) : 0.0f;
+                    const float b = zero_mode == ZERO_OFFSETS ? z : (zero_mode == ZERO_POINTS ? -s * z : 0.0f);
+                    const int centred = BITS == 4 && zero_mode == ZERO_ABSENT ? dot - 8 * sum_codes : dot;
+                    acc[j][r] = __fadd_rn(acc[j][r], __fadd_rn(__fmul_rn(s, __fmul_rn(terms.x, (float)centred)),
+                                                               __fmul_rn(b, __fmul_rn(terms.x, (float)sum_codes))));
                 }
             }
         }
-        return;
     }
-#pragma unroll
-    for (int j = 0; j < WR; ++j) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (r >= rows) break;
-            const float v = warp_sum(acc[j][r]);
-            const int o = o0 + j;
-            if (lane == 0 && o < n) out[(long long)r * n + o] = S::store(v + (has_bias ? S::load(bias[o]) : 0.0f));
-        }
-    }
+    qstaged_store<S, WR, ROWS, GATED>(acc, bias, out, o0, rows, n, has_bias, act, lane);
 }
