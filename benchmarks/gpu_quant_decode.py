@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             program = load(path, verify_checksums=False)  # (written by this script)
         else:
             if model is None:
-                model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+                with torch.device("cuda"):  # (initialized on the GPU, exported from the CPU: an 8B model's
+                    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # CPU init takes minutes)
+                model = model.cpu()
+                torch.cuda.empty_cache()  # (torch's cached blocks back to the device for CuPy's pool)
                 stderr_log(f"random {args.shape} model made in {time.perf_counter() - t0:.0f} s")
             spec = None if mode == "bf16" else quantize_spec(mode.removesuffix("-unfused"))
             t1 = time.perf_counter()

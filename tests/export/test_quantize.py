@@ -118,6 +118,43 @@ def test_export_quantizes_and_stores_tied_weights_once(mode) -> None:
     assert program.header.file_size < len(plain) * {"int8": 0.4, "int4": 0.3, "bf16": 0.6, "fp16": 0.6}[mode]
 
 
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, True), (4, 64, False), (8, 48, True), (8, 96, False)])
+def test_quantizing_in_blocks_of_rows_does_not_change_the_result(bits, group, symmetric, monkeypatch) -> None:
+    """quantize_rows splits a large weight into blocks of rows on threads: the same bytes as one block."""
+    from kiln.export import quantize
+
+    w = _weight(203, 4 * group, seed=bits + group)
+    whole = quantize._quantize_block(w, bits, group, symmetric)
+    monkeypatch.setattr(quantize, "PARALLEL_QUANTIZE_ELEMENTS", 1)
+    monkeypatch.setattr(quantize, "QUANTIZE_BLOCK_ELEMENTS", 7 * w.shape[1] + 5)  # 7 rows a block, 6 left over
+    split = quantize_rows(w, bits, group, symmetric)
+    for a, b in zip(split, whole, strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
+
+
+@pytest.mark.parametrize("mode", ["int4", "bf16"])
+def test_an_llm_export_quantizes_each_weight_once(mode, monkeypatch) -> None:
+    """Prefill and decode read the same weights: the second method takes the first one's stacked and quantized
+    constants (builder.derived) instead of stacking, quantizing and hashing them again."""
+    from kiln.export import quantize
+    from kiln.models.llm import export_llama
+    from kiln.models.zoo import tiny_decoder
+
+    calls: list[tuple] = []
+    real = quantize.quantize_rows
+    monkeypatch.setattr(quantize, "quantize_rows", lambda w, *a: calls.append(w.shape) or real(w, *a))
+    builder = export_llama(tiny_decoder("llama"), 32, 8, quantize=mode)
+    methods = builder.methods
+    assert {"prefill", "decode"} <= set(methods)
+    refs = {name: {v.ref for v in m.values if v.kind.name == "CONSTANT"} for name, m in methods.items()}
+    weights = [c for c in builder.constants if c.name.endswith(".q" if mode == "int4" else ".bf16")]
+    assert weights and all(builder.constants.index(c) in refs["prefill"] & refs["decode"] for c in weights)
+    if mode == "int4":
+        assert len(calls) == len(weights)  # (each stored weight quantized once, not once a method)
+    derived = [k for k in builder.derived if k[0] in ("fuse_projections", "quantize_weights", "store_half")]
+    assert {k[0] for k in derived} >= {"fuse_projections", "quantize_weights" if mode == "int4" else "store_half"}
+
+
 def test_quantize_declines_weights_it_cannot_group() -> None:
     model = nn.Linear(9, 4)  # K = 9: int4 packs pairs, and no even group divides 9
     program = kiln.export(model, (torch.randn(1, 9),), quantize=Quantize("int4", group_size=4)).load()

@@ -55,6 +55,11 @@ class ProgramBuilder:
         self._blob_of_memory: dict[tuple, tuple[int, torch.Tensor]] = {}  # _memory_key -> (blob, tensor held)
         self._constant_index: dict[tuple, int] = {}
         self._state_index: dict[str, int] = {}
+        self.derived: dict[tuple, Any] = {}
+        """What graph passes computed from constants, by what it was computed from (the pass's key: its name and
+        the source constants' indices): a program's methods read the same weights (an LLM's prefill and decode),
+        and the second method's passes take the first's stacked and quantized constants from here instead of
+        computing them again (an 8B int4 export quantized every weight twice)."""
         self.source_ops: Counter[str] = Counter()
         """How many nodes of each ATen op the methods lowered (coverage statistics, `kiln export` summaries)."""
 

@@ -16,12 +16,14 @@ nothing. Anywhere else the part would have to stay beside the stacked copy, so i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln.export.builder import ProgramBuilder
-from kiln.export.passes.usage import Usage, add_constant, constant_value
+from kiln.export.passes.usage import Usage, constant_value, derived_constant
+from kiln.ir.dtypes import DType
 from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 
 if TYPE_CHECKING:
@@ -81,15 +83,11 @@ def _group_key(method: Method, node: Node) -> tuple | None:
 def _stack(method: Method, builder: ProgramBuilder, nodes: list[Node]) -> Node:
     """The stacked linear; each node of the group becomes a slice of its output."""
     x, first_out = nodes[0].inputs[0], method.values[nodes[0].outputs[0]]
-    weights = [constant_value(method, builder, n.inputs[1]) for n in nodes]
-    names = "+".join(method.values[n.inputs[1]].name for n in nodes)
-    stacked = add_constant(method, builder, np.concatenate(weights), method.values[nodes[0].inputs[1]].dtype, names)
+    stacked = _stacked_constant(method, builder, [n.inputs[1] for n in nodes], lambda a: a)
     bias = NO_VALUE
     if len(nodes[0].inputs) > 2 and nodes[0].inputs[2] != NO_VALUE:
-        biases = [constant_value(method, builder, n.inputs[2]).reshape(-1) for n in nodes]
-        bias = add_constant(method, builder, np.concatenate(biases), method.values[nodes[0].inputs[2]].dtype,
-                            "+".join(method.values[n.inputs[2]].name for n in nodes))
-    sizes = [w.shape[0] for w in weights]
+        bias = _stacked_constant(method, builder, [n.inputs[2] for n in nodes], lambda a: a.reshape(-1))
+    sizes = [method.values[n.inputs[1]].shape[0] for n in nodes]
     dim = len(first_out.shape) - 1
     method.values.append(Value(f"{first_out.name}.stacked", first_out.dtype, first_out.shape[:-1] + (sum(sizes),)))
     out = len(method.values) - 1
@@ -99,3 +97,14 @@ def _stack(method: Method, builder: ProgramBuilder, nodes: list[Node]) -> Node:
         node.attrs = {"dim": dim, "start": start, "end": start + size, "step": 1}
         start += size
     return Node("linear", [x, stacked, bias], [out], {}, source=nodes[0].source)
+
+
+def _stacked_constant(method: Method, builder: ProgramBuilder, parts: list[int],
+                      shaped: Callable[[np.ndarray], np.ndarray]) -> int:
+    """The constants `parts` concatenated along their first axis (each `shaped` first), stacked once per program:
+    the other methods of an LLM stack the same weights."""
+    def make() -> tuple[np.ndarray, DType, str]:
+        data = np.concatenate([shaped(constant_value(method, builder, v)) for v in parts])
+        return data, method.values[parts[0]].dtype, "+".join(method.values[v].name for v in parts)
+    key = ("fuse_projections", tuple(method.values[v].ref for v in parts))
+    return derived_constant(method, builder, key, make)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,26 @@ def add_constant(method: Method, builder: ProgramBuilder, data: np.ndarray, dtyp
     ref = builder.constant(tensor, name)
     method.values.append(Value(name, dtype, tuple(tensor.shape), ValueKind.CONSTANT, ref))
     return len(method.values) - 1
+
+
+def existing_constant(method: Method, builder: ProgramBuilder, ref: int) -> int:
+    """A new value of `method` for the builder's constant `ref` (one another method added before)."""
+    c = builder.constants[ref]
+    method.values.append(Value(c.name, c.dtype, c.shape, ValueKind.CONSTANT, ref))
+    return len(method.values) - 1
+
+
+def derived_constant(method: Method, builder: ProgramBuilder, key: tuple,
+                     make: Callable[[], tuple[np.ndarray, DType, str]]) -> int:
+    """A value for the constant `make` computes (its data, dtype and name), made once per program: `key` names
+    what it is derived from (the pass and its source constants' refs), and a later method asking with the same key
+    gets the first one's constant (builder.derived) without computing or hashing it again."""
+    ref = builder.derived.get(key)
+    if ref is not None:
+        return existing_constant(method, builder, ref)
+    value = add_constant(method, builder, *make())
+    builder.derived[key] = method.values[value].ref
+    return value
 
 
 def constant_value(method: Method, builder: ProgramBuilder, v: int) -> np.ndarray | None:
