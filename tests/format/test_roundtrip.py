@@ -164,6 +164,24 @@ def test_a_tensor_is_hashed_once_until_it_is_written(monkeypatch):
     assert b.constant(frozen, "frozen") == b.constant(frozen, "frozen again") and len(hashed) == 6
 
 
+def test_large_constants_hashed_in_chunks_are_told_apart_and_stored_once(monkeypatch):
+    """A constant larger than two chunks is hashed chunk by chunk on threads: equal bytes still give one constant,
+    and a difference in any chunk (the last byte, a chunk's first) or in the length gives another."""
+    from kiln.export import builder as builder_module
+
+    monkeypatch.setattr(builder_module, "HASH_CHUNK_BYTES", 64)
+    b = builder_module.ProgramBuilder()
+    w = torch.arange(300, dtype=torch.float32)  # 1200 bytes: 19 chunks of 64
+    first = b.constant(w, "w")
+    assert b.constant(w.clone(), "copy") == first
+    for at in (0, 16, 299):  # the first chunk, the second one's first element, the last
+        other = w.clone()
+        other[at] += 1
+        assert b.constant(other, f"changed at {at}") != first
+    assert b.constant(w[:-1].clone(), "shorter") != first
+    assert len({c.blob for c in b.constants}) == 5
+
+
 def _base(arr: np.ndarray):
     """The object that owns an array's memory, following views and buffer wrappers."""
     while isinstance(arr, (np.ndarray, memoryview)):

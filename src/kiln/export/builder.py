@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,25 @@ def _memory_key(t: torch.Tensor) -> tuple | None:
     return (t.data_ptr(), tuple(t.shape), t.dtype, t._version)
 
 
+HASH_CHUNK_BYTES = 1 << 24
+"""A constant larger than this is hashed in chunks of this size on every core (content_digest)."""
+
+
+def content_digest(data: np.ndarray) -> bytes:
+    """A key for a constant's bytes (equal bytes, equal key): their BLAKE2b and length, or for a large constant the
+    BLAKE2b of its chunks' digests, computed on threads (hashlib lets go of the interpreter lock for large buffers).
+    One thread hashed an 8B model's 16 GB at ~1 GB/s, a quarter of an int4 export's time once its weights were
+    quantized once."""
+    view = memoryview(data).cast("B")
+    if len(view) <= 2 * HASH_CHUNK_BYTES:
+        return hashlib.blake2b(view, digest_size=20).digest() + len(view).to_bytes(8, "little")
+    starts = range(0, len(view), HASH_CHUNK_BYTES)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        parts = pool.map(lambda s: hashlib.blake2b(view[s:s + HASH_CHUNK_BYTES], digest_size=20).digest(), starts)
+        tree = hashlib.blake2b(b"".join(parts), digest_size=20, person=b"kiln-chunks").digest()
+    return tree + len(view).to_bytes(8, "little")
+
+
 class ProgramBuilder:
     """A program being exported. `kiln.export(...)` returns one; `.save(path)` writes the .kiln file."""
 
@@ -76,7 +96,7 @@ class ProgramBuilder:
             blob = known[0]
         else:
             data = tensor_bytes(tensor)
-            digest = hashlib.blake2b(memoryview(data), digest_size=20).digest() + len(data).to_bytes(8, "little")
+            digest = content_digest(data)
             blob = self._blob_index.get(digest)
             if blob is None:
                 blob = self._blob_index[digest] = len(self._blob_data)
