@@ -207,10 +207,11 @@ def step_weight_bytes(model) -> int:
 
 def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path: Path | None = None,
                   skip_passes: set[str] | frozenset[str] = frozenset(), layers: int | None = None,
-                  distinct_layers: int | None = None) -> tuple:
+                  distinct_layers: int | None = None, quantize=None) -> tuple:
     """(model, lm, program): a random-weight Llama (or, for a MOE_SIZES shape, Qwen3-MoE) of `shape` (seed 0;
     `layers`: its first N layers; `distinct_layers`: see cycle_layers) on the CPU, its StaticCacheLM and the loaded
-    export of that, read from `path` when it is there (else exported and, with a path, saved there)."""
+    export of that (weights quantized by `quantize`, a kiln.export.Quantize, when given), read from `path` when it
+    is there (else exported and, with a path, saved there)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -237,7 +238,7 @@ def llama_program(shape: str, dtype, max_context: int, prefill_chunk: int, path:
         program = kiln.load(path)
         stderr_log(f"loaded {path} in {time.perf_counter() - t0:.1f} s")
     else:
-        exported = export_llama(lm, max_context, prefill_chunk, skip_passes=skip_passes)
+        exported = export_llama(lm, max_context, prefill_chunk, skip_passes=skip_passes, quantize=quantize)
         program = kiln.load(exported.save(path)) if path is not None else exported.load()
         stderr_log(f"exported in {time.perf_counter() - t0:.1f} s")
     return model, lm, program

@@ -25,7 +25,8 @@ from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import copy_bandwidth, device_line, gpu_time, print_table, select_quant_kernel  # noqa: E402
 
 FORMATS = {"int4 g32 +offset": (4, 32, "offset"), "int4 g64 zero pt": (4, 64, "zero"),
-           "int8 g32 sym": (8, 32, "symmetric"), "int8 channel": (8, None, "zero")}
+           "int4 g32 sym": (4, 32, "symmetric"), "int8 g32 sym": (8, 32, "symmetric"),
+           "int8 channel": (8, None, "zero")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ os.environ["KILN_CUDA_TIMELINE"] = "1"  # before kiln's kernels are compiled
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import device_line, print_table  # noqa: E402
 from gpu_llm import MOE_SIZES, llama_program  # noqa: E402
+from gpu_quant_decode import quantize_spec  # noqa: E402
 from harness import stderr_log  # noqa: E402
 
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the exported .kiln file, as gpu_llm.py --program (loaded when there, else saved)")
     parser.add_argument("--by-layer", action="store_true",
                         help="also print every layer's cycle (summed spans and its longest kernels), layer by layer")
+    parser.add_argument("--quantize", metavar="MODE", help="weights quantized as gpu_quant_decode.py's --quantize "
+                        "names them (int4-g32-sym, int8, ...); default bfloat16")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args(argv)
 
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.runtime.backends.cuda import timeline
 
     model, _, program = llama_program(args.shape, torch.bfloat16, args.max_context, args.prefill, args.program,
-                                     layers=args.layers, distinct_layers=args.distinct_layers)
+                                     layers=args.layers, distinct_layers=args.distinct_layers,
+                                     quantize=quantize_spec(args.quantize) if args.quantize else None)
     del model
     session = program.session("cuda")
     inputs = (cp.asarray([[42]]), cp.asarray([args.context]))

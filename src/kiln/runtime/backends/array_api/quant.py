@@ -7,11 +7,19 @@ Each backend registers its own quantized_linear (the CPU's compiled row-streamin
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
 from kiln.runtime.backends.array_api.core import portable
+
+
+def integer_products_asked() -> bool:
+    """Whether KILN_QUANT_DOT asks for integer products in the few-row quantized linears (inputs rounded to int8 per
+    32, as llama.cpp does; the default) rather than float ones (`float`): the one switch the CPU's qdot.c and the
+    GPU's qgemv_dot follow, read at every call so that a change of the environment takes effect."""
+    return os.environ.get("KILN_QUANT_DOT", "int8").strip().lower() != "float"
 
 
 def unpack(xp: Any, q: Any, bits: int) -> Any:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.runtime.backends.array_api.quant import integer_products_asked
+
 log = logging.getLogger("kiln.native")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "qdot.c", "attention.c", "executor.c",
@@ -228,7 +230,7 @@ def integer_dot() -> bool:
     """Whether few-row quantized linears quantize their input rows to int8 and use the CPU's byte dot products
     (qdot.c: ~0.3% from the float result, as llama.cpp's CPU path): when the helpers have them (AVX2 or VNNI)
     and KILN_QUANT_DOT is not `float` (which keeps the float kernel, exact to float32 rounding)."""
-    return os.environ.get("KILN_QUANT_DOT", "int8").strip().lower() != "float" and _dot_level() > 0
+    return integer_products_asked() and _dot_level() > 0
 
 
 @functools.cache

@@ -6,7 +6,6 @@ step reads 2x/4x fewer weight bytes than bfloat16), larger batches dequantize an
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import cupy as cp
@@ -15,7 +14,7 @@ import numpy as np
 from kiln.runtime.backends import composite
 from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
-from kiln.runtime.backends.array_api.quant import dequantize
+from kiln.runtime.backends.array_api.quant import dequantize, integer_products_asked
 from kiln.runtime.backends.cuda import constants, cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
@@ -308,9 +307,8 @@ or test sets True or False."""
 def quant_dot() -> bool:
     """QUANT_DOT's choice now: read at every launch, not at import, so that a program run after the environment
     changes (a test's monkeypatch, a second session) takes the products the environment asks for."""
-    if QUANT_DOT is not None:
-        return QUANT_DOT
-    return os.environ.get("KILN_QUANT_DOT", "int8").strip().lower() != "float"
+    return integer_products_asked() if QUANT_DOT is None else QUANT_DOT
+
 
 QGEMV_GATED = True
 """Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs
