@@ -10,6 +10,8 @@ interleaved round by round, medians. For the quantized programs the step runs on
 "rows"; "-apart" after a name: the gated activation as a kernel of its own, not the kernel's epilogue), each a
 session of its own whose graph was captured with that kernel. `--op-times N` prints each program's N costliest ops
 of a step (run op by op, the first kernel named).
+`--prefill N` also times each program's prefill of N tokens in one call (exported with a prefill chunk of N; its
+rows take the quantized linears' many-row path, so once a program), the programs interleaved as for decode.
 The roofline of a step is what it must read: every constant of the decode method once (codes, scales, zero points,
 the bf16 tensors; of an embedding table no other node reads, one row), plus the KV cache up to the context, at the
 copy bandwidth measured in the same run.
@@ -80,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, metavar="DIR",
                         help="keep the exported programs here and load them from here when present (an 8B shape "
                              "exports for minutes)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="also time each program's prefill of N tokens (exports with a prefill chunk of N)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
+    if args.prefill > args.max_context:
+        parser.error(f"--prefill {args.prefill} is longer than --max-context {args.max_context}")
 
     import cupy as cp
     import numpy as np
@@ -99,14 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (
         config.hidden_size // config.num_attention_heads) * 2 * (args.context + 1)
     token, position = cp.asarray(np.array([[42]], np.int64)), cp.asarray(np.array([args.context], np.int64))
-    cases, rooflines = {}, {}
+    cases, rooflines, prefills = {}, {}, {}
+    chunk = max(32, args.prefill)  # (the export's prefill chunk: 32 unless a longer prefill is timed)
+    prompt = (cp.asarray(np.arange(args.prefill, dtype=np.int64)[None] % config.vocab_size + 7),
+              cp.asarray(np.arange(args.prefill, dtype=np.int64)))
     quantized = [m for m in args.quantize.split(",") if m]
     runs = [*([] if args.skip_bf16 else ["bf16"]),
             *[v for m in quantized for v in ([m, m + "-unfused"] if args.compare_fusion else [m])]]
     for mode in runs:
         t0 = time.perf_counter()
         skip = ("fuse_gated_linear", "fuse_norm_linear") if mode.endswith("-unfused") else ()
-        path = args.cache / f"{args.shape}-{mode}-ctx{args.max_context}.kiln" if args.cache else None
+        name = f"{args.shape}-{mode}-ctx{args.max_context}{'' if chunk == 32 else f'-chunk{chunk}'}.kiln"
+        path = args.cache / name if args.cache else None
         if path is not None and path.exists():
             program = load(path, verify_checksums=False)  # (written by this script)
         else:
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 stderr_log(f"random {args.shape} model made in {time.perf_counter() - t0:.0f} s")
             spec = None if mode == "bf16" else quantize_spec(mode.removesuffix("-unfused"))
             t1 = time.perf_counter()
-            exported = export_llama(model, args.max_context, 32, quantize=spec, skip_passes=skip)
+            exported = export_llama(model, args.max_context, chunk, quantize=spec, skip_passes=skip)
             stderr_log(f"{mode}: export_llama {time.perf_counter() - t1:.0f} s")  # (where an 8B shape's time goes)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
                 cp.cuda.Device().synchronize()
             cases[mode + label] = run
             rooflines[mode + label] = (step_bytes(program) + kv_bytes) / bandwidth
+            if args.prefill and kernel == kernels[0]:
+                for _ in range(3):
+                    session.run("prefill", *prompt)
+
+                def prefill(session=session) -> None:
+                    session.run("prefill", *prompt)
+                    cp.cuda.Device().synchronize()
+                prefills[mode] = prefill
         gpu_harness.select_quant_kernel(linalg, "")
     medians = {k: v / args.steps for k, v in time_round_robin(cases, args.repeat).items()}
     print(f"{args.shape} decode at context {args.context}, bfloat16 activations, on {device_line(cp, torch)} (copy "
@@ -151,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
              f"{100 * rooflines[name] / t:.0f}%", f"{medians['bf16'] / t:.2f}x" if "bf16" in medians else ""]
             for name, t in medians.items()]
     print_table(body, ["program", "step ms", "tokens/s", "roofline ms", "% of roofline", "x bf16"], args.markdown)
+    if prefills:
+        times = time_round_robin(prefills, args.repeat)
+        print(f"\nprefill of {args.prefill} tokens in one call (median of {args.repeat} rounds)")
+        body = [[name, f"{t * 1e3:.3f}", f"{args.prefill / t:.0f}",
+                 f"{times['bf16'] / t:.2f}x" if "bf16" in times else ""] for name, t in times.items()]
+        print_table(body, ["program", "ms", "tokens/s", "x bf16"], args.markdown)
     return 0
 
 
