@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup demo test test-all lint format-code clean
+.PHONY: setup demo test test-all lint cuda-check format-code clean
 
 $(STAMP): pyproject.toml
 	@echo "== creating $(VENV) and installing kiln (torch 2.13.0 CPU build first, so nothing pulls a CUDA build)"
@@ -28,7 +28,11 @@ test-all: setup
 	$(PY) -m pytest -q -m "not cuda"
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+# The CUDA kernels compiled with nvcc for sm_90 (no GPU needed): compile errors and register spills, before device time.
+cuda-check: setup
+	PYTHONPATH=src $(PY) scripts/cuda_check.py $(SOURCES)
 
 format-code:
 	scripts/generate_format.sh
