@@ -5,13 +5,11 @@ returned before the call, or made it only on some path, would let the kernels af
 from __future__ import annotations
 
 import re
-from importlib import resources
 
 import pytest
 
 from kiln.runtime.backends.cuda import sources
 
-SOURCES = resources.files("kiln.runtime.backends.cuda").joinpath("kernels")  # (the kernels package needs CuPy)
 KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(")
 
 
@@ -31,10 +29,8 @@ def _bodies(source: str) -> dict[str, str]:
 
 
 def _kernels() -> list[tuple[str, str, str]]:
-    found = []
-    for file in sorted(f.name for f in SOURCES.iterdir() if f.name.endswith(".cu")):
-        found += [(file, name, body) for name, body in _bodies(SOURCES.joinpath(file).read_text()).items()]
-    return found
+    return [(f"{source}.cu", name, body) for source in sources.names()
+            for name, body in _bodies(sources.read(source)).items()]
 
 
 def test_every_source_has_kernels() -> None:

@@ -44,7 +44,7 @@ def _memory_key(t: torch.Tensor) -> tuple | None:
 
 
 HASH_CHUNK_BYTES = 1 << 24
-"""A constant larger than this is hashed in chunks of this size on every core (content_digest)."""
+"""A constant of more than twice this many bytes is hashed in chunks of this size on every core (content_digest)."""
 
 
 def content_digest(data: np.ndarray) -> bytes:

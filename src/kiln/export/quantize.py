@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from kiln.export.builder import ProgramBuilder
-from kiln.export.passes.usage import add_constant, constant_value, derived_constant, existing_constant
+from kiln.export.passes.usage import add_constant, constant_value, derived_constant, derived_constants
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import NO_VALUE, Method, Node, Value, ValueKind
 
@@ -193,18 +193,11 @@ def quantize_weights(method: Method, builder: ProgramBuilder, config: Quantize |
 
 def _quantized_once(method: Method, builder: ProgramBuilder, value: int, config: Quantize | None,
                     known: KnownQuantization | None) -> tuple[tuple[int, ...], dict] | None:
-    """_quantized_parts, computed once per program (builder.derived): a later method reading the same weight (an
+    """_quantized_parts, computed once per program (derived_constants): a later method reading the same weight (an
     LLM's decode after its prefill) gets the first one's constants without quantizing or hashing them again."""
     key = ("quantize_weights", method.values[value].ref, config, id(known))
-    if key in builder.derived:
-        if builder.derived[key] is None:
-            return None
-        refs, attrs = builder.derived[key]
-        return tuple(NO_VALUE if r is None else existing_constant(method, builder, r) for r in refs), dict(attrs)
-    result = _quantized_parts(method, builder, value, config, known)
-    builder.derived[key] = None if result is None else (
-        tuple(None if v == NO_VALUE else method.values[v].ref for v in result[0]), dict(result[1]))
-    return result
+    found = derived_constants(method, builder, key, lambda: _quantized_parts(method, builder, value, config, known))
+    return None if found is None else (found[0], dict(found[1]))
 
 
 def _quantized_parts(method: Method, builder: ProgramBuilder, value: int, config: Quantize | None,

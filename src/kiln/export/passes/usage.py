@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,16 +80,29 @@ def existing_constant(method: Method, builder: ProgramBuilder, ref: int) -> int:
     return len(method.values) - 1
 
 
+def derived_constants(method: Method, builder: ProgramBuilder, key: tuple,
+                      make: Callable[[], tuple[tuple[int, ...], Any] | None]) -> tuple[tuple[int, ...], Any] | None:
+    """`make`'s result made once per program: its constant values of `method` (NO_VALUE for a part it has not)
+    and whatever else it returns beside them, or None. `key` names what they are derived from (the pass and its
+    source constants' refs); a later method asking with the same key gets values of the first one's constants
+    (builder.derived) without computing or hashing them again."""
+    if key in builder.derived:
+        known = builder.derived[key]
+        if known is None:
+            return None
+        refs, extra = known
+        return tuple(NO_VALUE if r is None else existing_constant(method, builder, r) for r in refs), extra
+    made = make()
+    builder.derived[key] = None if made is None else (
+        tuple(None if v == NO_VALUE else method.values[v].ref for v in made[0]), made[1])
+    return made
+
+
 def derived_constant(method: Method, builder: ProgramBuilder, key: tuple,
                      make: Callable[[], tuple[np.ndarray, DType, str]]) -> int:
-    """A value for the constant `make` computes (its data, dtype and name), made once per program: `key` names
-    what it is derived from (the pass and its source constants' refs), and a later method asking with the same key
-    gets the first one's constant (builder.derived) without computing or hashing it again."""
-    ref = builder.derived.get(key)
-    if ref is not None:
-        return existing_constant(method, builder, ref)
-    value = add_constant(method, builder, *make())
-    builder.derived[key] = method.values[value].ref
+    """A value for the one constant `make` computes (its data, dtype and name), made once per program
+    (derived_constants)."""
+    (value,), _ = derived_constants(method, builder, key, lambda: ((add_constant(method, builder, *make()),), None))
     return value
 
 

@@ -22,8 +22,8 @@ from kiln.runtime.backends.cuda.launch import Kernel
 
 OPTIONS = sources.OPTIONS
 
-STORAGE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", BFLOAT16: "BF16"}
-"""The storage struct of each dtype (sources.STORAGE_TYPES, in its order)."""
+STORAGE = dict(zip((np.dtype(np.float32), np.dtype(np.float16), BFLOAT16), sources.STORAGE_TYPES, strict=True))
+"""The storage struct (common.cuh's F32, F16, BF16) of each dtype."""
 
 
 @functools.cache

@@ -28,16 +28,18 @@ TYPES = re.compile(r"^// (\w+)<S>: ([A-Z\d ]+)$", re.MULTILINE)
 GLOBAL = re.compile(r"__global__\s+void\b")
 
 
+FOLDER = resources.files("kiln.runtime.backends.cuda").joinpath("kernels")
+"""kernels/ (through its parent package: importing the kernels package itself needs CuPy)."""
+
+
 def names() -> list[str]:
     """The kernel sources (kernels/<name>.cu), sorted."""
-    folder = resources.files("kiln.runtime.backends.cuda").joinpath("kernels")
-    return sorted(f.name.removesuffix(".cu") for f in folder.iterdir() if f.name.endswith(".cu"))
+    return sorted(f.name.removesuffix(".cu") for f in FOLDER.iterdir() if f.name.endswith(".cu"))
 
 
 def read(name: str) -> str:
     """kernels/<name>.cu with common.cuh in front of it, as it is compiled."""
-    folder = resources.files("kiln.runtime.backends.cuda").joinpath("kernels")
-    return folder.joinpath("common.cuh").read_text() + "\n" + folder.joinpath(f"{name}.cu").read_text()
+    return FOLDER.joinpath("common.cuh").read_text() + "\n" + FOLDER.joinpath(f"{name}.cu").read_text()
 
 
 def instances(source: str, name: str = "source") -> list[str]:
