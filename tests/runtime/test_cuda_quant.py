@@ -158,3 +158,55 @@ def test_integer_products_match_their_definition(bits, group, symmetric, k, weig
     tol = 1e-5 if dtype == np.float32 else 8e-3
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale_of)
     assert np.abs(got - want_float).max() <= 0.02 * scale_of
+
+
+@pytest.mark.parametrize("bits,group,symmetric,k", STAGED_CASES)
+@pytest.mark.parametrize("weight_rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
+def test_norm_form_folds_the_rms_norm_into_the_product(bits, group, symmetric, k, weight_rows, rows, dtype,
+                                                       with_weight, monkeypatch) -> None:
+    """add_rms_norm_quantized_linear as qgemv_dot's norm form (one kernel: the add, the RMSNorm folded into x's
+    block scales, the product; QGEMV_NORM on) against add_rms_norm and the product apart (off): the sum written
+    bit for bit, the outputs within 2% of their scale of the two kernels' (x's 8-bit codes, the normalized row's
+    rounding) and of the float64 definition; 3 input rows are not the kernel's (the two kernels run). The gated
+    norm form gives the bits of the plain one followed by gated_activation (each lane sums the same pieces in the
+    same order whatever its rows a warp)."""
+    import cupy as cp
+
+    from kiln.runtime.backends import composite
+    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS
+
+    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    monkeypatch.setattr(linalg, "QGEMV_NORM", True)
+    rng = np.random.default_rng(k * 5 + rows)
+    (x, q, scale, zero, bias), _ = _case(rng, (1, rows), 2 * 77, k, bits, group, symmetric, dtype, True)
+    residual = rng.standard_normal(x.shape).astype(dtype)
+    norm_weight = rng.uniform(0.5, 1.5, k).astype(dtype) if with_weight else None
+    arrays = [None if a is None else cp.asarray(a) for a in (x, residual, norm_weight, q, scale, zero, bias)]
+    attrs = (1, 1e-5, bits, group, symmetric == "offset")
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    total, got = linalg.add_rms_norm_quantized_linear(*arrays, *attrs, "")
+    _, gated = linalg.add_rms_norm_quantized_linear(*arrays, *attrs, "silu")
+    folded = [f for f in launched if f[0] == "qgemv_dot" and f[2] >= 2000]
+    assert [f[2] // 1000 for f in folded] == ([2, 3] if rows <= 2 else [])
+    np.testing.assert_array_equal(cp.asnumpy(gated).view(np.uint8),
+                                  cp.asnumpy(composite._gated_halves(CUDA_KERNELS.kernels, got, "silu")).view(np.uint8))
+    monkeypatch.setattr(linalg, "QGEMV_NORM", False)
+    want_total, want = linalg.add_rms_norm_quantized_linear(*arrays, *attrs, "")
+    assert got.shape == want.shape and got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(cp.asnumpy(total).view(np.uint8), cp.asnumpy(want_total).view(np.uint8))
+    got, want = cp.asnumpy(got).astype(np.float64), cp.asnumpy(want).astype(np.float64)
+    # the float64 definition: (x + residual) rounded to the storage type, RMS-normalized, times the weight
+    summed = cp.asnumpy(want_total).astype(np.float64)
+    normed = summed / np.sqrt(np.mean(summed * summed, axis=-1, keepdims=True) + 1e-5)
+    if with_weight:
+        normed = normed * norm_weight.astype(np.float64)
+    f32 = [None if a is None else a.astype(np.float32) for a in (scale, zero, bias)]
+    product = normed @ dequantize(np, q, f32[0], f32[1], bits, group, symmetric == "offset").T + f32[2]
+    scale_of = np.abs(product).max()
+    assert np.abs(got - want).max() <= 0.02 * scale_of
+    assert np.abs(got - product).max() <= 0.02 * scale_of
