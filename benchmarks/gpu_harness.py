@@ -112,9 +112,7 @@ quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgem
 
 def select_quant_kernel(linalg, name: str) -> None:
     """Set kiln's CUDA quantized linear to `name` (QUANT_KERNELS; a name ending in -apart runs a gated gate/up
-    product and its activation as two kernels, one ending in -normfold the add + RMSNorm before an integer product
-    in the product's kernel: linalg.QGEMV_NORM); "" restores the defaults."""
-    base = name.removesuffix("-apart").removesuffix("-normfold")
+    product and its activation as two kernels); "" restores the defaults."""
+    base = name.removesuffix("-apart")
     linalg.QGEMV, linalg.QUANT_DOT = QUANT_KERNELS[base] if base else ("staged", None)
     linalg.QGEMV_GATED = not name.endswith("-apart")
-    linalg.QGEMV_NORM = name.endswith("-normfold")

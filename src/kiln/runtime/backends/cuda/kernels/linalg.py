@@ -241,22 +241,19 @@ def _staged_shared(x2: Any, k: int, bits: int) -> int | None:
 
 
 def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, bits: int, group_size: int,
-                  zero_mode: Any, shared: int, activation: str = "", norm: tuple | None = None) -> None:
+                  zero_mode: Any, shared: int, activation: str = "") -> None:
     """quant.cu's qgemv_staged into out (`shared`: _staged_shared's bytes); with an activation, its gated form (q
-    stacks gate rows then up rows, out takes act(gate) * up: half q's rows); with norm = (residual, norm_weight,
-    eps, total), qgemv_dot's norm form (x2 + residual, written to total, RMS-normalized on the way in: the caller
-    checks _norm_folds)."""
+    stacks gate rows then up rows, out takes act(gate) * up: half q's rows)."""
     rows, k, n = x2.shape[0], x2.shape[1], q.shape[0]
     rows_cap = next(r for r in (1, 2, 4) if r >= rows)
     weight_rows = _staged_weight_rows(n, rows_cap)
     if activation:
         weight_rows = max(2, weight_rows)
     dot = quant_dot() and k % 32 == 0
-    instance = (1000 if activation else 0) + (2000 if norm is not None else 0) + 10 * bits + rows_cap
+    instance = (1000 if activation else 0) + 10 * bits + rows_cap
     if dot:  # (int4 with 4 weight rows a warp and 2 input rows would spill: quant.cu instantiates none)
         weight_rows = 2 if bits == 4 and rows_cap == 2 and weight_rows == 4 else weight_rows
         shared = rows_cap * (k + k // (32 if bits == 4 else 16) * 8)  # (codes and two words a piece: less)
-        shared += 4 * QUANT_WARPS * rows_cap if norm is not None else 0  # (each warp's sums of squares)
     name = "qgemv_dot" if dot else "qgemv_staged"
     function = nvrtc.function("quant", name, out.dtype, 100 * weight_rows + instance)
     if dot and bits == 4 and weight_rows == 1 and QGEMV_WEIGHT_ROWS is None and _waves(n, shared, function) > 1:
@@ -266,14 +263,10 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
         function.raw.max_dynamic_shared_size_bytes = shared
     constant = all(constants.is_constant(a) for a in (q, scale) + ((zero,) if zero is not None else ()))
     outputs_a_warp = weight_rows // 2 if activation else weight_rows
-    args = (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
-            np.int32(rows), np.int32(n), np.int32(k), np.int32(group_size), zero_mode, np.int32(bias is not None),
-            np.int32(constant), np.int32(GATE_CODES.get(activation, 0)))
-    if dot:
-        residual, norm_weight, eps, total = norm if norm is not None else (x2, None, 0.0, x2)
-        args += (residual, x2 if norm_weight is None else norm_weight, total, np.float32(eps),
-                 np.int32(norm_weight is not None))
-    function((-(-(n // 2 if activation else n) // (QUANT_WARPS * outputs_a_warp)),), (32 * QUANT_WARPS,), args,
+    function((-(-(n // 2 if activation else n) // (QUANT_WARPS * outputs_a_warp)),), (32 * QUANT_WARPS,),
+             (x2, q, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
+              np.int32(rows), np.int32(n), np.int32(k), np.int32(group_size), zero_mode,
+              np.int32(bias is not None), np.int32(constant), np.int32(GATE_CODES.get(activation, 0))),
              shared_mem=shared)
 
 
@@ -284,7 +277,8 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
     same bits as quantized_linear and gated_activation after it); their composition otherwise."""
     lead, k, n = x.shape[:-1], x.shape[-1], q.shape[0]
     x2 = x.reshape(-1, k)
-    if (_gated_form_applies(x2, q, activation) and _quant_parts_apply(x2, q, scale, zero, bias)
+    if (QGEMV_GATED and activation in GATE_CODES and n % 2 == 0 and x2.shape[0] <= 2
+            and _quant_parts_apply(x2, q, scale, zero, bias)
             and _qgemv_applies(x2 := cp.ascontiguousarray(x2), q, bits, group_size)
             and (shared := _staged_shared(x2, k, bits)) is not None):
         out = cp.empty((x2.shape[0], n // 2), dtype=scale.dtype)
@@ -295,42 +289,11 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
                                             activation)
 
 
-def _gated_form_applies(x2: Any, q: Any, activation: str) -> bool:
-    """Whether qgemv_staged's (and qgemv_dot's) gated form takes this product: 1 or 2 rows, an activation it knows,
-    gate and up rows in pairs."""
-    return QGEMV_GATED and activation in GATE_CODES and q.shape[0] % 2 == 0 and x2.shape[0] <= 2
-
-
-def _norm_folds(x: Any, residual: Any, norm_weight: Any, q: Any, scale: Any, zero: Any, bias: Any, axes: int,
-                bits: int, group_size: int, activation: str) -> int | None:
-    """qgemv_dot's shared memory for x and the weight where its norm form takes add_rms_norm + this product (1 or
-    2 rows, the integer products, the fused RMSNorm's operands, the product's staged layout), else None."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if not (QGEMV_NORM and x2.shape[0] <= 2 and quant_dot() and k % 32 == 0
-            and fused_rms_norm_applies(x, residual, norm_weight, axes)
-            and all(a.data.ptr % 16 == 0 for a in (residual, norm_weight) if a is not None)
-            and (not activation or _gated_form_applies(x2, q, activation))
-            and _quant_parts_apply(x2, q, scale, zero, bias) and _qgemv_applies(x2, q, bits, group_size)):
-        return None
-    return _staged_shared(x2, k, bits)
-
-
 @kernel("add_rms_norm_quantized_linear")
 def add_rms_norm_quantized_linear(x: Any, residual: Any, norm_weight: Any, q: Any, scale: Any, zero: Any, bias: Any,
                                   axes: int, eps: float | None, bits: int, group_size: int, offset: bool,
                                   activation: str) -> tuple[Any, Any]:
-    """With QGEMV_NORM, for one or two rows with integer products, qgemv_dot's norm form: the add, the RMSNorm and
-    the product (gated where there is an activation) in one kernel; add_rms_norm, then the quantized product
-    otherwise."""
-    shared = _norm_folds(x, residual, norm_weight, q, scale, zero, bias, axes, bits, group_size, activation)
-    if shared is not None:
-        lead, k, n = x.shape[:-1], x.shape[-1], q.shape[0] // (2 if activation else 1)
-        x2 = x.reshape(-1, k)
-        total, out = cp.empty_like(x), cp.empty((x2.shape[0], n), dtype=scale.dtype)
-        _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, quant_zero_mode(zero, offset), shared,
-                      activation, (residual, norm_weight, rms_norm_eps(eps, x.dtype), total))
-        return total, out.reshape(*lead, n)
+    """add_rms_norm, then the quantized product (gated_quantized_linear above where there is an activation)."""
     kernels = CUDA_KERNELS.kernels
     total, normed = kernels["add_rms_norm"](x, residual, norm_weight, axes, eps)
     if activation:
@@ -350,13 +313,6 @@ def quant_dot() -> bool:
     changes (a test's monkeypatch, a second session) takes the products the environment asks for."""
     return integer_products_asked() if QUANT_DOT is None else QUANT_DOT
 
-
-QGEMV_NORM = False
-"""Whether add_rms_norm_quantized_linear runs qgemv_dot's norm form where it applies (the add, the RMSNorm and the
-product in one kernel) or add_rms_norm and the product as two kernels. Off: measured slower in the whole step (H100,
-8B shape at context 128, one process: int4 g32 2.667 ms folded against 2.582 apart, int8 g32 3.901 against
-3.848), though it saves a kernel a norm; every block of the product reads x, the residual and the norm weight, at 2
-blocks an SM where the plain form holds 3. benchmarks' "-normfold" kernels switch it on."""
 
 QGEMV_GATED = True
 """Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs

@@ -502,7 +502,6 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 }
 
 // qgemv_dot<N>: 141 142 144 181 182 184 241 242 281 282 441 481 482 1241 1242 1281 1282 1441 1481 1482
-// qgemv_dot<N>: 2141 2142 2181 2182 2241 2242 2281 2282 2441 2481 2482 3241 3242 3281 3282 3441 3481 3482
 // qgemv_staged with the products in integers, as llama.cpp's CUDA backend and kiln's CPU (native/qdot.c) run a
 // decode step's quantized linears: x is quantized while it is staged, in blocks of 32 (scale d = max |x| / 127, codes
 // rounded to nearest even, as qdot.c rounds them), and each piece's 32 (int4) or 16 (int8) weights meet their x
@@ -514,12 +513,6 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 // additive term times d * (sum xq) (the zero point's -z * s or the offset; int4's implicit 8 as -8 sum xq in the
 // integers). N and the rest as qgemv_staged (int4 with 4 weight rows a warp takes 1 input row: 2 would spill);
 // shared memory: ROWS x K bytes of codes and 8 bytes a piece; K a multiple of 32.
-// + 2000: the norm form (add_rms_norm_quantized_linear, 1 or 2 rows): x + residual (rounded to S, written to
-// `added` by block 0) is RMS-normalized on the way in, times norm_weight where has_norm_weight, and the products
-// scaled by 1 / rms before the store (+ 4 * WARPS * ROWS bytes of shared memory; 2 blocks an SM, as 80 registers
-// would spill): the add_rms_norm kernel and its hand-over fewer a layer, whose ~5 us at d = 4096 were 13% of an
-// 8B int4 step (H200). It differs from the two kernels by the normalized row's rounding to S, which the 8-bit
-// codes of x swamp. Off by default (linalg.QGEMV_NORM): the whole step measured slower with it so far.
 // A block of x holding inf or NaN gives NaN outputs for its rows.
 #define QDOT_BLOCK 32
 
@@ -539,71 +532,25 @@ __device__ __forceinline__ unsigned int pack4(int a, int b, int c, int d) {
     return (unsigned)(a & 255) | (unsigned)(b & 255) << 8 | (unsigned)(c & 255) << 16 | (unsigned)(d & 255) << 24;
 }
 
-// qgemv_dot's staging of a thread's 8 values f (of row r, from element j0; top: their largest magnitude, inf for a
-// NaN): the 4 threads of a block of 32 (consecutive lanes) share the block's largest magnitude and their code sums
-// by shuffles (every lane of the warp calls this), and write the codes and the piece's (d, code sum).
-template <class S, int BITS, int H>
-__device__ __forceinline__ void qdot_stage_block(U4* __restrict__ xcodes, float2* __restrict__ piece_terms,
-                                                 const float (&f)[8], float top, bool live, int r, int j0,
-                                                 int pieces) {
-    constexpr int PER = BITS == 4 ? 32 : 16;
-#pragma unroll
-    for (int o = 1; o < 4; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-    const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
-    int c[8], sum = 0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        c[e] = __float2int_rn(f[e] * inverse);
-        sum += c[e];
-    }
-    // the piece's code sum: int4's piece is the block (4 threads), int8's half of it (2)
-#pragma unroll
-    for (int o = 1; o < (BITS == 4 ? 4 : 2); o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (!live) return;
-    const int p = j0 / PER, within = j0 - p * PER;  // the piece, and the thread's place in it
-    unsigned int* words = reinterpret_cast<unsigned int*>(xcodes);
-    if (BITS == 4) {  // 8 elements = one weight word: its even codes, then its odd ones
-        const int word = within / 8;  // 0..3 of the piece: x code words 2 word, 2 word + 1
-        const long long at = ((long long)(r * H + word / 2) * pieces + p) * 4 + (word % 2) * 2;
-        words[at] = pack4(c[0], c[2], c[4], c[6]);
-        words[at + 1] = pack4(c[1], c[3], c[5], c[7]);
-    } else {
-        const long long at = ((long long)r * pieces + p) * 4 + within / 4;
-        words[at] = pack4(c[0], c[1], c[2], c[3]);
-        words[at + 1] = pack4(c[4], c[5], c[6], c[7]);
-    }
-    if (within == 0)
-        piece_terms[(long long)r * pieces + p] = make_float2(top <= 3.0e38f ? d : __int_as_float(0x7fc00000),
-                                                             __int_as_float(sum));
-}
-
 template <class S, int N>
-__global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 && N < 2000 ? 3 : 2) qgemv_dot(const typename S::T* __restrict__ x,
+__global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(const typename S::T* __restrict__ x,
                       const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
                       const typename S::T* __restrict__ zero, const typename S::T* __restrict__ bias,
                       typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
-                      int has_bias, int constant, int act, const typename S::T* __restrict__ residual,
-                      const typename S::T* __restrict__ norm_weight, typename S::T* __restrict__ added, float eps,
-                      int has_norm_weight) {
-    constexpr bool GATED = N / 1000 % 2 == 1, NORM = N >= 2000;
+                      int has_bias, int constant, int act) {
+    constexpr bool GATED = N >= 1000;
     constexpr int WR = N / 100 % 10, BITS = N / 10 % 10, ROWS = N % 10, UP = QS_LOADS / WR;
     static_assert(!GATED || WR % 2 == 0, "the gated form pairs gate and up rows");
     constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
     constexpr int H = PER / 16;               // 16-byte x code words per piece (2 for int4, 1 for int8)
-    // turns of the staging whose loads a thread issues together: the norm form's row of d = 2048..4096 takes 1..2
-    // turns; the plain form's one at a time (4 together measured slower, H100, 8B shape, 1 weight row a warp: int8
-    // down 25.6 -> 32.9 us, o 8.4 -> 11.2, int4 down 22.7 -> 23.9)
-    constexpr int BATCH = NORM ? 2 : 1;
     // [ROWS][H][pieces] U4 of x codes (int4: per 8 elements the even ones' codes, then the odd ones', to meet a
-    // weight word's low and high nibbles), then [ROWS][pieces] (d, sum of the piece's codes), then in the norm form
-    // [WARPS][ROWS] float: each warp's sum of squares of the rows
+    // weight word's low and high nibbles), then [ROWS][pieces] (d, sum of the piece's codes)
     extern __shared__ U4 xcodes[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pieces = k / PER, ngroups = k / group;
     const int o0 = (blockIdx.x * WARPS + warp) * (GATED ? WR / 2 : WR);
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
     float2* piece_terms = reinterpret_cast<float2*>(xcodes + (long long)ROWS * H * pieces);
-    float* square_sums = reinterpret_cast<float*>(piece_terms + (long long)ROWS * pieces);
     U4 wv[WR][UP];
     typename S::T sc[WR][UP], zr[WR][UP];
     if (constant)
@@ -614,78 +561,53 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 && N < 2000 ? 3 : 2) q
         qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane,
                                         has_zero);
     // stage x: a thread quantizes 8 consecutive values; the 4 threads of a block of 32 (consecutive lanes) share
-    // its largest magnitude and their code sums by shuffles. The norm form stages the codes of (x + residual) * norm_weight, the sum rounded to S first as add_rms_norm
-    // rounds it (block 0 writes it to `added`), and sums its squares: RMSNorm scales a row by one number, which the
-    // blocks' scales d absorb, so the products are scaled by 1 / rms once, before the store.
-    float squares[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) squares[r] = 0.0f;
+    // its largest magnitude and their code sums by shuffles
     {
         const int per_row = k / 8, total = rows * per_row;
-        constexpr int LOADS = 8 / S::PER16;  // 16-byte loads of a thread's 8 values
-        for (int base = 0; base < total; base += 32 * WARPS * BATCH) {  // (a block-wide bound: all shuffle)
-            U4 raw[BATCH][LOADS], res[NORM ? BATCH : 1][LOADS], wn[NORM ? BATCH : 1][LOADS];
+        for (int base = 0; base < total; base += 32 * WARPS) {  // (a block-wide bound: every lane shuffles)
+            const int i = base + threadIdx.x;
+            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            float top = 0.0f;
+            int r = 0, j0 = 0;
+            if (i < total) {
+                r = i / per_row;
+                j0 = (i - r * per_row) * 8;
+                const typename S::T* xr = x + (long long)r * k + j0;
 #pragma unroll
-            for (int t = 0; t < BATCH; ++t) {
-                const int i = base + t * 32 * WARPS + threadIdx.x;
-                if (i < total) {
-                    const int r = i / per_row, j0 = (i - r * per_row) * 8;
+                for (int h = 0; h < 8 / S::PER16; ++h)
+                    S::unpack(*reinterpret_cast<const U4*>(xr + h * S::PER16), f + h * S::PER16);
 #pragma unroll
-                    for (int h = 0; h < LOADS; ++h) {
-                        const long long at = (long long)r * k + j0 + h * S::PER16;
-                        raw[t][h] = *reinterpret_cast<const U4*>(x + at);
-                        if (NORM) {
-                            res[NORM ? t : 0][h] = *reinterpret_cast<const U4*>(residual + at);
-                            if (has_norm_weight)
-                                wn[NORM ? t : 0][h] = *reinterpret_cast<const U4*>(norm_weight + j0 + h * S::PER16);
-                        }
-                    }
-                }
+                for (int e = 0; e < 8; ++e) top = fmaxf(top, f[e] != f[e] ? KILN_INF : fabsf(f[e]));  // (NaN: inf)
             }
 #pragma unroll
-            for (int t = 0; t < BATCH; ++t) {
-                const int i = base + t * 32 * WARPS + threadIdx.x;
-                if (base + t * 32 * WARPS >= total) break;  // (block-wide: no thread of the block has this turn)
-                float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                float top = 0.0f;
-                int r = 0, j0 = 0;
-                if (i < total) {
-                    r = i / per_row;
-                    j0 = (i - r * per_row) * 8;
+            for (int o = 1; o < 4; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+            const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+            int c[8], sum = 0;
 #pragma unroll
-                    for (int h = 0; h < LOADS; ++h) S::unpack(raw[t][h], f + h * S::PER16);
-                    if (NORM) {
-                        float g[8], w[8];
-#pragma unroll
-                        for (int h = 0; h < LOADS; ++h) {
-                            S::unpack(res[NORM ? t : 0][h], g + h * S::PER16);
-                            if (has_norm_weight) S::unpack(wn[NORM ? t : 0][h], w + h * S::PER16);
-                        }
-                        float square = 0.0f;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            const typename S::T sum = S::store(f[e] + g[e]);
-                            if (blockIdx.x == 0) added[(long long)r * k + j0 + e] = sum;
-                            f[e] = S::load(sum);
-                            square = fmaf(f[e], f[e], square);
-                            if (has_norm_weight) f[e] *= w[e];
-                        }
-#pragma unroll
-                        for (int rr = 0; rr < ROWS; ++rr)
-                            if (rr == r) squares[rr] += square;
-                    }
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) top = fmaxf(top, f[e] != f[e] ? KILN_INF : fabsf(f[e]));  // (NaN: inf)
-                }
-                qdot_stage_block<S, BITS, H>(xcodes, piece_terms, f, top, i < total, r, j0, pieces);
+            for (int e = 0; e < 8; ++e) {
+                c[e] = __float2int_rn(f[e] * inverse);
+                sum += c[e];
             }
-        }
-    }
-    if (NORM) {
+            // the piece's code sum: int4's piece is the block (4 threads), int8's half of it (2)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float v = warp_sum(squares[r]);
-            if (lane == 0) square_sums[warp * ROWS + r] = v;
+            for (int o = 1; o < (BITS == 4 ? 4 : 2); o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (i < total) {
+                const int p = j0 / PER, within = j0 - p * PER;  // the piece, and the thread's place in it
+                unsigned int* words = reinterpret_cast<unsigned int*>(xcodes);
+                if (BITS == 4) {  // 8 elements = one weight word: its even codes, then its odd ones
+                    const int word = within / 8;  // 0..3 of the piece: x code words 2 word, 2 word + 1
+                    const long long at = ((long long)(r * H + word / 2) * pieces + p) * 4 + (word % 2) * 2;
+                    words[at] = pack4(c[0], c[2], c[4], c[6]);
+                    words[at + 1] = pack4(c[1], c[3], c[5], c[7]);
+                } else {
+                    const long long at = ((long long)r * pieces + p) * 4 + within / 4;
+                    words[at] = pack4(c[0], c[1], c[2], c[3]);
+                    words[at + 1] = pack4(c[4], c[5], c[6], c[7]);
+                }
+                if (within == 0)
+                    piece_terms[(long long)r * pieces + p] = make_float2(top <= 3.0e38f ? d : __int_as_float(0x7fc00000),
+                                                                         __int_as_float(sum));
+            }
         }
     }
     __syncthreads();
@@ -733,17 +655,6 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 && N < 2000 ? 3 : 2) q
                                                                __fmul_rn(b, __fmul_rn(terms.x, (float)sum_codes))));
                 }
             }
-        }
-    }
-    if (NORM) {  // 1 / rms of each row, from the warps' sums of squares (staged before the __syncthreads)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            float total = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) total += square_sums[w * ROWS + r];
-            const float inverse = 1.0f / sqrtf(total / (float)k + eps);
-#pragma unroll
-            for (int j = 0; j < WR; ++j) acc[j][r] *= inverse;
         }
     }
     qstaged_store<S, WR, ROWS, GATED>(acc, bias, out, o0, rows, n, has_bias, act, lane);
