@@ -112,7 +112,11 @@ quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgem
 
 def select_quant_kernel(linalg, name: str) -> None:
     """Set kiln's CUDA quantized linear to `name` (QUANT_KERNELS; a name ending in -apart runs a gated gate/up
-    product and its activation as two kernels); "" restores the defaults."""
-    base = name.removesuffix("-apart")
+    product and its activation as two kernels, one ending in -fusednorm the add + RMSNorm as fused.cu's rms_norm
+    rather than gemv.cu's add_rms_norm_row); "" restores the defaults."""
+    from kiln.runtime.backends.cuda.kernels import norm
+
+    base = name.removesuffix("-fusednorm").removesuffix("-apart")
     linalg.QGEMV, linalg.QUANT_DOT = QUANT_KERNELS[base] if base else ("staged", None)
-    linalg.QGEMV_GATED = not name.endswith("-apart")
+    linalg.QGEMV_GATED = not name.removesuffix("-fusednorm").endswith("-apart")
+    norm.ADD_RMS_NORM_ROW = not name.endswith("-fusednorm")

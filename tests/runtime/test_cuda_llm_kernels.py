@@ -119,7 +119,7 @@ def test_gemv_prologue_and_epilogue_match_float64(monkeypatch, dtype, n, k, rows
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_gemv_norm_prologue_at_its_longest_row(monkeypatch, dtype) -> None:
-    """A row of GEMV_NORM_ROW_MAX bytes: every thread of the prologue holds all its pieces."""
+    """A row of norm.NORM_ROW_MAX bytes: every thread of the prologue holds all its pieces."""
     test_gemv_prologue_and_epilogue_match_float64(monkeypatch, dtype, 40, 4096 * 4 // np.dtype(dtype).itemsize, 1,
                                                   "silu", True)
 
@@ -132,7 +132,7 @@ def test_fused_gemv_leaves_what_it_cannot_take_to_the_ops_it_stands_for() -> Non
     from kiln.runtime.backends.cuda.kernels import linalg
 
     rng = np.random.default_rng(0)
-    for rows, k in ((6, 64), (1, linalg.GEMV_SHARED_MAX // 4 + 4), (1, linalg.GEMV_NORM_ROW_MAX // 4 + 4)):
+    for rows, k in ((6, 64), (1, linalg.GEMV_SHARED_MAX // 4 + 4), (1, linalg.NORM_ROW_MAX // 4 + 4)):
         x, r = (cp.asarray(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(2))
         w = cp.asarray((rng.standard_normal((32, k)) / np.sqrt(k)).astype(np.float32))
         total, got = linalg.add_rms_norm_linear(x, r, None, w, None, 1, 1e-5, "silu")
@@ -141,6 +141,60 @@ def test_fused_gemv_leaves_what_it_cannot_take_to_the_ops_it_stands_for() -> Non
         np.testing.assert_allclose(cp.asnumpy(got), ACTIVATIONS64["silu"](h[:, :16]) * h[:, 16:], rtol=1e-4,
                                    atol=1e-4)
         np.testing.assert_array_equal(cp.asnumpy(total), cp.asnumpy(x + r))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("elements", [64, 576, 2048, 4096, 16 * 1024], ids=["64", "576", "2048", "4096", "longest"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["add_rms_norm_row", "rms_norm"])
+def test_add_rms_norm_matches_float64(monkeypatch, dtype, elements, rows, with_weight, one_kernel) -> None:
+    """add_rms_norm on the GPU, gemv.cu's add_rms_norm_row (a block a row, vector loads) and fused.cu's rms_norm
+    (norm.ADD_RMS_NORM_ROW off) alike: the sum with the add's rounding bit for bit, the normalized row against
+    float64 with the op's roundings; rows up to norm.NORM_ROW_MAX bytes ("longest": 16 KB whatever the dtype)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import norm
+
+    monkeypatch.setattr(norm, "ADD_RMS_NORM_ROW", one_kernel)
+    k = elements // np.dtype(dtype).itemsize if elements == 16 * 1024 else elements
+    looked_up = []
+    real = norm.nvrtc.function
+    monkeypatch.setattr(norm.nvrtc, "function", lambda *a: looked_up.append(a[1]) or real(*a))
+    rng = np.random.default_rng(k + rows)
+    x, r = (rng.standard_normal((rows, k)).astype(dtype) for _ in range(2))
+    nw = (rng.random(k) + 0.5).astype(dtype) if with_weight else None
+    total, got = norm.add_rms_norm(*(None if a is None else cp.asarray(a) for a in (x, r, nw)), 1, 1e-5)
+    assert looked_up == ["add_rms_norm_row" if one_kernel else "rms_norm"]
+    s = (x.astype(np.float64) + r.astype(np.float64)).astype(dtype).astype(np.float64)
+    np.testing.assert_array_equal(cp.asnumpy(total), s.astype(dtype))
+    want = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-5)
+    if with_weight:
+        want = want * nw.astype(np.float64)
+    tol = TOL[np.dtype(dtype)]
+    assert got.shape == x.shape and got.dtype == dtype
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol)
+
+
+def test_add_rms_norm_row_leaves_what_it_cannot_take_to_fused_rms_norm(monkeypatch) -> None:
+    """Rows not of whole 16-byte pieces, longer than norm.NORM_ROW_MAX bytes, or an operand off 16-byte alignment:
+    fused.cu's rms_norm, with the same results as the definition."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import norm
+
+    looked_up = []
+    real = norm.nvrtc.function
+    monkeypatch.setattr(norm.nvrtc, "function", lambda *a: looked_up.append(a[1]) or real(*a))
+    rng = np.random.default_rng(1)
+    for k, offset in ((100, 0), (norm.NORM_ROW_MAX // 4 + 4, 0), (2048, 1)):
+        x, r = (cp.asarray(rng.standard_normal(k + offset).astype(np.float32))[offset:][None] for _ in range(2))
+        looked_up.clear()
+        total, got = norm.add_rms_norm(x, r, None, 1, 1e-5)
+        assert looked_up == ["rms_norm"]
+        s = cp.asnumpy(x + r).astype(np.float64)
+        np.testing.assert_allclose(cp.asnumpy(got), s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-5),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_early_launched_kernels_wait_for_what_they_read(monkeypatch) -> None:

@@ -34,7 +34,6 @@ from kiln.runtime.backends.array_api.experts import gathered_quantized_linear as
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.linalg import (
-    GEMV_NORM_ROW_MAX,
     GEMV_ROWS,
     GEMV_SHARED_MAX,
     GEMV_WARPS,
@@ -45,7 +44,7 @@ from kiln.runtime.backends.cuda.kernels.linalg import (
     _resident_blocks,
     quant_zero_mode,
 )
-from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
+from kiln.runtime.backends.cuda.kernels.norm import NORM_ROW_MAX, fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 from kiln.runtime.backends.cuda.kernels.sort import TOPK_HELD, TOPK_WARPS
 from kiln.runtime.backends.cuda.zeroed import zeroed
@@ -99,7 +98,7 @@ def add_rms_norm_route_experts(x: Any, residual: Any, norm_weight: Any, weight: 
     experts, out_dtype = weight.shape[0] if weight.ndim else 0, np.dtype(dtype.numpy)
     x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x
     if not (fused_rms_norm_applies(x, residual, norm_weight, axes) and x.size * x.itemsize <= GEMV_SHARED_MAX
-            and x.shape[-1] * x.itemsize <= GEMV_NORM_ROW_MAX and x2.shape[0] <= GEMV_ROWS
+            and x.shape[-1] * x.itemsize <= NORM_ROW_MAX and x2.shape[0] <= GEMV_ROWS
             and _gemv_applies(x2, weight, bias) and 0 < k <= min(experts, ROUTE_K_MAX)
             and experts <= 32 * ROUTE_HELD and out_dtype in (x.dtype, np.float32)):
         return composite.add_rms_norm_route_experts(CUDA_KERNELS.kernels, x, residual, norm_weight, weight, bias,

@@ -114,14 +114,14 @@ __device__ __forceinline__ void prefetch_norm_inputs(const typename S::T* __rest
 }
 
 // xs[r] = rms_norm(x[r] + res[r]) * nw for the block's rows (x, res contiguous [rows, k]), the rounded sums written
-// to sum by block 0, as fused.cu's rms_norm computes them. A thread loads all its 16-byte pieces of a row before it
+// to sum (by block 0 where every block normalizes the same rows: writes_sum), as fused.cu's rms_norm computes them. A thread loads all its 16-byte pieces of a row before it
 // adds any and keeps them in registers; one barrier per row (rows are few). The norm weight is read after the sum
 // of squares (from L2, where prefetch_norm_inputs put it): held from the start, its 16 registers a thread cost the
 // norm-prologue GEMV a resident block per SM (64 -> 80 registers), and so a quarter of its loads in flight.
 template <class S>
 __device__ void add_rms_norm_rows(const typename S::T* __restrict__ x, const typename S::T* __restrict__ res,
                                   const typename S::T* __restrict__ nw, typename S::T* __restrict__ sum,
-                                  typename S::T* xs, int rows, int k, float eps, int has_nw) {
+                                  typename S::T* xs, int rows, int k, float eps, int has_nw, bool writes_sum) {
     typedef typename S::T T;
     constexpr int V = S::PER16;
     __shared__ float partial[GEMV_ROWS][GEMV_WARPS];
@@ -150,7 +150,7 @@ __device__ void add_rms_norm_rows(const typename S::T* __restrict__ x, const typ
                     const float v = S::load(t[e]);
                     ss += v * v;
                 }
-                if (blockIdx.x == 0) *reinterpret_cast<U4*>(sum + (long long)r * k + p * V) = xv[i];
+                if (writes_sum) *reinterpret_cast<U4*>(sum + (long long)r * k + p * V) = xv[i];
             }
         }
         ss = warp_sum(ss);
@@ -177,6 +177,26 @@ __device__ void add_rms_norm_rows(const typename S::T* __restrict__ x, const typ
         }
     }
     __syncthreads();
+}
+
+// add_rms_norm (the residual add and the RMSNorm after it, without a linear layer to take them: a quantized
+// program's norms, and rows the GEMV prologue does not take) with a block of GEMV_WARPS warps a row, through
+// add_rms_norm_rows: a thread's 16-byte pieces of x and the residual loaded together and kept in registers, the
+// residual and the norm weight asked of L2 before grid_dependency_sync. fused.cu's rms_norm reads 2 bytes a
+// thread and turn and the norm weight only after the block's sum (a DRAM round trip then): ~5 us of an 8B int4
+// layer's ~76, twice a layer (H200 timeline). Rows of at most GEMV_NORM_PIECES x GEMV_WARPS x 32 pieces (norm.py's
+// NORM_ROW_MAX bytes), 16-byte aligned.
+template <class S>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) add_rms_norm_row(const typename S::T* __restrict__ x,
+                                                                    const typename S::T* __restrict__ res,
+                                                                    const typename S::T* __restrict__ nw,
+                                                                    typename S::T* __restrict__ sum,
+                                                                    typename S::T* __restrict__ y, int k, float eps,
+                                                                    int has_nw) {
+    const long long at = (long long)blockIdx.x * k;
+    prefetch_norm_inputs<S>(res + at, nw, 1, k, has_nw);
+    grid_dependency_sync();
+    add_rms_norm_rows<S>(x + at, res + at, nw, sum + at, y + at, 1, k, eps, has_nw, true);
 }
 
 // gemv<N>: 0 1 2 3 4 5 6 7 8 12 16 20 24 28
@@ -220,7 +240,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(const typename S::T* __r
     if (NORM) {
         extern __shared__ U4 normalized[];  // rows * k values
         T* xs = reinterpret_cast<T*>(normalized);
-        add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw);
+        add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw, blockIdx.x == 0);
         xin = xs, xin_row = k;
     }
     if (split == 1 && o >= n) return;  // (after the prologue's barriers)
@@ -461,7 +481,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) add_rms_norm_route(
     grid_dependency_sync();
     extern __shared__ U4 normalized[];  // rows * k values
     T* xs = reinterpret_cast<T*>(normalized);
-    add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw);
+    add_rms_norm_rows<S>(x, res, nw, sum, xs, rows, k, eps, has_nw, blockIdx.x == 0);
     if (blockIdx.x == 0) {
         for (int p = threadIdx.x; p < rows * pieces; p += blockDim.x)
             reinterpret_cast<U4*>(normed)[p] = normalized[p];

@@ -16,7 +16,7 @@ from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.array_api.quant import dequantize, integer_products_asked
 from kiln.runtime.backends.cuda import constants, cublas, nvrtc
-from kiln.runtime.backends.cuda.kernels.norm import fused_rms_norm_applies
+from kiln.runtime.backends.cuda.kernels.norm import NORM_ROW_MAX, fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 
 
@@ -80,9 +80,9 @@ def _gemv_applies(x2: Any, weight: Any, bias: Any) -> bool:
         bias is None or bias.flags.c_contiguous)
 
 
-GEMV_SHARED_MAX, GEMV_NORM_ROW_MAX = 48 * 1024, 16 * 1024
-"""Bytes of normalized rows a block of the norm-prologue GEMV may keep in shared memory (the default limit), and of
-one row (gemv.cu's GEMV_NORM_PIECES 16-byte pieces for each of the block's threads)."""
+GEMV_SHARED_MAX = 48 * 1024
+"""Bytes of normalized rows a block of the norm-prologue GEMV may keep in shared memory (the default limit); one row
+may take norm.NORM_ROW_MAX."""
 
 
 def _resident_blocks(function: Any, shared: int) -> int:
@@ -168,7 +168,7 @@ def add_rms_norm_linear(x: Any, residual: Any, norm_weight: Any, weight: Any, bi
     """One GEMV that adds and normalizes its few input rows in each block before the product (gemv.cu's MODE & 4);
     add_rms_norm + linear (or gated_linear) otherwise."""
     if (fused_rms_norm_applies(x, residual, norm_weight, axes) and x.size * x.itemsize <= GEMV_SHARED_MAX
-            and x.shape[-1] * x.itemsize <= GEMV_NORM_ROW_MAX and (not activation or activation in GATE_CODES)
+            and x.shape[-1] * x.itemsize <= NORM_ROW_MAX and (not activation or activation in GATE_CODES)
             and weight.shape[0] % (2 if activation else 1) == 0
             and _gemv_applies(x2 := x.reshape(-1, x.shape[-1]), weight, bias)):
         total = cp.empty_like(x)

@@ -26,20 +26,46 @@ def fused_rms_norm_applies(x: Any, residual: Any, weight: Any, axes: int) -> boo
                 and (weight is None or weight.size == x.shape[-1]) and (residual is None or residual.shape == x.shape))
 
 
+NORM_ROW_MAX = 16 * 1024
+"""Bytes of a row gemv.cu's add_rms_norm_rows holds (GEMV_NORM_PIECES 16-byte pieces for each of a block's
+threads): its add_rms_norm_row kernel and the norm-prologue GEMVs (linalg, experts) take rows up to this."""
+
+NORM_ROW_THREADS = 256  # gemv.cu's GEMV_WARPS warps
+
+
+def _add_rms_norm_row_applies(x: Any, residual: Any, weight: Any) -> bool:
+    """Whether gemv.cu's add_rms_norm_row takes these (fused_rms_norm_applies already holds): whole 16-byte pieces
+    of a row of at most NORM_ROW_MAX bytes, every operand 16-byte aligned."""
+    row_bytes = x.shape[-1] * x.itemsize
+    return (residual is not None and row_bytes % 16 == 0 and row_bytes <= NORM_ROW_MAX
+            and all(a.data.ptr % 16 == 0 for a in (x, residual, weight) if a is not None))
+
+
 def _rms_norm_fused(x: Any, residual: Any, weight: Any, axes: int, eps: float | None) -> tuple[Any, Any] | None:
-    """fused.cu's rms_norm (a block per row, the residual added first when given): (sum, normalized), or None for
-    what it does not take."""
+    """gemv.cu's add_rms_norm_row where it applies (a residual, vector rows), else fused.cu's rms_norm (a block per
+    row, the residual added first when given): (sum, normalized), or None for what neither takes."""
     if not fused_rms_norm_applies(x, residual, weight, axes):
         return None
     d = x.shape[-1]
     eps = rms_norm_eps(eps, x.dtype)
     out = cp.empty_like(x)
     total = x if residual is None else cp.empty_like(x)
+    if ADD_RMS_NORM_ROW and _add_rms_norm_row_applies(x, residual, weight):
+        nvrtc.function("gemv", "add_rms_norm_row", x.dtype)(
+            (x.size // d,), (NORM_ROW_THREADS,),
+            (x, residual, x if weight is None else weight, total, out, np.int32(d), np.float32(eps),
+             np.int32(weight is not None)))
+        return total, out
     block = min(1024, 32 * ((d + 31) // 32))
     args = (x, x if residual is None else residual, x if weight is None else weight, total, out, np.int32(d),
             np.float32(eps), np.int32(weight is not None), np.int32(residual is not None))
     nvrtc.function("fused", "rms_norm", x.dtype)((x.size // d,), (block,), args)
     return total, out
+
+
+ADD_RMS_NORM_ROW = True
+"""Whether add_rms_norm runs gemv.cu's add_rms_norm_row where it applies (benchmarks' A/B: False keeps fused.cu's
+rms_norm)."""
 
 
 @kernel("rms_norm")
