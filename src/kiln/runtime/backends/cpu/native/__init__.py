@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.runtime.backends.array_api.quant import integer_products_asked
+from kiln.runtime.cache_dir import cache_dir as runtime_cache_dir
 
 log = logging.getLogger("kiln.native")
 
@@ -98,10 +99,7 @@ _loaded: list = []  # [library or None] once decided
 
 
 def cache_dir() -> Path:
-    if os.environ.get("KILN_CACHE_DIR"):
-        return Path(os.environ["KILN_CACHE_DIR"]) / "native"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kiln" / "native"
+    return runtime_cache_dir("native")
 
 
 def _compiler() -> str | None:
