@@ -273,3 +273,21 @@ def test_threads_option_reaches_the_kernels_and_is_checked(exported, factories, 
         np.testing.assert_allclose(np.load(tmp_path / "res" / f"out_{k}.npy"), want, rtol=1e-5, atol=1e-5)
     code, _, err = cli("run", exported[0], "--random", "--threads", "0")
     assert code == 2 and "positive integer" in err
+
+
+def test_commands_show_the_gpu_backends_progress_on_stderr(monkeypatch, capsys) -> None:
+    """The CUDA backend's INFO lines (its first compile of the kernels on a machine) reach stderr once a command
+    runs, through one handler however many commands run in the process."""
+    import logging
+
+    from kiln import cli
+
+    logger = logging.getLogger("kiln.runtime.cuda")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+    monkeypatch.setattr(logger, "level", logger.level)
+    cli.show_progress()
+    cli.show_progress()
+    assert len(logger.handlers) == 1
+    logger.info("compiling quant.cu's 162 CUDA kernel instances")
+    assert capsys.readouterr().err == "kiln: compiling quant.cu's 162 CUDA kernel instances\n"

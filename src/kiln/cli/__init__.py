@@ -11,6 +11,7 @@ package (and running `inspect` or `run`) never imports torch: only `export` does
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -70,6 +71,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PROGRESS_LOGGERS = ("kiln.runtime.cuda",)
+"""Loggers whose INFO lines a command shows on stderr: the GPU backend's first compile of its kernels on a machine
+(tens of seconds, once) would otherwise look like a hang."""
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to sys.stderr as it is when a line is logged (main may run in-process, under a
+    caller's redirected stderr)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def show_progress() -> None:
+    """Give PROGRESS_LOGGERS a stderr handler at INFO, once (a command that sets up logging itself keeps its own)."""
+    for name in PROGRESS_LOGGERS:
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = _Stderr()
+            handler.setFormatter(logging.Formatter("kiln: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with `argv` (default: sys.argv[1:]); returns the exit status."""
     parser = build_parser()
@@ -80,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    show_progress()
     threads = getattr(args, "threads", None)
     before = os.environ.get("KILN_THREADS")
     if threads is not None:  # every session the command opens (and an engine process it starts) takes it
