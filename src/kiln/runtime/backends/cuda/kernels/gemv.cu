@@ -114,8 +114,9 @@ __device__ __forceinline__ void prefetch_norm_inputs(const typename S::T* __rest
 }
 
 // xs[r] = rms_norm(x[r] + res[r]) * nw for the block's rows (x, res contiguous [rows, k]), the rounded sums written
-// to sum (by block 0 where every block normalizes the same rows: writes_sum), as fused.cu's rms_norm computes them. A thread loads all its 16-byte pieces of a row before it
-// adds any and keeps them in registers; one barrier per row (rows are few). The norm weight is read after the sum
+// to sum where writes_sum (block 0, where every block normalizes the same rows), as fused.cu's rms_norm computes
+// them. A thread loads all its 16-byte pieces of a row before it adds any and keeps them in registers; one barrier
+// per row (rows are few). The norm weight is read after the sum
 // of squares (from L2, where prefetch_norm_inputs put it): held from the start, its 16 registers a thread cost the
 // norm-prologue GEMV a resident block per SM (64 -> 80 registers), and so a quarter of its loads in flight.
 template <class S>

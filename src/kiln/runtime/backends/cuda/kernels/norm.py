@@ -32,6 +32,10 @@ threads): its add_rms_norm_row kernel and the norm-prologue GEMVs (linalg, exper
 
 NORM_ROW_THREADS = 256  # gemv.cu's GEMV_WARPS warps
 
+ADD_RMS_NORM_ROW = True
+"""Whether add_rms_norm runs gemv.cu's add_rms_norm_row where it applies (benchmarks' A/B: False keeps fused.cu's
+rms_norm)."""
+
 
 def _add_rms_norm_row_applies(x: Any, residual: Any, weight: Any) -> bool:
     """Whether gemv.cu's add_rms_norm_row takes these (fused_rms_norm_applies already holds): whole 16-byte pieces
@@ -61,11 +65,6 @@ def _rms_norm_fused(x: Any, residual: Any, weight: Any, axes: int, eps: float | 
             np.float32(eps), np.int32(weight is not None), np.int32(residual is not None))
     nvrtc.function("fused", "rms_norm", x.dtype)((x.size // d,), (block,), args)
     return total, out
-
-
-ADD_RMS_NORM_ROW = True
-"""Whether add_rms_norm runs gemv.cu's add_rms_norm_row where it applies (benchmarks' A/B: False keeps fused.cu's
-rms_norm)."""
 
 
 @kernel("rms_norm")
