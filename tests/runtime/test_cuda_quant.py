@@ -158,3 +158,24 @@ def test_integer_products_match_their_definition(bits, group, symmetric, k, weig
     tol = 1e-5 if dtype == np.float32 else 8e-3
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale_of)
     assert np.abs(got - want_float).max() <= 0.02 * scale_of
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_takes_two_weight_rows_a_warp_where_one_would_need_a_second_wave(bits, monkeypatch) -> None:
+    """qgemv_dot at 1 weight row a warp over 4096 outputs needs 512 blocks, more than an H100 or H200 holds at once
+    (3 an SM): int4 then takes 2 rows a warp (linalg._waves), int8 keeps 1; both against the integer definition."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    args, _ = _case(np.random.default_rng(bits), (1,), 4096, 256, bits, 32, True, BFLOAT16, False)
+    one_row = linalg._resident_blocks(linalg.nvrtc.function("quant", "qgemv_dot", BFLOAT16, 100 + 10 * bits + 1), 0)
+    assert 4096 // linalg.QUANT_WARPS > one_row, "this GPU holds 512 blocks at once: the case does not test the rule"
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, 32, False)
+    assert launched[-1][2] == (241 if bits == 4 else 181)
+    x, q, scale, zero, bias = args
+    f32 = [None if a is None else a.astype(np.float32) for a in (x, scale, zero, bias)]
+    want = integer_dot(f32[0], q, f32[1], f32[2], f32[3], bits, 32, False)
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=8e-3, atol=8e-3 * np.abs(want).max())
