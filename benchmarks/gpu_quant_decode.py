@@ -10,6 +10,8 @@ interleaved round by round, medians. For the quantized programs the step runs on
 "rows"; "-apart" after a name: the gated activation as a kernel of its own, not the kernel's epilogue), each a
 session of its own whose graph was captured with that kernel. `--op-times N` prints each program's N costliest ops
 of a step (run op by op, the first kernel named).
+`--json PATH` writes the medians for gpu_ab.py (`gpu_ab.py main=.ab/main/src new=src --script
+benchmarks/gpu_quant_decode.py -- --cache DIR ...`: source trees alternated over the same programs).
 `--prefill N` also times each program's prefill of N tokens in one call (exported with a prefill chunk of N; its
 rows take the quantized linears' many-row path, so once a program), the programs interleaved as for decode.
 The roofline of a step is what it must read: every constant of the decode method once (codes, scales, zero points,
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_harness  # noqa: E402
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import copy_bandwidth, device_line, gpu_op_times, print_table, time_round_robin  # noqa: E402
+from gpu_llm import write_results  # noqa: E402
 from harness import stderr_log  # noqa: E402
 
 
@@ -86,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="also time each program's prefill of N tokens (exports with a prefill chunk of N)")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write each case's median (seconds, as kiln cuda) and roofline to PATH: gpu_ab.py "
+                             "--script gpu_quant_decode.py alternates source trees over the same --cache programs")
+    parser.add_argument("--no-compile", action="store_true", help="(no effect: this script runs no torch.compile; "
+                                                                  "taken for gpu_ab.py)")
     args = parser.parse_args(argv)
     if args.prefill > args.max_context:
         parser.error(f"--prefill {args.prefill} is longer than --max-context {args.max_context}")
@@ -170,12 +178,16 @@ def main(argv: list[str] | None = None) -> int:
              f"{100 * rooflines[name] / t:.0f}%", f"{medians['bf16'] / t:.2f}x" if "bf16" in medians else ""]
             for name, t in medians.items()]
     print_table(body, ["program", "step ms", "tokens/s", "roofline ms", "% of roofline", "x bf16"], args.markdown)
+    rows = [(f"{name} decode", {"kiln cuda": t}, rooflines[name], "") for name, t in medians.items()]
     if prefills:
         times = time_round_robin(prefills, args.repeat)
+        rows += [(f"{name} prefill {args.prefill}", {"kiln cuda": t}, None, "") for name, t in times.items()]
         print(f"\nprefill of {args.prefill} tokens in one call (median of {args.repeat} rounds)")
         body = [[name, f"{t * 1e3:.3f}", f"{args.prefill / t:.0f}",
                  f"{times['bf16'] / t:.2f}x" if "bf16" in times else ""] for name, t in times.items()]
         print_table(body, ["program", "ms", "tokens/s", "x bf16"], args.markdown)
+    if args.json:
+        write_results(args.json, rows)
     return 0
 
 
