@@ -111,12 +111,20 @@ quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgem
 
 
 def select_quant_kernel(linalg, name: str) -> None:
-    """Set kiln's CUDA quantized linear to `name` (QUANT_KERNELS; a name ending in -apart runs a gated gate/up
-    product and its activation as two kernels, one ending in -fusednorm the add + RMSNorm as fused.cu's rms_norm
-    rather than gemv.cu's add_rms_norm_row); "" restores the defaults."""
+    """Set kiln's CUDA quantized linear to `name`: a QUANT_KERNELS name with any of QUANT_VARIANTS after it
+    ("dot-interleaved-fusednorm"); "" restores the defaults."""
     from kiln.runtime.backends.cuda.kernels import norm
 
-    base = name.removesuffix("-fusednorm").removesuffix("-apart")
+    base, variants = name, set()
+    while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
+        base, variants = base.removesuffix(found), variants | {found}
     linalg.QGEMV, linalg.QUANT_DOT = QUANT_KERNELS[base] if base else ("staged", None)
-    linalg.QGEMV_GATED = not name.removesuffix("-fusednorm").endswith("-apart")
-    norm.ADD_RMS_NORM_ROW = not name.endswith("-fusednorm")
+    linalg.QGEMV_GATED = "-apart" not in variants
+    linalg.QDOT_INTERLEAVED = "-interleaved" in variants
+    norm.ADD_RMS_NORM_ROW = "-fusednorm" not in variants
+
+
+QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two kernels",
+                  "-interleaved": "qgemv_dot's interleaved form (x staged beside the rounds that read it)",
+                  "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
+"""Suffixes of a quantized-kernel name, each switching one choice away from the default."""

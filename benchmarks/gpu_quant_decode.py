@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also export each quantized program without fuse_gated_linear and fuse_norm_linear (its "
                              "norms and gated activations as kernels of their own) and time both")
     parser.add_argument("--kernels", default="dot,staged",
-                        help="quant.cu kernels for the quantized programs (gpu_harness.QUANT_KERNELS); a name ending "
-                             "in -apart runs the gate/up product and the gated activation as two kernels, one in "
-                             "-fusednorm the add + RMSNorm as fused.cu's rms_norm (not gemv.cu's add_rms_norm_row)")
+                        help="quant.cu kernels for the quantized programs (gpu_harness.QUANT_KERNELS), each with any "
+                             "of these after it: " + "; ".join(f"{k}: {v}" for k, v in
+                                                              gpu_harness.QUANT_VARIANTS.items()))
     parser.add_argument("--op-times", type=int, default=0, metavar="N", help="print each program's N costliest ops")
     parser.add_argument("--cache", type=Path, metavar="DIR",
                         help="keep the exported programs here and load them from here when present (an 8B shape "

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1, help="input rows (default 1; at most 8)")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
     parser.add_argument("--kernels", default="dot,staged,direct,rows",
-                        help="quant.cu kernels to time (gpu_harness.QUANT_KERNELS; default dot,staged,direct,rows)")
+                        help="quant.cu kernels to time (gpu_harness.QUANT_KERNELS, each with any of "
+                             "gpu_harness.QUANT_VARIANTS after it, e.g. dot-interleaved; default "
+                             "dot,staged,direct,rows)")
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help=f"weight formats (default all: {', '.join(FORMATS)})")
     parser.add_argument("--layers", default="q/k/v,o,gate/up,down,lm head", help="layers (default all)")

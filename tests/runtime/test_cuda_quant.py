@@ -179,3 +179,39 @@ def test_int4_takes_two_weight_rows_a_warp_where_one_would_need_a_second_wave(bi
     f32 = [None if a is None else a.astype(np.float32) for a in (x, scale, zero, bias)]
     want = integer_dot(f32[0], q, f32[1], f32[2], f32[3], bits, 32, False)
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=8e-3, atol=8e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits,group,symmetric,k", STAGED_CASES + [(4, 32, True, 14336), (8, 32, True, 14336)])
+@pytest.mark.parametrize("weight_rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("activation", ["", "silu"], ids=["plain", "gated"])
+def test_interleaved_staging_gives_the_bits_of_staging_first(bits, group, symmetric, k, weight_rows, rows, dtype,
+                                                              activation, monkeypatch) -> None:
+    """qgemv_dot's interleaved form (linalg.QDOT_INTERLEAVED: x staged a turn at a time beside the rounds of
+    products that read it, the turns walking x block by block across the rows) against the plain form (all of x
+    staged first): the same codes, so the same bits, for one to several turns and rounds (k up to the 8B shape's
+    down layer, 14336) and 1 to 3 input rows."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    n = 2 * 77 if activation else 77
+    args, _ = _case(np.random.default_rng(k * 7 + rows), (rows,), n, k, bits, group, symmetric, dtype, True)
+    arrays = [None if a is None else cp.asarray(a) for a in args]
+
+    def product():
+        if activation:
+            return linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
+        return linalg.quantized_linear(*arrays, bits, group, symmetric == "offset")
+
+    monkeypatch.setattr(linalg, "QDOT_INTERLEAVED", True)
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    got = product()
+    assert [f[2] // 4000 for f in launched if f[0] == "qgemv_dot"] == [1]
+    monkeypatch.setattr(linalg, "QDOT_INTERLEAVED", False)
+    want = product()
+    assert got.shape == want.shape and got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))

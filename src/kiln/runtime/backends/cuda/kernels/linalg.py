@@ -250,7 +250,7 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
     if activation:
         weight_rows = max(2, weight_rows)
     dot = quant_dot() and k % 32 == 0
-    instance = (1000 if activation else 0) + 10 * bits + rows_cap
+    instance = (1000 if activation else 0) + (4000 if dot and QDOT_INTERLEAVED else 0) + 10 * bits + rows_cap
     if dot:  # (int4 with 4 weight rows a warp and 2 input rows would spill: quant.cu instantiates none)
         weight_rows = 2 if bits == 4 and rows_cap == 2 and weight_rows == 4 else weight_rows
         shared = rows_cap * (k + k // (32 if bits == 4 else 16) * 8)  # (codes and two words a piece: less)
@@ -313,6 +313,10 @@ def quant_dot() -> bool:
     changes (a test's monkeypatch, a second session) takes the products the environment asks for."""
     return integer_products_asked() if QUANT_DOT is None else QUANT_DOT
 
+
+QDOT_INTERLEAVED = False
+"""Whether qgemv_dot stages x a turn at a time beside the rounds of products that read it (its interleaved form,
+quant.cu's N + 4000) rather than all of x first: an A/B not yet measured (benchmarks' "-interleaved" kernels)."""
 
 QGEMV_GATED = True
 """Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs

@@ -502,6 +502,8 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 }
 
 // qgemv_dot<N>: 141 142 144 181 182 184 241 242 281 282 441 481 482 1241 1242 1281 1282 1441 1481 1482
+// qgemv_dot<N>: 4141 4142 4144 4181 4182 4184 4241 4242 4281 4282 4441 4481 4482 5241 5242 5281 5282 5441 5481
+// qgemv_dot<N>: 5482
 // qgemv_staged with the products in integers, as llama.cpp's CUDA backend and kiln's CPU (native/qdot.c) run a
 // decode step's quantized linears: x is quantized while it is staged, in blocks of 32 (scale d = max |x| / 127, codes
 // rounded to nearest even, as qdot.c rounds them), and each piece's 32 (int4) or 16 (int8) weights meet their x
@@ -513,6 +515,10 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 // additive term times d * (sum xq) (the zero point's -z * s or the offset; int4's implicit 8 as -8 sum xq in the
 // integers). N and the rest as qgemv_staged (int4 with 4 weight rows a warp takes 1 input row: 2 would spill);
 // shared memory: ROWS x K bytes of codes and 8 bytes a piece; K a multiple of 32.
+// + 4000: the interleaved form (linalg.QDOT_INTERLEAVED, an A/B): x is staged a turn at a time just before the
+// first round of products that reads it, its loads in flight beside that round's weights, where the plain form
+// stages all of x first (a K = 14336 row: 7 turns, each an L2 round trip, before the first product; the 8B int4
+// down layer takes 18.1 us for 10.5 us of bytes, H100). The same codes, so the same bits as the plain form.
 // A block of x holding inf or NaN gives NaN outputs for its rows.
 #define QDOT_BLOCK 32
 
@@ -532,13 +538,71 @@ __device__ __forceinline__ unsigned int pack4(int a, int b, int c, int d) {
     return (unsigned)(a & 255) | (unsigned)(b & 255) << 8 | (unsigned)(c & 255) << 16 | (unsigned)(d & 255) << 24;
 }
 
+// One turn of qgemv_dot's staging, for the block's thread-value i (every lane of the block calls it: shuffles): 8
+// consecutive values of x quantized; the 4 threads of a block of 32 (consecutive lanes) share its largest magnitude
+// and their code sums. The turns walk x row by row, or (KMAJOR) block of 32 by block of 32 across the rows, so that
+// the first turns hold the start of every row (the interleaved form's rounds read x from its start).
+template <class S, int BITS, int H, bool KMAJOR>
+__device__ __forceinline__ void qdot_stage(const typename S::T* __restrict__ x, U4* __restrict__ xcodes,
+                                           float2* __restrict__ piece_terms, int rows, int k, int pieces, int i) {
+    constexpr int PER = BITS == 4 ? 32 : 16;
+    const int total = rows * (k / 8);
+    float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float top = 0.0f;
+    int r = 0, j0 = 0;
+    if (i < total) {
+        if (KMAJOR) {
+            const int block = i / 4;
+            r = block % rows;
+            j0 = (block / rows) * 32 + (i % 4) * 8;
+        } else {
+            r = i / (k / 8);
+            j0 = (i - r * (k / 8)) * 8;
+        }
+        const typename S::T* xr = x + (long long)r * k + j0;
+#pragma unroll
+        for (int h = 0; h < 8 / S::PER16; ++h)
+            S::unpack(*reinterpret_cast<const U4*>(xr + h * S::PER16), f + h * S::PER16);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) top = fmaxf(top, f[e] != f[e] ? KILN_INF : fabsf(f[e]));  // (NaN: inf)
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    int c[8], sum = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        c[e] = __float2int_rn(f[e] * inverse);
+        sum += c[e];
+    }
+    // the piece's code sum: int4's piece is the block (4 threads), int8's half of it (2)
+#pragma unroll
+    for (int o = 1; o < (BITS == 4 ? 4 : 2); o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (i >= total) return;
+    const int p = j0 / PER, within = j0 - p * PER;  // the piece, and the thread's place in it
+    unsigned int* words = reinterpret_cast<unsigned int*>(xcodes);
+    if (BITS == 4) {  // 8 elements = one weight word: its even codes, then its odd ones
+        const int word = within / 8;  // 0..3 of the piece: x code words 2 word, 2 word + 1
+        const long long at = ((long long)(r * H + word / 2) * pieces + p) * 4 + (word % 2) * 2;
+        words[at] = pack4(c[0], c[2], c[4], c[6]);
+        words[at + 1] = pack4(c[1], c[3], c[5], c[7]);
+    } else {
+        const long long at = ((long long)r * pieces + p) * 4 + within / 4;
+        words[at] = pack4(c[0], c[1], c[2], c[3]);
+        words[at + 1] = pack4(c[4], c[5], c[6], c[7]);
+    }
+    if (within == 0)
+        piece_terms[(long long)r * pieces + p] = make_float2(top <= 3.0e38f ? d : __int_as_float(0x7fc00000),
+                                                             __int_as_float(sum));
+}
+
 template <class S, int N>
 __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(const typename S::T* __restrict__ x,
                       const unsigned char* __restrict__ q, const typename S::T* __restrict__ scale,
                       const typename S::T* __restrict__ zero, const typename S::T* __restrict__ bias,
                       typename S::T* __restrict__ out, int rows, int n, int k, int group, int zero_mode,
                       int has_bias, int constant, int act) {
-    constexpr bool GATED = N >= 1000;
+    constexpr bool GATED = N / 1000 % 2 == 1, INTERLEAVED = N >= 4000;
     constexpr int WR = N / 100 % 10, BITS = N / 10 % 10, ROWS = N % 10, UP = QS_LOADS / WR;
     static_assert(!GATED || WR % 2 == 0, "the gated form pairs gate and up rows");
     constexpr int PER = BITS == 4 ? 32 : 16;  // weights per 16-byte piece
@@ -560,66 +624,35 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
     if (!constant)
         qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, 0, lane,
                                         has_zero);
-    // stage x: a thread quantizes 8 consecutive values; the 4 threads of a block of 32 (consecutive lanes) share
-    // its largest magnitude and their code sums by shuffles
-    {
-        const int per_row = k / 8, total = rows * per_row;
-        for (int base = 0; base < total; base += 32 * WARPS) {  // (a block-wide bound: every lane shuffles)
-            const int i = base + threadIdx.x;
-            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            float top = 0.0f;
-            int r = 0, j0 = 0;
-            if (i < total) {
-                r = i / per_row;
-                j0 = (i - r * per_row) * 8;
-                const typename S::T* xr = x + (long long)r * k + j0;
-#pragma unroll
-                for (int h = 0; h < 8 / S::PER16; ++h)
-                    S::unpack(*reinterpret_cast<const U4*>(xr + h * S::PER16), f + h * S::PER16);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) top = fmaxf(top, f[e] != f[e] ? KILN_INF : fabsf(f[e]));  // (NaN: inf)
-            }
-#pragma unroll
-            for (int o = 1; o < 4; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-            const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
-            int c[8], sum = 0;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                c[e] = __float2int_rn(f[e] * inverse);
-                sum += c[e];
-            }
-            // the piece's code sum: int4's piece is the block (4 threads), int8's half of it (2)
-#pragma unroll
-            for (int o = 1; o < (BITS == 4 ? 4 : 2); o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (i < total) {
-                const int p = j0 / PER, within = j0 - p * PER;  // the piece, and the thread's place in it
-                unsigned int* words = reinterpret_cast<unsigned int*>(xcodes);
-                if (BITS == 4) {  // 8 elements = one weight word: its even codes, then its odd ones
-                    const int word = within / 8;  // 0..3 of the piece: x code words 2 word, 2 word + 1
-                    const long long at = ((long long)(r * H + word / 2) * pieces + p) * 4 + (word % 2) * 2;
-                    words[at] = pack4(c[0], c[2], c[4], c[6]);
-                    words[at + 1] = pack4(c[1], c[3], c[5], c[7]);
-                } else {
-                    const long long at = ((long long)r * pieces + p) * 4 + within / 4;
-                    words[at] = pack4(c[0], c[1], c[2], c[3]);
-                    words[at + 1] = pack4(c[4], c[5], c[6], c[7]);
-                }
-                if (within == 0)
-                    piece_terms[(long long)r * pieces + p] = make_float2(top <= 3.0e38f ? d : __int_as_float(0x7fc00000),
-                                                                         __int_as_float(sum));
-            }
-        }
+    // stage x: a thread quantizes 8 consecutive values (qdot_stage); all of x before the first product, or in the
+    // interleaved form each turn of the staging just before the round of products that first reads it
+    const int total = rows * (k / 8), turns = (total + 32 * WARPS - 1) / (32 * WARPS);
+    int staged = INTERLEAVED ? 0 : turns;
+    if (!INTERLEAVED) {
+        for (int t = 0; t < turns; ++t)  // (a block-wide bound: every lane shuffles)
+            qdot_stage<S, BITS, H, false>(x, xcodes, piece_terms, rows, k, pieces, t * 32 * WARPS + threadIdx.x);
+        __syncthreads();
     }
-    __syncthreads();
     float acc[WR][ROWS];
 #pragma unroll
     for (int j = 0; j < WR; ++j)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[j][r] = 0.0f;
-    for (int p0 = 0; p0 < pieces; p0 += 32 * UP) {  // (a warp-wide bound)
+    for (int p0 = 0; p0 < pieces; p0 += 32 * UP) {  // (a block-wide bound)
         if (p0 > 0)
             qstaged_issue<S, WR, UP, GATED>(wv, sc, zr, q, scale, zero, o0, n, pieces, PER, ngroups, group, p0, lane,
                                             has_zero);
+        if (INTERLEAVED) {  // the turns holding this round's K range of every row, x's loads beside the weights'
+            const int needed = min(turns, (rows * (min(pieces, p0 + 32 * UP) * PER / 8) + 32 * WARPS - 1) /
+                                              (32 * WARPS));
+            if (needed > staged) {
+                for (int t = staged; t < needed; ++t)
+                    qdot_stage<S, BITS, H, true>(x, xcodes, piece_terms, rows, k, pieces,
+                                                 t * 32 * WARPS + threadIdx.x);
+                __syncthreads();
+                staged = needed;
+            }
+        }
 #pragma unroll
         for (int u = 0; u < UP; ++u) {
             const int p = p0 + u * 32 + lane;
