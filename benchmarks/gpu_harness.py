@@ -110,18 +110,27 @@ QUANT_KERNELS = {"dot": ("staged", True), "staged": ("staged", False), "direct":
 quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgemv_staged's float products."""
 
 
-def select_quant_kernel(linalg, name: str) -> None:
-    """Set kiln's CUDA quantized linear to `name`: a QUANT_KERNELS name with any of QUANT_VARIANTS after it
-    ("dot-interleaved-fusednorm"); "" restores the defaults."""
-    from kiln.runtime.backends.cuda.kernels import norm
-
+def quant_kernel_choice(name: str) -> dict[str, object]:
+    """The settings a quantized-kernel name asks for (a QUANT_KERNELS name with any of QUANT_VARIANTS after it,
+    "dot-interleaved-fusednorm"; "" the defaults): linalg's QGEMV, QUANT_DOT, QGEMV_GATED, QDOT_INTERLEAVED and
+    norm's ADD_RMS_NORM_ROW."""
     base, variants = name, set()
     while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
         base, variants = base.removesuffix(found), variants | {found}
-    linalg.QGEMV, linalg.QUANT_DOT = QUANT_KERNELS[base] if base else ("staged", None)
-    linalg.QGEMV_GATED = "-apart" not in variants
-    linalg.QDOT_INTERLEAVED = "-interleaved" in variants
-    norm.ADD_RMS_NORM_ROW = "-fusednorm" not in variants
+    if base and base not in QUANT_KERNELS:
+        raise ValueError(f"{name!r}: no quantized kernel {base!r} (kernels: {', '.join(QUANT_KERNELS)}; "
+                         f"after one: {', '.join(QUANT_VARIANTS)})")
+    qgemv, dot = QUANT_KERNELS[base] if base else ("staged", None)
+    return {"QGEMV": qgemv, "QUANT_DOT": dot, "QGEMV_GATED": "-apart" not in variants,
+            "QDOT_INTERLEAVED": "-interleaved" in variants, "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
+
+
+def select_quant_kernel(linalg, name: str) -> None:
+    """Set kiln's CUDA quantized linear (and the norm before it) as quant_kernel_choice(name) says."""
+    from kiln.runtime.backends.cuda.kernels import norm
+
+    for setting, value in quant_kernel_choice(name).items():
+        setattr(norm if setting == "ADD_RMS_NORM_ROW" else linalg, setting, value)
 
 
 QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two kernels",

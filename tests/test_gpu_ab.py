@@ -89,3 +89,20 @@ def test_gpu_llm_writes_the_results_gpu_ab_reads(tmp_path, monkeypatch) -> None:
     header, body = gpu_ab.ab_table({"a": [run], "b": [run]})
     assert body == [["prefill 128 tokens", "2.400", "2.400", "1.000", "-", "-"],
                     ["decode at 128", "1.200", "1.200", "1.000", "70%", "70%"]]
+
+
+def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
+    """gpu_harness.quant_kernel_choice: a kernel name with variant suffixes in any order, the defaults for "", and a
+    clear error for a name it does not know."""
+    monkeypatch.syspath_prepend(str(AB.parent))
+    from gpu_harness import quant_kernel_choice
+
+    default = {"QGEMV": "staged", "QUANT_DOT": None, "QGEMV_GATED": True, "QDOT_INTERLEAVED": False,
+               "ADD_RMS_NORM_ROW": True}
+    assert quant_kernel_choice("") == default
+    assert quant_kernel_choice("dot") == {**default, "QUANT_DOT": True}
+    both = {**default, "QUANT_DOT": True, "QDOT_INTERLEAVED": True, "ADD_RMS_NORM_ROW": False}
+    assert quant_kernel_choice("dot-interleaved-fusednorm") == quant_kernel_choice("dot-fusednorm-interleaved") == both
+    assert quant_kernel_choice("staged-apart") == {**default, "QUANT_DOT": False, "QGEMV_GATED": False}
+    with pytest.raises(ValueError, match="no quantized kernel 'dott'"):
+        quant_kernel_choice("dott-apart")
