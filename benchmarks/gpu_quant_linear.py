@@ -22,7 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
-from gpu_harness import copy_bandwidth, device_line, gpu_time, print_table, select_quant_kernel  # noqa: E402
+from gpu_harness import (  # noqa: E402
+    copy_bandwidth,
+    device_line,
+    gpu_time,
+    print_table,
+    quant_kernel_choice,
+    select_quant_kernel,
+)
 
 FORMATS = {"int4 g32 +offset": (4, 32, "offset"), "int4 g64 zero pt": (4, 64, "zero"),
            "int4 g32 sym": (4, 32, "symmetric"), "int8 g32 sym": (8, 32, "symmetric"),
@@ -45,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                         "by the layer, linalg._staged_weight_rows)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
+    for name in args.kernels.split(","):  # (before minutes of setup on the device)
+        try:
+            quant_kernel_choice(name)
+        except ValueError as e:
+            parser.error(str(e))
 
     import cupy as cp
     import numpy as np

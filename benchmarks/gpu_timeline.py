@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["KILN_CUDA_TIMELINE"] = "1"  # before kiln's kernels are compiled
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
-from gpu_harness import device_line, print_table  # noqa: E402
+from gpu_harness import device_line, print_table, quant_kernel_choice, select_quant_kernel  # noqa: E402
 from gpu_llm import MOE_SIZES, llama_program  # noqa: E402
 from gpu_quant_decode import quantize_spec  # noqa: E402
 from harness import stderr_log  # noqa: E402
@@ -47,13 +47,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print every layer's cycle (summed spans and its longest kernels), layer by layer")
     parser.add_argument("--quantize", metavar="MODE", help="weights quantized as gpu_quant_decode.py's --quantize "
                         "names them (int4-g32-sym, int8, ...); default bfloat16")
+    parser.add_argument("--kernel", default="",
+                        help="the quantized linear's kernel, as gpu_quant_decode.py's --kernels names one (dot, "
+                             "dot-interleaved, ...; default kiln's)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args(argv)
+    try:
+        quant_kernel_choice(args.kernel)
+    except ValueError as e:
+        parser.error(str(e))
 
     import cupy as cp
     import torch
 
     from kiln.runtime.backends.cuda import timeline
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    select_quant_kernel(linalg, args.kernel)
 
     model, _, program = llama_program(args.shape, torch.bfloat16, args.max_context, args.prefill, args.program,
                                      layers=args.layers, distinct_layers=args.distinct_layers,
