@@ -125,6 +125,16 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
             "QDOT_INTERLEAVED": "-interleaved" in variants, "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
 
 
+def check_quant_kernels(parser, names: list[str]) -> None:
+    """A benchmark's usage error for a kernel name quant_kernel_choice does not know, before any setup (an 8B
+    export takes minutes of device time)."""
+    for name in names:
+        try:
+            quant_kernel_choice(name)
+        except ValueError as e:
+            parser.error(str(e))
+
+
 def select_quant_kernel(linalg, name: str) -> None:
     """Set kiln's CUDA quantized linear (and the norm before it) as quant_kernel_choice(name) says."""
     from kiln.runtime.backends.cuda.kernels import norm

@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="(no effect: this script runs no torch.compile; "
                                                                   "taken for gpu_ab.py)")
     args = parser.parse_args(argv)
-    for name in args.kernels.split(","):  # (before an export that takes minutes)
-        try:
-            gpu_harness.quant_kernel_choice(name)
-        except ValueError as e:
-            parser.error(str(e))
+    gpu_harness.check_quant_kernels(parser, args.kernels.split(","))
     if args.prefill > args.max_context:
         parser.error(f"--prefill {args.prefill} is longer than --max-context {args.max_context}")
 

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import (  # noqa: E402
+    check_quant_kernels,
     copy_bandwidth,
     device_line,
     gpu_time,
     print_table,
-    quant_kernel_choice,
     select_quant_kernel,
 )
 
@@ -52,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                         "by the layer, linalg._staged_weight_rows)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
-    for name in args.kernels.split(","):  # (before minutes of setup on the device)
-        try:
-            quant_kernel_choice(name)
-        except ValueError as e:
-            parser.error(str(e))
+    check_quant_kernels(parser, args.kernels.split(","))
 
     import cupy as cp
     import numpy as np

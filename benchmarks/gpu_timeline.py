@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["KILN_CUDA_TIMELINE"] = "1"  # before kiln's kernels are compiled
 
 from cpu_compare import LLAMA_SIZES  # noqa: E402
-from gpu_harness import device_line, print_table, quant_kernel_choice, select_quant_kernel  # noqa: E402
+from gpu_harness import check_quant_kernels, device_line, print_table, select_quant_kernel  # noqa: E402
 from gpu_llm import MOE_SIZES, llama_program  # noqa: E402
 from gpu_quant_decode import quantize_spec  # noqa: E402
 from harness import stderr_log  # noqa: E402
@@ -52,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                              "dot-interleaved, ...; default kiln's)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args(argv)
-    try:
-        quant_kernel_choice(args.kernel)
-    except ValueError as e:
-        parser.error(str(e))
+    check_quant_kernels(parser, [args.kernel])
 
     import cupy as cp
     import torch

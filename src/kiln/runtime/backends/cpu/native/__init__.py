@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.runtime.backends.array_api.quant import integer_products_asked
-from kiln.runtime.cache_dir import cache_dir as runtime_cache_dir
+from kiln.runtime.cache_dir import cache_dir
 
 log = logging.getLogger("kiln.native")
 
@@ -98,10 +98,6 @@ _lock = threading.Lock()
 _loaded: list = []  # [library or None] once decided
 
 
-def cache_dir() -> Path:
-    return runtime_cache_dir("native")
-
-
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -153,7 +149,7 @@ def _load() -> ctypes.CDLL | None:
         log.info("no C compiler found (set CC): using the NumPy kernels only")
         return None
     try:
-        target = cache_dir() / f"kernels-{_build_key(cc)}.so"
+        target = cache_dir("native") / f"kernels-{_build_key(cc)}.so"
         if not target.exists():
             log.info("building kiln's CPU helpers with %s into %s", cc, target)
             _build(cc, target)
