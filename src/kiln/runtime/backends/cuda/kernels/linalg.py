@@ -236,8 +236,19 @@ def _staged_shared(x2: Any, k: int, bits: int) -> int | None:
     rows_cap = next((r for r in (1, 2, 4) if r >= x2.shape[0]), 0)
     if QGEMV != "staged" or not rows_cap:
         return None
-    shared = _staged_smem(rows_cap, k, bits)
+    shared = _dot_smem(rows_cap, k, bits) if _takes_dot(k) else _staged_smem(rows_cap, k, bits)
     return shared if shared <= QGEMV_STAGED_SMEM else None
+
+
+def _takes_dot(k: int) -> bool:
+    """Whether the staged product of this K multiplies in integers (qgemv_dot) rather than floats."""
+    return quant_dot() and k % 32 == 0
+
+
+def _dot_smem(rows: int, k: int, bits: int) -> int:
+    """qgemv_dot's shared memory: x's int8 codes and two 4-byte words a piece (its scale and code sum), far less
+    than qgemv_staged's float32 copy, so the 8B shape's down layer (K = 14336) still stages 2 to 4 input rows."""
+    return rows * (k + k // (32 if bits == 4 else 16) * 8)
 
 
 def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, bits: int, group_size: int,
@@ -249,11 +260,10 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
     weight_rows = _staged_weight_rows(n, rows_cap)
     if activation:
         weight_rows = max(2, weight_rows)
-    dot = quant_dot() and k % 32 == 0
-    instance = (1000 if activation else 0) + (4000 if dot and QDOT_INTERLEAVED else 0) + 10 * bits + rows_cap
+    dot = _takes_dot(k)
+    instance = (1000 if activation else 0) + (4000 if dot and _interleaves(rows, k) else 0) + 10 * bits + rows_cap
     if dot:  # (int4 with 4 weight rows a warp and 2 input rows would spill: quant.cu instantiates none)
         weight_rows = 2 if bits == 4 and rows_cap == 2 and weight_rows == 4 else weight_rows
-        shared = rows_cap * (k + k // (32 if bits == 4 else 16) * 8)  # (codes and two words a piece: less)
     name = "qgemv_dot" if dot else "qgemv_staged"
     function = nvrtc.function("quant", name, out.dtype, 100 * weight_rows + instance)
     if dot and bits == 4 and weight_rows == 1 and QGEMV_WEIGHT_ROWS is None and _waves(n, shared, function) > 1:
@@ -314,9 +324,21 @@ def quant_dot() -> bool:
     return integer_products_asked() if QUANT_DOT is None else QUANT_DOT
 
 
-QDOT_INTERLEAVED = False
+QDOT_INTERLEAVED: bool | None = None
 """Whether qgemv_dot stages x a turn at a time beside the rounds of products that read it (its interleaved form,
-quant.cu's N + 4000) rather than all of x first: an A/B not yet measured (benchmarks' "-interleaved" kernels)."""
+quant.cu's N + 4000) rather than all of x first; None: where staging x takes more than one turn (_interleaves).
+True or False for every product: the benchmarks' "-interleaved" and "-stagefirst" kernels."""
+
+
+def _interleaves(rows: int, k: int) -> bool:
+    """QDOT_INTERLEAVED's choice for `rows` rows of K: the interleaved form where staging x takes more than one
+    turn (a turn stages 8 values a thread, 2048 a block), so that a product waits for one turn's L2 round trip, not
+    all of them. Measured (H100, whole decode steps, CUDA graphs): the 8B shape (K 4096 and 14336, 2 to 7 turns)
+    int4 2.483 -> 2.395 ms, int8 3.702 -> 3.554; the 1B shape with every product interleaved (K 2048: one turn,
+    nothing to overlap; its down layer K 8192) int4 0.606 -> 0.626, int8 0.829 -> 0.832."""
+    if QDOT_INTERLEAVED is not None:
+        return QDOT_INTERLEAVED
+    return rows * k > 8 * 32 * QUANT_WARPS
 
 QGEMV_GATED = True
 """Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs
