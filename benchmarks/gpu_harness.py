@@ -122,7 +122,8 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
                          f"after one: {', '.join(QUANT_VARIANTS)})")
     qgemv, dot = QUANT_KERNELS[base] if base else ("staged", None)
     return {"QGEMV": qgemv, "QUANT_DOT": dot, "QGEMV_GATED": "-apart" not in variants,
-            "QDOT_INTERLEAVED": "-interleaved" in variants, "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
+            "QDOT_INTERLEAVED": True if "-interleaved" in variants else False if "-stagefirst" in variants else None,
+            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
 
 
 def check_quant_kernels(parser, names: list[str]) -> None:
@@ -144,6 +145,7 @@ def select_quant_kernel(linalg, name: str) -> None:
 
 
 QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two kernels",
-                  "-interleaved": "qgemv_dot's interleaved form (x staged beside the rounds that read it)",
+                  "-interleaved": "qgemv_dot's interleaved form (x staged beside the rounds that read it) everywhere",
+                  "-stagefirst": "qgemv_dot's plain form (all of x staged before the first product) everywhere",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 // additive term times d * (sum xq) (the zero point's -z * s or the offset; int4's implicit 8 as -8 sum xq in the
 // integers). N and the rest as qgemv_staged (int4 with 4 weight rows a warp takes 1 input row: 2 would spill);
 // shared memory: ROWS x K bytes of codes and 8 bytes a piece; K a multiple of 32.
-// + 4000: the interleaved form (linalg.QDOT_INTERLEAVED, an A/B): x is staged a turn at a time just before the
+// + 4000: the interleaved form (linalg._interleaves: where x takes more than one turn): x is staged a turn at a time just before the
 // first round of products that reads it, its loads in flight beside that round's weights, where the plain form
 // stages all of x first (a K = 14336 row: 7 turns, each an L2 round trip, before the first product; the 8B int4
 // down layer takes 18.1 us for 10.5 us of bytes, H100). The same codes, so the same bits as the plain form.
