@@ -43,7 +43,7 @@ cuda-site:
 	$(PYTHON) -m pip install -q --target .cache/site --no-deps --upgrade $(CUDA_SITE_PACKAGES)
 
 cuda-test:
-	PYTHONPATH=.cache/site:src $(PYTHON) -m pytest -q -p no:cacheprovider -p no:logging -m cuda -n $(or $(JOBS),16) \
+	PYTHONPATH=.cache/site:src $(PYTHON) -m pytest -q -p no:cacheprovider -p no:logging -m cuda -n $(or $(JOBS),16) --durations=25 \
 		--ignore=tests/runtime/serve tests
 
 format-code:

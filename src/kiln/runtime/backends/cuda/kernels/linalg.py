@@ -266,7 +266,8 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
         weight_rows = 2 if bits == 4 and rows_cap == 2 and weight_rows == 4 else weight_rows
     name = "qgemv_dot" if dot else "qgemv_staged"
     function = nvrtc.function("quant", name, out.dtype, 100 * weight_rows + instance)
-    if dot and bits == 4 and weight_rows == 1 and QGEMV_WEIGHT_ROWS is None and _waves(n, shared, function) > 1:
+    if (dot and bits == 4 and weight_rows == 1 and QGEMV_WEIGHT_ROWS is None and QDOT_WAVE_ROWS
+            and _waves(n, shared, function) > 1):
         weight_rows = 2
         function = nvrtc.function("quant", name, out.dtype, 200 + instance)
     if shared > 48 * 1024:
@@ -371,6 +372,12 @@ def _staged_weight_rows(n: int, rows: int) -> int:
     if QGEMV_WEIGHT_ROWS is not None:
         return QGEMV_WEIGHT_ROWS
     return next((w for w in (4, 2) if -(-n // (QUANT_WARPS * w)) >= 264), 1)
+
+
+QDOT_WAVE_ROWS = True
+"""Whether int4's qgemv_dot takes 2 weight rows a warp where 1 would need a second wave of blocks (_waves). Measured
+before the interleaved form was the default; the benchmarks' "-onerow" kernels switch it off to measure it again
+beside the interleaved form, which hides the staging latency the rule was made for."""
 
 
 def _waves(n: int, shared: int, one_row: Any) -> int:
