@@ -113,7 +113,7 @@ quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgem
 def quant_kernel_choice(name: str) -> dict[str, object]:
     """The settings a quantized-kernel name asks for (a QUANT_KERNELS name with any of QUANT_VARIANTS after it,
     "dot-interleaved-fusednorm"; "" the defaults): linalg's QGEMV, QUANT_DOT, QGEMV_GATED, QDOT_INTERLEAVED,
-    QDOT_WAVE_ROWS and norm's ADD_RMS_NORM_ROW."""
+    QDOT_WAVE_ROWS, QGEMM and norm's ADD_RMS_NORM_ROW."""
     base, variants = name, set()
     while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
         base, variants = base.removesuffix(found), variants | {found}
@@ -123,7 +123,8 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
     qgemv, dot = QUANT_KERNELS[base] if base else ("staged", None)
     return {"QGEMV": qgemv, "QUANT_DOT": dot, "QGEMV_GATED": "-apart" not in variants,
             "QDOT_INTERLEAVED": True if "-interleaved" in variants else False if "-stagefirst" in variants else None,
-            "QDOT_WAVE_ROWS": "-onerow" not in variants, "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
+            "QDOT_WAVE_ROWS": "-onerow" not in variants, "QGEMM": "-dequant" not in variants,
+            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
 
 
 def check_quant_kernels(parser, names: list[str]) -> None:
@@ -148,5 +149,6 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-interleaved": "qgemv_dot's interleaved form (x staged beside the rounds that read it) everywhere",
                   "-stagefirst": "qgemv_dot's plain form (all of x staged before the first product) everywhere",
                   "-onerow": "int4 qgemv_dot at one weight row a warp even where a second wave follows",
+                  "-dequant": "9-64 rows by dequantize + cuBLAS, not quant.cu's qgemm",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

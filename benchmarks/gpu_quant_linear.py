@@ -39,7 +39,9 @@ FORMATS = {"int4 g32 +offset": (4, 32, "offset"), "int4 g64 zero pt": (4, 64, "z
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="decoder shape")
-    parser.add_argument("--rows", type=int, default=1, help="input rows (default 1; at most 8)")
+    parser.add_argument("--rows", type=int, default=1,
+                        help="input rows (default 1): 1-8 the few-row kernels, 9-64 quant.cu's qgemm (or, with the "
+                             "-dequant variant, dequantize + cuBLAS; e.g. --rows 64 --kernels dot,dot-dequant)")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
     parser.add_argument("--kernels", default="dot,staged,direct,rows",
                         help="quant.cu kernels to time (gpu_harness.QUANT_KERNELS, each with any of "

@@ -232,3 +232,46 @@ def test_interleaved_form_is_taken_where_x_takes_more_than_one_turn(rows, k, int
     launched = _kernels_looked_up(linalg, monkeypatch)
     linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), 4, 32, False)
     assert [f[2] >= 4000 for f in launched if f[0] == "qgemv_dot"] == [interleaved]
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, True), (4, 64, False), (4, 32, "offset"), (8, 32, True),
+                                                   (8, 128, False), (8, 32, "offset")])
+@pytest.mark.parametrize("rows,n,splits", [(9, 77, 1), (16, 200, 3), (40, 64, None), (64, 130, 8)])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+def test_qgemm_matches_definition(bits, group, symmetric, rows, n, splits, dtype, monkeypatch) -> None:
+    """quant.cu's qgemm, the batched decode step's 9-64 rows on the tensor cores with the weight dequantized a tile
+    at a time: against the float64 product of the dequantized weight, for one to 8 splits of K (qgemm_reduce), outputs
+    not a multiple of the 64-output tile, each zero form, with and without bias."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "QGEMM_SPLITS", splits)
+    k = 1024
+    args, want = _case(np.random.default_rng(rows + n + bits), (rows,), n, k, bits, group, symmetric, dtype,
+                       rows % 2 == 0)
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
+                                  symmetric == "offset")
+    assert [f[0] for f in launched][:1] == ["qgemm"]
+    assert ("qgemm_reduce" in [f[0] for f in launched]) == (splits not in (1, None) or linalg._qgemm_splits(n, k) > 1)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
+
+
+def test_qgemm_row_does_not_depend_on_the_other_rows(monkeypatch) -> None:
+    """A serving step batches any mix of sequences: a row's bits through qgemm are the same with 9 rows or 64 (the
+    splits depend on the layer alone, each row's sums on its own data), and as dequantize + cuBLAS within rounding."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    args, _ = _case(np.random.default_rng(5), (64,), 3072, 2048, 4, 32, True, BFLOAT16, False)
+    x, q, scale, zero, bias = (None if a is None else cp.asarray(a) for a in args)
+    full = linalg.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
+    part = linalg.quantized_linear(x[:9].copy(), q, scale, zero, bias, 4, 32, False)
+    np.testing.assert_array_equal(cp.asnumpy(full[:9]).view(np.uint16), cp.asnumpy(part).view(np.uint16))
+    monkeypatch.setattr(linalg, "QGEMM", False)
+    dense = linalg.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
+    np.testing.assert_allclose(cp.asnumpy(full).astype(np.float32), cp.asnumpy(dense).astype(np.float32),
+                               rtol=2e-2, atol=2e-2)

@@ -12,7 +12,7 @@ import cupy as cp
 import numpy as np
 
 from kiln.runtime.backends import composite
-from kiln.runtime.backends.array_api import upcast
+from kiln.runtime.backends.array_api import BFLOAT16, upcast
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.array_api.quant import dequantize, integer_products_asked
 from kiln.runtime.backends.cuda import constants, cublas, nvrtc
@@ -194,6 +194,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
         return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size, offset).reshape(*lead, n)
     x2 = cp.ascontiguousarray(x2)
     zero_mode = quant_zero_mode(zero, offset)
+    if x2.shape[0] > QUANT_ROWS and _qgemm_applies(x2, q, bits, group_size):
+        return _qgemm(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
         nvrtc.function("quant", "dequantize", dtype)(
@@ -218,6 +220,62 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
             (x2, q, scale, zero_arg, bias_arg, out, np.int32(rows), np.int32(n), np.int32(k), np.int32(bits),
              np.int32(group_size), zero_mode, np.int32(bias is not None)))
     return out.reshape(*lead, n)
+
+
+QGEMM_ROWS = 64
+"""Most input rows quant.cu's qgemm (tensor cores, each weight tile dequantized once a block into shared memory)
+takes: a serving program's batched decode step (up to its slots); above, the rows of a prompt, dequantize + cuBLAS,
+whose dense copy of the weight is paid once for many rows."""
+
+QGEMM: bool = True
+"""Whether 9 to QGEMM_ROWS rows take qgemm (False: dequantize + cuBLAS, as before it; the benchmarks' A/B)."""
+
+QGEMM_SPLITS: int | None = None
+"""qgemm's splits of K; None: _qgemm_splits."""
+
+
+def _qgemm_applies(x2: Any, q: Any, bits: int, group_size: int) -> bool:
+    """qgemm's operands: 16-bit storage (the tensor cores' mma types), K and the group whole stages of 32, x and q
+    16-byte aligned, at most QGEMM_ROWS rows."""
+    k = x2.shape[1]
+    return (QGEMM and x2.shape[0] <= QGEMM_ROWS and x2.dtype in (np.dtype(np.float16), BFLOAT16) and bits in (4, 8)
+            and k % 32 == 0 and group_size % 32 == 0 and x2.data.ptr % 16 == 0 and q.data.ptr % 16 == 0)
+
+
+def _qgemm_splits(n: int, k: int) -> int:
+    """Splits of K for qgemm: enough blocks for two per SM of the GPU where the 64-output tiles alone give fewer
+    (the 1B shape's q/k/v, 3072 outputs, makes 48 tiles for 132 SMs), each split at least 8 stages of 32; at most 8,
+    since each split writes the rows' float32 sums for qgemm_reduce to read back. A function of the layer only, not
+    of the rows, so a row's bits do not depend on how many rows share its step."""
+    if QGEMM_SPLITS is not None:
+        return max(1, min(QGEMM_SPLITS, k // 32))
+    tiles = -(-n // 64)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    return max(1, min(8, k // (32 * 8), -(-2 * sms // tiles)))
+
+
+def _qgemm(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any) -> Any:
+    """quant.cu's qgemm (and qgemm_reduce where K is split) for 9 to QGEMM_ROWS rows."""
+    rows, k = x2.shape
+    n = q.shape[0]
+    dtype = scale.dtype
+    out = cp.empty((rows, n), dtype=dtype)
+    stages = k // 32
+    splits = _qgemm_splits(n, k)
+    per_split = -(-stages // splits)
+    splits = -(-stages // per_split)  # (no split without stages)
+    partial = cp.empty((splits, rows, n), dtype=np.float32) if splits > 1 else out
+    zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
+    nvrtc.function("quant", "qgemm", dtype, bits)(
+        (-(-n // 64), -(-rows // 64), splits), (128,),
+        (x2, q, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
+         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split)))
+    if splits > 1:
+        total = rows * n
+        nvrtc.function("quant", "qgemm_reduce", dtype)(
+            grid(total), (256,), (partial, bias_arg, out, np.int64(total), np.int32(n), np.int32(splits),
+                                  np.int32(bias is not None)))
+    return out
 
 
 def quant_zero_mode(zero: Any, offset: bool) -> Any:
