@@ -149,6 +149,6 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-interleaved": "qgemv_dot's interleaved form (x staged beside the rounds that read it) everywhere",
                   "-stagefirst": "qgemv_dot's plain form (all of x staged before the first product) everywhere",
                   "-onerow": "int4 qgemv_dot at one weight row a warp even where a second wave follows",
-                  "-dequant": "9-64 rows by dequantize + cuBLAS, not quant.cu's qgemm",
+                  "-dequant": "9-64 rows by dequantize + cuBLAS, not quant.cu's gemm_rows",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

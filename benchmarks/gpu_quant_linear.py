@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(LLAMA_SIZES), default="llama-3.2-1b", help="decoder shape")
     parser.add_argument("--rows", type=int, default=1,
-                        help="input rows (default 1): 1-8 the few-row kernels, 9-64 quant.cu's qgemm (or, with the "
+                        help="input rows (default 1): 1-8 the few-row kernels, 9-64 quant.cu's gemm_rows (or, with the "
                              "-dequant variant, dequantize + cuBLAS; e.g. --rows 64 --kernels dot,dot-dequant)")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
     parser.add_argument("--kernels", default="dot,staged,direct,rows",

@@ -238,30 +238,52 @@ def test_interleaved_form_is_taken_where_x_takes_more_than_one_turn(rows, k, int
                                                    (8, 128, False), (8, 32, "offset")])
 @pytest.mark.parametrize("rows,n,splits", [(9, 77, 1), (16, 200, 3), (40, 64, None), (64, 130, 8)])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
-def test_qgemm_matches_definition(bits, group, symmetric, rows, n, splits, dtype, monkeypatch) -> None:
-    """quant.cu's qgemm, the batched decode step's 9-64 rows on the tensor cores with the weight dequantized a tile
-    at a time: against the float64 product of the dequantized weight, for one to 8 splits of K (qgemm_reduce), outputs
-    not a multiple of the 64-output tile, each zero form, with and without bias."""
+def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, dtype, monkeypatch) -> None:
+    """quant.cu's gemm_rows, the batched decode step's 9-64 rows on the tensor cores with the weight dequantized a
+    tile at a time: against the float64 product of the dequantized weight, for one to 8 splits of K (gemm_rows_reduce),
+    outputs not a multiple of the 64-output tile, each zero form, with and without bias."""
     import cupy as cp
 
     from kiln.runtime.backends.cuda.kernels import linalg
 
-    monkeypatch.setattr(linalg, "QGEMM_SPLITS", splits)
+    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
     k = 1024
     args, want = _case(np.random.default_rng(rows + n + bits), (rows,), n, k, bits, group, symmetric, dtype,
                        rows % 2 == 0)
     launched = _kernels_looked_up(linalg, monkeypatch)
     got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
                                   symmetric == "offset")
-    assert [f[0] for f in launched][:1] == ["qgemm"]
-    assert ("qgemm_reduce" in [f[0] for f in launched]) == (splits not in (1, None) or linalg._qgemm_splits(n, k) > 1)
+    names = [f[0] for f in launched]
+    assert names[:1] == ["gemm_rows"] and launched[0][2] == bits
+    assert ("gemm_rows_reduce" in names) == (linalg._gemm_rows_splits(n, k) > 1)
     assert got.shape == (rows, n) and got.dtype == dtype
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
 
 
-def test_qgemm_row_does_not_depend_on_the_other_rows(monkeypatch) -> None:
-    """A serving step batches any mix of sequences: a row's bits through qgemm are the same with 9 rows or 64 (the
-    splits depend on the layer alone, each row's sums on its own data), and as dequantize + cuBLAS within rounding."""
+@pytest.mark.parametrize("rows,n,k,splits", [(9, 77, 64, None), (33, 300, 2048, None), (64, 64, 512, 3)])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+def test_gemm_rows_with_a_16_bit_weight_matches_definition(rows, n, k, splits, dtype, monkeypatch) -> None:
+    """gemm_rows<S, 16>, the weight in the storage type itself (linalg.DENSE_GEMM_ROWS, the A/B against cuBLAS):
+    the linear kernel's result against the float64 product, with a bias, one to several splits of K."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "DENSE_GEMM_ROWS", True)
+    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
+    rng = np.random.default_rng(rows + n)
+    x, w, bias = (rng.standard_normal(shape).astype(dtype) for shape in ((rows, k), (n, k), (n,)))
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    got = linalg.linear(cp.asarray(x), cp.asarray(w), cp.asarray(bias))
+    assert [f[0] for f in launched][:1] == ["gemm_rows"] and launched[0][2] == 16
+    want = x.astype(np.float64) @ w.astype(np.float64).T + bias.astype(np.float64)
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
+
+
+def test_gemm_rows_row_does_not_depend_on_the_other_rows(monkeypatch) -> None:
+    """A serving step batches any mix of sequences: a row's bits through gemm_rows are the same with 9 rows or 64
+    (the splits depend on the layer alone, each row's sums on its own data), and as dequantize + cuBLAS within
+    rounding."""
     import cupy as cp
 
     from kiln.runtime.backends.cuda.kernels import linalg

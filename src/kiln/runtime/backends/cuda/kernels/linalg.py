@@ -133,6 +133,10 @@ def _linear(x2: Any, weight_t: Any, bias: Any) -> Any:
     PyTorch's addmm does."""
     if _gemv_applies(x2, weight_t.T, bias):
         return _gemv(x2, weight_t.T, bias)
+    if (DENSE_GEMM_ROWS and weight_t.dtype == x2.dtype and weight_t.T.flags.c_contiguous
+            and (bias is None or (bias.dtype == x2.dtype and bias.flags.c_contiguous))
+            and _gemm_rows_apply(x2, weight_t)):
+        return _gemm_rows(x2, weight_t.T, None, None, bias, 16, 32, np.int32(0))
     if not (x2.dtype == weight_t.dtype and cublas.supports(x2.dtype)):
         out = cp.matmul(x2, weight_t)
         if bias is not None:
@@ -194,8 +198,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
         return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size, offset).reshape(*lead, n)
     x2 = cp.ascontiguousarray(x2)
     zero_mode = quant_zero_mode(zero, offset)
-    if x2.shape[0] > QUANT_ROWS and _qgemm_applies(x2, q, bits, group_size):
-        return _qgemm(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
+    if QGEMM and bits in (4, 8) and group_size % 32 == 0 and scale.dtype == x2.dtype and _gemm_rows_apply(x2, q):
+        return _gemm_rows(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
         nvrtc.function("quant", "dequantize", dtype)(
@@ -222,57 +226,63 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     return out.reshape(*lead, n)
 
 
-QGEMM_ROWS = 64
-"""Most input rows quant.cu's qgemm (tensor cores, each weight tile dequantized once a block into shared memory)
-takes: a serving program's batched decode step (up to its slots); above, the rows of a prompt, dequantize + cuBLAS,
-whose dense copy of the weight is paid once for many rows."""
+GEMM_ROWS_MAX = 64
+"""Most input rows quant.cu's gemm_rows (tensor cores, a weight tile at a time in shared memory) takes: a serving
+program's batched decode step (up to its slots); above, the rows of a prompt, dequantize + cuBLAS, whose dense copy
+of the weight is paid once for many rows."""
 
 QGEMM: bool = True
-"""Whether 9 to QGEMM_ROWS rows take qgemm (False: dequantize + cuBLAS, as before it; the benchmarks' A/B)."""
+"""Whether a quantized weight's 9 to GEMM_ROWS_MAX rows take gemm_rows (False: dequantize + cuBLAS, as before it;
+the benchmarks' "-dequant" variant)."""
 
-QGEMM_SPLITS: int | None = None
-"""qgemm's splits of K; None: _qgemm_splits."""
+DENSE_GEMM_ROWS: bool = False
+"""Whether a 16-bit weight's 9 to GEMM_ROWS_MAX rows take gemm_rows rather than cuBLAS: an A/B not yet measured
+(gpu_kernels.py --rows 64 --gemm-rows), aimed at the small-N shapes cuBLAS reads at 36-62% of the bandwidth at 64
+rows (H100: q/k/v, o, down)."""
 
-
-def _qgemm_applies(x2: Any, q: Any, bits: int, group_size: int) -> bool:
-    """qgemm's operands: 16-bit storage (the tensor cores' mma types), K and the group whole stages of 32, x and q
-    16-byte aligned, at most QGEMM_ROWS rows."""
-    k = x2.shape[1]
-    return (QGEMM and x2.shape[0] <= QGEMM_ROWS and x2.dtype in (np.dtype(np.float16), BFLOAT16) and bits in (4, 8)
-            and k % 32 == 0 and group_size % 32 == 0 and x2.data.ptr % 16 == 0 and q.data.ptr % 16 == 0)
+GEMM_ROWS_SPLITS: int | None = None
+"""gemm_rows's splits of K; None: _gemm_rows_splits."""
 
 
-def _qgemm_splits(n: int, k: int) -> int:
-    """Splits of K for qgemm: enough blocks for two per SM of the GPU where the 64-output tiles alone give fewer
+def _gemm_rows_apply(x2: Any, w: Any) -> bool:
+    """gemm_rows's operands: 16-bit storage (the tensor cores' mma types), 9 to GEMM_ROWS_MAX rows, K whole stages
+    of 32, x and the weight (codes) 16-byte aligned. (A quantized weight's group must be whole stages too.)"""
+    return (QUANT_ROWS < x2.shape[0] <= GEMM_ROWS_MAX and x2.dtype in (np.dtype(np.float16), BFLOAT16)
+            and x2.shape[1] % 32 == 0 and x2.flags.c_contiguous and x2.data.ptr % 16 == 0 and w.data.ptr % 16 == 0)
+
+
+def _gemm_rows_splits(n: int, k: int) -> int:
+    """Splits of K for gemm_rows: enough blocks for two per SM of the GPU where the 64-output tiles alone give fewer
     (the 1B shape's q/k/v, 3072 outputs, makes 48 tiles for 132 SMs), each split at least 8 stages of 32; at most 8,
-    since each split writes the rows' float32 sums for qgemm_reduce to read back. A function of the layer only, not
-    of the rows, so a row's bits do not depend on how many rows share its step."""
-    if QGEMM_SPLITS is not None:
-        return max(1, min(QGEMM_SPLITS, k // 32))
+    since each split writes the rows' float32 sums for gemm_rows_reduce to read back. A function of the layer only,
+    not of the rows, so a row's bits do not depend on how many rows share its step."""
+    if GEMM_ROWS_SPLITS is not None:
+        return max(1, min(GEMM_ROWS_SPLITS, k // 32))
     tiles = -(-n // 64)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     return max(1, min(8, k // (32 * 8), -(-2 * sms // tiles)))
 
 
-def _qgemm(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any) -> Any:
-    """quant.cu's qgemm (and qgemm_reduce where K is split) for 9 to QGEMM_ROWS rows."""
+def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
+               zero_mode: Any) -> Any:
+    """quant.cu's gemm_rows (and gemm_rows_reduce where K is split): x2 [9..64, K] times w [N, K] (codes of `bits`
+    4 or 8 with their scale and zero, or 16: the weight in x2's type, scale and zero None)."""
     rows, k = x2.shape
-    n = q.shape[0]
-    dtype = scale.dtype
-    out = cp.empty((rows, n), dtype=dtype)
+    n = w.shape[0]
+    out = cp.empty((rows, n), dtype=x2.dtype)
     stages = k // 32
-    splits = _qgemm_splits(n, k)
-    per_split = -(-stages // splits)
+    per_split = -(-stages // _gemm_rows_splits(n, k))
     splits = -(-stages // per_split)  # (no split without stages)
     partial = cp.empty((splits, rows, n), dtype=np.float32) if splits > 1 else out
+    scale = x2 if scale is None else scale
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
-    nvrtc.function("quant", "qgemm", dtype, bits)(
+    nvrtc.function("quant", "gemm_rows", x2.dtype, bits)(
         (-(-n // 64), -(-rows // 64), splits), (128,),
-        (x2, q, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
+        (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split)))
     if splits > 1:
         total = rows * n
-        nvrtc.function("quant", "qgemm_reduce", dtype)(
+        nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(total), (256,), (partial, bias_arg, out, np.int64(total), np.int32(n), np.int32(splits),
                                   np.int32(bias is not None)))
     return out

@@ -515,10 +515,11 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 // additive term times d * (sum xq) (the zero point's -z * s or the offset; int4's implicit 8 as -8 sum xq in the
 // integers). N and the rest as qgemv_staged (int4 with 4 weight rows a warp takes 1 input row: 2 would spill);
 // shared memory: ROWS x K bytes of codes and 8 bytes a piece; K a multiple of 32.
-// + 4000: the interleaved form (linalg._interleaves: where x takes more than one turn): x is staged a turn at a time just before the
-// first round of products that reads it, its loads in flight beside that round's weights, where the plain form
-// stages all of x first (a K = 14336 row: 7 turns, each an L2 round trip, before the first product; the 8B int4
-// down layer takes 18.1 us for 10.5 us of bytes, H100). The same codes, so the same bits as the plain form.
+// + 4000: the interleaved form (linalg._interleaves: where x takes more than one turn): x is staged a turn at a
+// time just before the first round of products that reads it, its loads in flight beside that round's weights,
+// where the plain form stages all of x first (a K = 14336 row: 7 turns, each an L2 round trip, before the first
+// product; the 8B int4 down layer took 18.1 us for 10.5 us of bytes, H100). The same codes, so the same bits as
+// the plain form.
 // A block of x holding inf or NaN gives NaN outputs for its rows.
 #define QDOT_BLOCK 32
 
@@ -693,39 +694,42 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
     qstaged_store<S, WR, ROWS, GATED>(acc, bias, out, o0, rows, n, has_bias, act, lane);
 }
 
-// qgemm<S>: F16 BF16
-// qgemm<N>: 4 8
-// out = x W^T + bias for 9 to 64 input rows (a batched decode step's, linalg.QGEMM_ROWS) on the tensor cores,
-// each weight dequantized once a block into shared memory: the path before it dequantized the whole weight to a
-// dense copy in global memory for cuBLAS on every call, writing and reading 4 (int4) or 2 (int8) times the bytes
-// of its codes. A block takes 64 rows of x (4 warps of 16) and 64 outputs, over its share of K (blockIdx.z of
-// gridDim.z splits, whole stages of 32): each stage's x tile lands by cp.async while the next stage's codes, scale
-// and zero are loaded into registers; a thread dequantizes 16 weights of one row (one group: the group is a
-// multiple of 32) into the tile, rounded to the storage type as `dequantize` rounds them, so the products are
-// those of dequantize + a GEMM, mma m16n8k16 with float32 sums. With one split the block writes out (and bias);
-// with several it writes its float32 sums to partial[z] and qgemm_reduce adds the splits in order (the same bits
-// on every run; a row's result never depends on the other rows). N: the bits. Needs K and the group multiples of
-// 32, and x, q 16-byte aligned (linalg.py checks).
-#define QGEMM_TILE 64
-#define QGEMM_K 32
-#define QGEMM_PAD 8  // halves after each shared row: rows 80 bytes apart, as expert_gemm's
+// gemm_rows<S>: F16 BF16
+// gemm_rows<N>: 4 8 16
+// out = x W^T + bias for 9 to 64 input rows (a batched decode step's, linalg.GEMM_ROWS_MAX) on the tensor cores.
+// N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
+// in the storage type itself (linalg.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
+// scale and zero unused). The quantized path before it dequantized the whole weight to a dense copy in global
+// memory for cuBLAS on every call, writing and reading 4 (int4) or 2 (int8) times the bytes of its codes. A block
+// takes 64 rows of x (4 warps of 16) and 64 outputs, over its share of K (blockIdx.z of gridDim.z splits, whole
+// stages of 32): each stage's x tile lands by cp.async while the next stage's weights (codes, scale and zero) are
+// loaded into registers; a thread writes 16 weights of one row (dequantized within one group: the group is a
+// multiple of 32) into the tile, rounded to the storage type as `dequantize` rounds them, so the products are those
+// of dequantize + a GEMM, mma m16n8k16 with float32 sums. With one split the block writes out (and bias); with
+// several it writes its float32 sums to partial[z] and gemm_rows_reduce adds the splits in order (the same bits on
+// every run; a row's result never depends on the other rows). Needs K (and the group) multiples of 32, and x, W
+// 16-byte aligned (linalg.py checks).
+#define ROWS_TILE 64
+#define ROWS_K 32
+#define ROWS_PAD 8  // halves after each shared row: rows 80 bytes apart, as expert_gemm's
 
 template <class S, int N>
-__global__ void __launch_bounds__(128) qgemm(const typename S::T* __restrict__ x, const unsigned char* __restrict__ q,
-                                             const typename S::T* __restrict__ scale,
-                                             const typename S::T* __restrict__ zero,
-                                             const typename S::T* __restrict__ bias, typename S::T* __restrict__ out,
-                                             float* __restrict__ partial, int rows, int n, int k, int group,
-                                             int zero_mode, int has_bias, int stages_a_split) {
+__global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict__ x,
+                                                 const unsigned char* __restrict__ q,
+                                                 const typename S::T* __restrict__ scale,
+                                                 const typename S::T* __restrict__ zero,
+                                                 const typename S::T* __restrict__ bias,
+                                                 typename S::T* __restrict__ out,
+                                                 float* __restrict__ partial, int rows, int n, int k, int group,
+                                                 int zero_mode, int has_bias, int stages_a_split) {
     typedef typename S::T T;
-    constexpr int LD = QGEMM_K + QGEMM_PAD;
-    constexpr int BYTES = N == 4 ? 8 : 16;  // a thread's 16 codes of a stage
-    __shared__ __align__(16) T xs[2][QGEMM_TILE][LD];
-    __shared__ __align__(16) T ws[2][QGEMM_TILE][LD];
+    constexpr int LD = ROWS_K + ROWS_PAD;
+    __shared__ __align__(16) T xs[2][ROWS_TILE][LD];
+    __shared__ __align__(16) T ws[2][ROWS_TILE][LD];
     grid_dependency_sync();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n0 = blockIdx.x * QGEMM_TILE, m_base = blockIdx.y * QGEMM_TILE;
-    const int first = blockIdx.z * stages_a_split, last = min(k / QGEMM_K, first + stages_a_split);
+    const int n0 = blockIdx.x * ROWS_TILE, m_base = blockIdx.y * ROWS_TILE;
+    const int first = blockIdx.z * stages_a_split, last = min(k / ROWS_K, first + stages_a_split);
     if (first >= last) return;  // (never: linalg sizes the splits so each has stages; kept for safety)
     // x: each thread copies rows tid / 4 and 32 + tid / 4, 16-byte column piece tid % 4, as expert_gemm
     const int piece = (tid & 3) * 8;
@@ -738,29 +742,38 @@ __global__ void __launch_bounds__(128) qgemm(const typename S::T* __restrict__ x
         xsrc[j] = xvalid[j] ? x + (long long)r * k + piece : x;
     }
     // W: each thread dequantizes 16 weights of row wr, columns wc .. wc + 15 of the stage
-    const int wr = tid >> 1, wc = (tid & 1) * 16, ngroups = k / group, row_bytes = N == 8 ? k : k / 2;
+    const int wr = tid >> 1, wc = (tid & 1) * 16, ngroups = k / group, row_bytes = k * N / 8;
     const bool wvalid = n0 + wr < n;
     const unsigned char* qrow = q + (long long)(wvalid ? n0 + wr : 0) * row_bytes;
     const long long grow = (long long)(wvalid ? n0 + wr : 0) * ngroups;
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
     const float zdefault = N == 4 ? 8.0f : 0.0f;
-    uint4 codes = make_uint4(0u, 0u, 0u, 0u);
+    uint4 codes = make_uint4(0u, 0u, 0u, 0u), plain = make_uint4(0u, 0u, 0u, 0u);  // (plain: N = 16's second half)
     float s = 0.0f, z = 0.0f;
     auto load_codes = [&](int stage) {
-        const int j0 = stage * QGEMM_K + wc;
+        const int j0 = stage * ROWS_K + wc;
         if (wvalid) {
-            const unsigned char* at = qrow + (N == 8 ? j0 : j0 / 2);
-            if (N == 8) {
+            const unsigned char* at = qrow + j0 * N / 8;
+            if (N == 16) {
+                codes = reinterpret_cast<const uint4*>(at)[0], plain = reinterpret_cast<const uint4*>(at)[1];
+            } else if (N == 8) {
                 codes = *reinterpret_cast<const uint4*>(at);
             } else {
                 const uint2 half = *reinterpret_cast<const uint2*>(at);
                 codes.x = half.x, codes.y = half.y;
             }
-            s = S::load(scale[grow + j0 / group]);
-            z = has_zero ? S::load(zero[grow + j0 / group]) : zdefault;
+            if (N != 16) {
+                s = S::load(scale[grow + j0 / group]);
+                z = has_zero ? S::load(zero[grow + j0 / group]) : zdefault;
+            }
         }
     };
     auto store_weights = [&](int buffer) {  // the registers' 16 weights, dequantized as `dequantize` does
+        if (N == 16) {  // (zeros past the last row: load_codes left them)
+            *reinterpret_cast<uint4*>(&ws[buffer][wr][wc]) = codes;
+            *reinterpret_cast<uint4*>(&ws[buffer][wr][wc + 8]) = plain;
+            return;
+        }
         const unsigned int word[4] = {codes.x, codes.y, codes.z, codes.w};
         unsigned int packed[8];  // (two 16-bit weights a word, the first low: kept in registers, no local array)
 #pragma unroll
@@ -775,13 +788,13 @@ __global__ void __launch_bounds__(128) qgemm(const typename S::T* __restrict__ x
         *reinterpret_cast<uint4*>(&ws[buffer][wr][wc + 8]) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     };
     auto copy_x = [&](int stage, int buffer) {
-        const int k0 = stage * QGEMM_K;
+        const int k0 = stage * ROWS_K;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
             copy_async16(&xs[buffer][(tid >> 2) + 32 * j][piece], xsrc[j] + (xvalid[j] ? k0 : 0), xvalid[j]);
         cp_async_commit();
     };
-    float acc[QGEMM_TILE / 8][4] = {};
+    float acc[ROWS_TILE / 8][4] = {};
     const int g = lane >> 2, t2 = (lane & 3) * 2, m0 = warp * 16;
     const bool busy = m_base + m0 < rows;  // (a warp whose 16 rows are past the last only copies)
     copy_x(first, 0);
@@ -800,14 +813,14 @@ __global__ void __launch_bounds__(128) qgemm(const typename S::T* __restrict__ x
         __syncthreads();
         if (busy) {
 #pragma unroll
-            for (int ks = 0; ks < QGEMM_K; ks += 16) {
+            for (int ks = 0; ks < ROWS_K; ks += 16) {
                 unsigned a[4];
                 a[0] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g][ks + t2]);
                 a[1] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g + 8][ks + t2]);
                 a[2] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g][ks + t2 + 8]);
                 a[3] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g + 8][ks + t2 + 8]);
 #pragma unroll
-                for (int j = 0; j < QGEMM_TILE / 8; ++j) {
+                for (int j = 0; j < ROWS_TILE / 8; ++j) {
                     const unsigned b0 = *reinterpret_cast<const unsigned*>(&ws[buffer][8 * j + g][ks + t2]);
                     const unsigned b1 = *reinterpret_cast<const unsigned*>(&ws[buffer][8 * j + g][ks + t2 + 8]);
                     mma16816<S>(acc[j], a, b0, b1);
@@ -824,7 +837,7 @@ __global__ void __launch_bounds__(128) qgemm(const typename S::T* __restrict__ x
         const int r = m_base + m0 + g + 8 * half;
         if (r >= rows) continue;
 #pragma unroll
-        for (int j = 0; j < QGEMM_TILE / 8; ++j) {
+        for (int j = 0; j < ROWS_TILE / 8; ++j) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int c = n0 + 8 * j + t2 + i;
@@ -839,10 +852,10 @@ __global__ void __launch_bounds__(128) qgemm(const typename S::T* __restrict__ x
     }
 }
 
-// qgemm_reduce<S>: F16 BF16
+// gemm_rows_reduce<S>: F16 BF16
 // out[r, c] = partial[0][r, c] + ... + partial[splits - 1][r, c] + bias[c], in split order, rounded once.
 template <class S>
-__global__ void qgemm_reduce(const float* __restrict__ partial, const typename S::T* __restrict__ bias,
+__global__ void gemm_rows_reduce(const float* __restrict__ partial, const typename S::T* __restrict__ bias,
                              typename S::T* __restrict__ out, long long total, int n, int splits, int has_bias) {
     grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
