@@ -856,7 +856,7 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
 // out[r, c] = partial[0][r, c] + ... + partial[splits - 1][r, c] + bias[c], in split order, rounded once.
 template <class S>
 __global__ void gemm_rows_reduce(const float* __restrict__ partial, const typename S::T* __restrict__ bias,
-                             typename S::T* __restrict__ out, long long total, int n, int splits, int has_bias) {
+                                 typename S::T* __restrict__ out, long long total, int n, int splits, int has_bias) {
     grid_dependency_sync();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
