@@ -300,7 +300,8 @@ def _quant_parts_apply(x2: Any, q: Any, scale: Any, zero: Any, bias: Any) -> boo
 
 
 def _staged_shared(x2: Any, k: int, bits: int) -> int | None:
-    """qgemv_staged's shared memory for these rows, or None where it does not take them."""
+    """The staged product's shared memory for these rows (qgemv_dot's where it multiplies in integers, else
+    qgemv_staged's), or None where it does not take them."""
     rows_cap = next((r for r in (1, 2, 4) if r >= x2.shape[0]), 0)
     if QGEMV != "staged" or not rows_cap:
         return None
@@ -419,9 +420,10 @@ QGEMV = "staged"
 fit), "direct" (qgemv: x read from L1 for every weight), "rows" (qlinear_rows: 4-byte loads, the first kernel)."""
 
 QGEMV_STAGED_SMEM = 96 * 1024
-"""Most shared memory qgemv_staged's staged x may take (ROWS x K float32 and the piece sums): 2 blocks of it still
-fit an SM of the H100 (228 KB); beyond it, and above 4 input rows, qgemv (a decode step's 1 row takes 8 KB at
-K = 2048, 56 KB at 14336)."""
+"""Most shared memory the staged products' x may take (qgemv_staged: ROWS x K float32 and the piece sums; qgemv_dot:
+ROWS x K int8 codes and 8 bytes a piece): 2 blocks of it still fit an SM of the H100 (228 KB); beyond it, and above
+4 input rows, qgemv (qgemv_staged's 1 row takes 8 KB at K = 2048, 56 KB at 14336; qgemv_dot's 4 rows 72 KB at
+14336)."""
 
 QGEMV_WEIGHT_ROWS: int | None = None
 """qgemv_staged's weight rows per warp (1, 2 or 4); None: by the layer's size (_staged_weight_rows)."""
