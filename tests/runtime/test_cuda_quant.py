@@ -297,3 +297,39 @@ def test_gemm_rows_row_does_not_depend_on_the_other_rows(monkeypatch) -> None:
     dense = linalg.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
     np.testing.assert_allclose(cp.asnumpy(full).astype(np.float32), cp.asnumpy(dense).astype(np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("rows,half,splits", [(9, 77, 1), (24, 100, 4), (64, 64, None)])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gemm_rows_gated_form_gives_the_bits_of_the_two_kernels(bits, rows, half, splits, dtype, activation,
+                                                                monkeypatch) -> None:
+    """gemm_rows's gated form (a block's 32 gate rows and their 32 up rows, act(gate) * up in its epilogue or in
+    gemm_rows_reduce where K is split) against the plain gemm_rows and gated_activation run apart: the same bits,
+    for quantized weights (gated_quantized_linear) and 16-bit ones (gated_linear, DENSE_GEMM_ROWS)."""
+    import cupy as cp
+
+    from kiln.runtime.backends import composite
+    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, linalg
+
+    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(linalg, "DENSE_GEMM_ROWS", True)
+    rng = np.random.default_rng(rows + half + bits)
+    k = 512
+    launched = _kernels_looked_up(linalg, monkeypatch)
+    if bits == 16:
+        x, w, bias = (cp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((rows, k), (2 * half, k),
+                                                                                         (2 * half,)))
+        got = linalg.gated_linear(x, w, bias, activation)
+        sizes = [f[2] for f in launched if f[0] == "gemm_rows"]
+        want = composite.gated_linear(CUDA_KERNELS.kernels, x, w, bias, activation)
+    else:
+        args, _ = _case(rng, (rows,), 2 * half, k, bits, 32, True, dtype, True)
+        arrays = [None if a is None else cp.asarray(a) for a in args]
+        got = linalg.gated_quantized_linear(*arrays, bits, 32, False, activation)
+        sizes = [f[2] for f in launched if f[0] == "gemm_rows"]
+        want = composite.gated_quantized_linear(CUDA_KERNELS.kernels, *arrays, bits, 32, False, activation)
+    assert sizes == [100 + bits]
+    assert got.shape == want.shape == (rows, half) and got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))

@@ -133,9 +133,7 @@ def _linear(x2: Any, weight_t: Any, bias: Any) -> Any:
     PyTorch's addmm does."""
     if _gemv_applies(x2, weight_t.T, bias):
         return _gemv(x2, weight_t.T, bias)
-    if (DENSE_GEMM_ROWS and weight_t.dtype == x2.dtype and weight_t.T.flags.c_contiguous
-            and (bias is None or (bias.dtype == x2.dtype and bias.flags.c_contiguous))
-            and _gemm_rows_apply(x2, weight_t)):
+    if _dense_gemm_rows_apply(x2, weight_t.T, bias):
         return _gemm_rows(x2, weight_t.T, None, None, bias, 16, 32, np.int32(0))
     if not (x2.dtype == weight_t.dtype and cublas.supports(x2.dtype)):
         out = cp.matmul(x2, weight_t)
@@ -163,6 +161,9 @@ def gated_linear(x: Any, weight: Any, bias: Any, activation: str) -> Any:
     x2 = x.reshape(-1, x.shape[-1])
     if activation in GATE_CODES and weight.shape[0] % 2 == 0 and _gemv_applies(x2, weight, bias):
         return _gemv(x2, weight, bias, activation).reshape(*x.shape[:-1], weight.shape[0] // 2)
+    if activation in GATE_CODES and weight.shape[0] % 2 == 0 and _dense_gemm_rows_apply(x2, weight, bias):
+        out = _gemm_rows(x2, weight, None, None, bias, 16, 32, np.int32(0), activation)
+        return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
     return composite.gated_linear(CUDA_KERNELS.kernels, x, weight, bias, activation)
 
 
@@ -251,6 +252,12 @@ def _gemm_rows_apply(x2: Any, w: Any) -> bool:
             and x2.shape[1] % 32 == 0 and x2.flags.c_contiguous and x2.data.ptr % 16 == 0 and w.data.ptr % 16 == 0)
 
 
+def _dense_gemm_rows_apply(x2: Any, weight: Any, bias: Any) -> bool:
+    """Whether a 16-bit weight [N, K] (row-major) and bias take gemm_rows<S, 16> (DENSE_GEMM_ROWS)."""
+    return (DENSE_GEMM_ROWS and weight.dtype == x2.dtype and weight.flags.c_contiguous
+            and (bias is None or (bias.dtype == x2.dtype and bias.flags.c_contiguous)) and _gemm_rows_apply(x2, weight))
+
+
 def _gemm_rows_splits(n: int, k: int) -> int:
     """Splits of K for gemm_rows: enough blocks for two per SM of the GPU where the 64-output tiles alone give fewer
     (the 1B shape's q/k/v, 3072 outputs, makes 48 tiles for 132 SMs), each split at least 8 stages of 32; at most 8,
@@ -263,28 +270,30 @@ def _gemm_rows_splits(n: int, k: int) -> int:
     return max(1, min(8, k // (32 * 8), -(-2 * sms // tiles)))
 
 
-def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int,
-               zero_mode: Any) -> Any:
+def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,
+               activation: str = "") -> Any:
     """quant.cu's gemm_rows (and gemm_rows_reduce where K is split): x2 [9..64, K] times w [N, K] (codes of `bits`
-    4 or 8 with their scale and zero, or 16: the weight in x2's type, scale and zero None)."""
+    4 or 8 with their scale and zero, or 16: the weight in x2's type, scale and zero None); with an activation, w
+    stacks gate and up rows and the result is act(gate) * up [rows, N / 2]."""
     rows, k = x2.shape
     n = w.shape[0]
-    out = cp.empty((rows, n), dtype=x2.dtype)
+    width = n // 2 if activation else n
+    out = cp.empty((rows, width), dtype=x2.dtype)
     stages = k // 32
     per_split = -(-stages // _gemm_rows_splits(n, k))
     splits = -(-stages // per_split)  # (no split without stages)
     partial = cp.empty((splits, rows, n), dtype=np.float32) if splits > 1 else out
     scale = x2 if scale is None else scale
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
-    nvrtc.function("quant", "gemm_rows", x2.dtype, bits)(
-        (-(-n // 64), -(-rows // 64), splits), (128,),
+    act = np.int32(GATE_CODES[activation] if activation else 0)
+    nvrtc.function("quant", "gemm_rows", x2.dtype, (100 if activation else 0) + bits)(
+        (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
-         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split)))
+         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act))
     if splits > 1:
-        total = rows * n
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
-            grid(total), (256,), (partial, bias_arg, out, np.int64(total), np.int32(n), np.int32(splits),
-                                  np.int32(bias is not None)))
+            grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),
+                                         np.int32(bias is not None), act))
     return out
 
 
@@ -364,6 +373,10 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
         out = cp.empty((x2.shape[0], n // 2), dtype=scale.dtype)
         _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, quant_zero_mode(zero, offset), shared,
                       activation)
+        return out.reshape(*lead, n // 2)
+    if (QGEMM and activation in GATE_CODES and n % 2 == 0 and bits in (4, 8) and group_size % 32 == 0
+            and _quant_parts_apply(x2, q, scale, zero, bias) and _gemm_rows_apply(x2 := cp.ascontiguousarray(x2), q)):
+        out = _gemm_rows(x2, q, scale, zero, bias, bits, group_size, quant_zero_mode(zero, offset), activation)
         return out.reshape(*lead, n // 2)
     return composite.gated_quantized_linear(CUDA_KERNELS.kernels, x, q, scale, zero, bias, bits, group_size, offset,
                                             activation)

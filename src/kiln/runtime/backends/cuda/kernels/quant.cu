@@ -695,7 +695,7 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 }
 
 // gemm_rows<S>: F16 BF16
-// gemm_rows<N>: 4 8 16
+// gemm_rows<N>: 4 8 16 104 108 116
 // out = x W^T + bias for 9 to 64 input rows (a batched decode step's, linalg.GEMM_ROWS_MAX) on the tensor cores.
 // N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
 // in the storage type itself (linalg.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
@@ -707,8 +707,11 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 // multiple of 32) into the tile, rounded to the storage type as `dequantize` rounds them, so the products are those
 // of dequantize + a GEMM, mma m16n8k16 with float32 sums. With one split the block writes out (and bias); with
 // several it writes its float32 sums to partial[z] and gemm_rows_reduce adds the splits in order (the same bits on
-// every run; a row's result never depends on the other rows). Needs K (and the group) multiples of 32, and x, W
-// 16-byte aligned (linalg.py checks).
+// every run; a row's result never depends on the other rows). N + 100: the gated form (gated_linear's and
+// gated_quantized_linear's): W stacks gate rows then up rows (n of them in all), a block takes 32 gate rows and the
+// 32 up rows that pair with them, and out [rows, n / 2] is act(gate) * up, each half rounded to S with its bias first
+// (`act`: common.cuh's gate_activation), in the block or, where K is split, in gemm_rows_reduce. Needs K (and the
+// group) multiples of 32, and x, W 16-byte aligned (linalg.py checks).
 #define ROWS_TILE 64
 #define ROWS_K 32
 #define ROWS_PAD 8  // halves after each shared row: rows 80 bytes apart, as expert_gemm's
@@ -721,8 +724,10 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
                                                  const typename S::T* __restrict__ bias,
                                                  typename S::T* __restrict__ out,
                                                  float* __restrict__ partial, int rows, int n, int k, int group,
-                                                 int zero_mode, int has_bias, int stages_a_split) {
+                                                 int zero_mode, int has_bias, int stages_a_split, int act) {
     typedef typename S::T T;
+    constexpr int BITS = N % 100;
+    constexpr bool GATED = N >= 100;
     constexpr int LD = ROWS_K + ROWS_PAD;
     __shared__ __align__(16) T xs[2][ROWS_TILE][LD];
     __shared__ __align__(16) T ws[2][ROWS_TILE][LD];
@@ -741,35 +746,38 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
         xvalid[j] = r < rows;
         xsrc[j] = xvalid[j] ? x + (long long)r * k + piece : x;
     }
-    // W: each thread dequantizes 16 weights of row wr, columns wc .. wc + 15 of the stage
-    const int wr = tid >> 1, wc = (tid & 1) * 16, ngroups = k / group, row_bytes = k * N / 8;
-    const bool wvalid = n0 + wr < n;
-    const unsigned char* qrow = q + (long long)(wvalid ? n0 + wr : 0) * row_bytes;
-    const long long grow = (long long)(wvalid ? n0 + wr : 0) * ngroups;
+    // W: each thread dequantizes 16 weights of the tile's row wr (gated: rows 0-31 gate rows, 32-63 their up rows),
+    // columns wc .. wc + 15 of the stage
+    const int wr = tid >> 1, wc = (tid & 1) * 16, ngroups = k / group, row_bytes = k * BITS / 8, half = n / 2;
+    const int o0 = blockIdx.x * (ROWS_TILE / 2);  // (gated: the block's first output)
+    const int w_row = GATED ? (wr < 32 ? o0 + wr : half + o0 + wr - 32) : n0 + wr;
+    const bool wvalid = GATED ? o0 + (wr & 31) < half : w_row < n;
+    const unsigned char* qrow = q + (long long)(wvalid ? w_row : 0) * row_bytes;
+    const long long grow = (long long)(wvalid ? w_row : 0) * ngroups;
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
-    const float zdefault = N == 4 ? 8.0f : 0.0f;
+    const float zdefault = BITS == 4 ? 8.0f : 0.0f;
     uint4 codes = make_uint4(0u, 0u, 0u, 0u), plain = make_uint4(0u, 0u, 0u, 0u);  // (plain: N = 16's second half)
     float s = 0.0f, z = 0.0f;
     auto load_codes = [&](int stage) {
         const int j0 = stage * ROWS_K + wc;
         if (wvalid) {
-            const unsigned char* at = qrow + j0 * N / 8;
-            if (N == 16) {
+            const unsigned char* at = qrow + j0 * BITS / 8;
+            if (BITS == 16) {
                 codes = reinterpret_cast<const uint4*>(at)[0], plain = reinterpret_cast<const uint4*>(at)[1];
-            } else if (N == 8) {
+            } else if (BITS == 8) {
                 codes = *reinterpret_cast<const uint4*>(at);
             } else {
                 const uint2 half = *reinterpret_cast<const uint2*>(at);
                 codes.x = half.x, codes.y = half.y;
             }
-            if (N != 16) {
+            if (BITS != 16) {
                 s = S::load(scale[grow + j0 / group]);
                 z = has_zero ? S::load(zero[grow + j0 / group]) : zdefault;
             }
         }
     };
     auto store_weights = [&](int buffer) {  // the registers' 16 weights, dequantized as `dequantize` does
-        if (N == 16) {  // (zeros past the last row: load_codes left them)
+        if (BITS == 16) {  // (zeros past the last row: load_codes left them)
             *reinterpret_cast<uint4*>(&ws[buffer][wr][wc]) = codes;
             *reinterpret_cast<uint4*>(&ws[buffer][wr][wc + 8]) = plain;
             return;
@@ -778,7 +786,7 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
         unsigned int packed[8];  // (two 16-bit weights a word, the first low: kept in registers, no local array)
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-            const float c = N == 8 ? (float)(signed char)((word[i / 4] >> (8 * (i % 4))) & 255u)
+            const float c = BITS == 8 ? (float)(signed char)((word[i / 4] >> (8 * (i % 4))) & 255u)
                                    : (float)((word[i / 8] >> (4 * (i % 8))) & 15u);
             const unsigned int v = S::store(!wvalid ? 0.0f
                                             : zero_mode >= ZERO_OFFSETS ? c * s + (has_zero ? z : 0.0f) : (c - z) * s);
@@ -833,16 +841,36 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     if (!busy) return;
     const bool split = gridDim.z > 1;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the warp's 16
-        const int r = m_base + m0 + g + 8 * half;
+    for (int h8 = 0; h8 < 2; ++h8) {  // rows g and g + 8 of the warp's 16
+        const int r = m_base + m0 + g + 8 * h8;
         if (r >= rows) continue;
+        if (GATED) {  // fragments j < 4: the gate rows' columns, j + 4 their up rows'
+#pragma unroll
+            for (int j = 0; j < ROWS_TILE / 16; ++j) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int o = o0 + 8 * j + t2 + i;
+                    if (o >= half) continue;
+                    const float gv = acc[j][2 * h8 + i], uv = acc[j + ROWS_TILE / 16][2 * h8 + i];
+                    if (split) {
+                        float* prow = partial + ((long long)blockIdx.z * rows + r) * n;
+                        prow[o] = gv, prow[half + o] = uv;
+                    } else {
+                        const float gate = S::load(S::store(gv + (has_bias ? S::load(bias[o]) : 0.0f)));
+                        const float up = S::load(S::store(uv + (has_bias ? S::load(bias[half + o]) : 0.0f)));
+                        out[(long long)r * half + o] = S::store(gate_activation(gate, act) * up);
+                    }
+                }
+            }
+            continue;
+        }
 #pragma unroll
         for (int j = 0; j < ROWS_TILE / 8; ++j) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int c = n0 + 8 * j + t2 + i;
                 if (c >= n) continue;
-                const float v = acc[j][2 * half + i];
+                const float v = acc[j][2 * h8 + i];
                 if (split)
                     partial[((long long)blockIdx.z * rows + r) * n + c] = v;
                 else
@@ -853,15 +881,31 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
 }
 
 // gemm_rows_reduce<S>: F16 BF16
-// out[r, c] = partial[0][r, c] + ... + partial[splits - 1][r, c] + bias[c], in split order, rounded once.
+// out[r, c] = partial[0][r, c] + ... + partial[splits - 1][r, c] + bias[c], in split order, rounded once; with act
+// (gated_activation's code, > 0) out [rows, n / 2] = act(gate) * up from the summed gate and up columns, each
+// rounded with its bias first, as gemm_rows's gated form writes them.
 template <class S>
 __global__ void gemm_rows_reduce(const float* __restrict__ partial, const typename S::T* __restrict__ bias,
-                                 typename S::T* __restrict__ out, long long total, int n, int splits, int has_bias) {
+                                 typename S::T* __restrict__ out, int rows, int n, int splits, int has_bias, int act) {
     grid_dependency_sync();
+    const long long plane = (long long)rows * n;
+    const int width = act ? n / 2 : n;
+    const long long total = (long long)rows * width;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
-        float v = 0.0f;
-        for (int z = 0; z < splits; ++z) v += partial[z * total + i];
-        out[i] = S::store(v + (has_bias ? S::load(bias[i % n]) : 0.0f));
+        const long long r = i / width;
+        const int c = (int)(i - r * width);
+        float v = 0.0f, u = 0.0f;
+        for (int z = 0; z < splits; ++z) {
+            v += partial[z * plane + r * n + c];
+            if (act) u += partial[z * plane + r * n + width + c];
+        }
+        v += has_bias ? S::load(bias[c]) : 0.0f;
+        if (act) {
+            const float up = S::load(S::store(u + (has_bias ? S::load(bias[width + c]) : 0.0f)));
+            out[i] = S::store(gate_activation(S::load(S::store(v)), act) * up);
+        } else {
+            out[i] = S::store(v);
+        }
     }
 }
