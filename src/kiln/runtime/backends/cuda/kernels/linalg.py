@@ -184,7 +184,8 @@ def add_rms_norm_linear(x: Any, residual: Any, norm_weight: Any, weight: Any, bi
 
 
 QUANT_ROWS = 8
-"""Up to this many input rows the row-streaming kernel runs (as quant.cu's MAX_ROWS); above, dequantize + cuBLAS."""
+"""Up to this many input rows the row-streaming kernels run (as quant.cu's MAX_ROWS); above, gemm_rows up to
+GEMM_ROWS_MAX rows, then dequantize + cuBLAS."""
 QUANT_WARPS = 8  # warps per block of qlinear_rows, as quant.cu's WARPS
 
 
