@@ -1,5 +1,6 @@
-"""The GPU's weight-only quantized linear (row-streaming kernel for a few rows, dequantize + cuBLAS for more)
-against the op's definition (the portable dequantization), in the storage types a model uses."""
+"""The GPU's weight-only quantized linear (row-streaming kernels for a few rows, gemm_rows on the tensor cores for a
+batched step's 9-64, dequantize + cuBLAS for more) against the op's definition (the portable dequantization), in the
+storage types a model uses."""
 
 from __future__ import annotations
 
