@@ -32,16 +32,7 @@ import gpu_harness  # noqa: E402
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import copy_bandwidth, device_line, gpu_op_times, print_table, time_round_robin  # noqa: E402
 from gpu_llm import write_results  # noqa: E402
-from harness import stderr_log  # noqa: E402
-
-
-def quantize_spec(spec: str):
-    """kiln.export.Quantize of MODE[-gGROUP][-sym] (int4, int8-sym, int4-g32-sym)."""
-    from kiln.export import Quantize
-
-    mode, *rest = spec.split("-")
-    group = next((int(p[1:]) for p in rest if p.startswith("g")), None)
-    return Quantize(mode, group, "sym" in rest)
+from harness import quantize_spec, stderr_log  # noqa: E402
 
 
 def step_bytes(program) -> int:

@@ -24,8 +24,7 @@ os.environ["KILN_CUDA_TIMELINE"] = "1"  # before kiln's kernels are compiled
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 from gpu_harness import check_quant_kernels, device_line, print_table, select_quant_kernel  # noqa: E402
 from gpu_llm import MOE_SIZES, llama_program  # noqa: E402
-from gpu_quant_decode import quantize_spec  # noqa: E402
-from harness import stderr_log  # noqa: E402
+from harness import quantize_spec, stderr_log  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,6 +70,15 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def quantize_spec(spec: str):
+    """kiln.export.Quantize of MODE[-gGROUP][-sym] (int4, int8-sym, int4-g32-sym), the benchmarks' --quantize."""
+    from kiln.export import Quantize
+
+    mode, *rest = spec.split("-")
+    group = next((int(p[1:]) for p in rest if p.startswith("g")), None)
+    return Quantize(mode, group, "sym" in rest)
+
+
 def stderr_log(line: str) -> None:
     """Progress goes to stderr, so that stdout holds only the results."""
     print(line, file=sys.stderr, flush=True)

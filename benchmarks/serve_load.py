@@ -58,15 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=64, help="--export-llama: KV-cache slots (default: 64)")
     p.add_argument("--max-context", type=int, default=1024, help="--export-llama: context (default: 1024)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="--export-llama: prefill chunk (default: 256)")
+    p.add_argument("--quantize", metavar="SPEC", help="--export-llama: weight-only quantization, MODE[-gGROUP][-sym] "
+                   "(int4-g32-sym is Q4_0's layout; default: none)")
     p.add_argument("--engine-in", choices=("process", "thread"), default="process",
                    help="the server's engine in a process of its own (default, as `kiln serve`) or on a thread")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def export_llama_shape(path: Path, shape: str, dtype: str, slots: int, max_context: int, chunk: int) -> None:
+def export_llama_shape(path: Path, shape: str, dtype: str, slots: int, max_context: int, chunk: int,
+                       quantize: str | None = None) -> None:
     """A random-weight Llama of `shape` (seed 0) exported with slots, a word-level tokenizer ("w0", "w1", ...) of
-    its whole vocabulary in the program so that every token id streams as text."""
+    its whole vocabulary in the program so that every token id streams as text; weights quantized by `quantize`
+    (harness.quantize_spec) where given."""
     import torch
     from cpu_compare import LLAMA_SIZES
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -82,9 +86,13 @@ def export_llama_shape(path: Path, shape: str, dtype: str, slots: int, max_conte
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     metadata = {info.VOCAB_SIZE_KEY: str(config.vocab_size), info.STOP_TOKENS_KEY: "[]", info.NAME_KEY: shape,
                 info.TOKENIZER_KEY: tokenizer.to_str()}
+    from harness import quantize_spec
+
     start = time.perf_counter()
-    export_llama(model, max_context, chunk, slots=slots, metadata=metadata).save(path)
-    print(f"exported {shape} ({dtype}, {slots} slots, context {max_context}) to {path} in "
+    options = {"quantize": quantize_spec(quantize)} if quantize else {}
+    export_llama(model, max_context, chunk, slots=slots, metadata=metadata, **options).save(path)
+    print(f"exported {shape} ({dtype}{', ' + quantize if quantize else ''}, {slots} slots, context {max_context}) to "
+          f"{path} in "
           f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO / "benchmarks"))
     if args.export_llama and not args.program.exists():
         export_llama_shape(args.program, args.export_llama, args.dtype, args.slots, args.max_context,
-                           args.prefill_chunk)
+                           args.prefill_chunk, args.quantize)
     import kiln
     from kiln.runtime.llm.info import LLMInfo
 
