@@ -424,6 +424,7 @@ def _interleaves(rows: int, k: int) -> bool:
         return QDOT_INTERLEAVED
     return rows * k > 8 * 32 * QUANT_WARPS
 
+
 QGEMV_GATED = True
 """Whether gated_quantized_linear runs qgemv_staged's gated form (benchmarks/gpu_quant_decode.py's A/B: False runs
 the product and gated_activation as two kernels)."""
