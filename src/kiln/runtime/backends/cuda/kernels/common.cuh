@@ -299,6 +299,29 @@ __device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b
 KILN_MMA16816(BF16, "bf16")
 KILN_MMA16816(F16, "f16")
 
+// One stage of a tile product whose operands are K-contiguous rows in shared memory (mma's row.col form, nothing
+// transposed): acc[j] += the warp's 16 rows of x (xs rows m0 ..) times the 8 weight rows 8 j .. 8 j + 7 of w, over
+// the stage's KTILE columns. experts.cu's expert_gemm and quant.cu's gemm_rows.
+template <class S, int KTILE, int NFRAG, int LD>
+__device__ __forceinline__ void mma_stage(float (&acc)[NFRAG][4], const typename S::T (*xs)[LD],
+                                          const typename S::T (*ws)[LD], int m0, int lane) {
+    const int g = lane >> 2, t2 = (lane & 3) * 2;
+#pragma unroll
+    for (int ks = 0; ks < KTILE; ks += 16) {
+        unsigned a[4];
+        a[0] = *reinterpret_cast<const unsigned*>(&xs[m0 + g][ks + t2]);
+        a[1] = *reinterpret_cast<const unsigned*>(&xs[m0 + g + 8][ks + t2]);
+        a[2] = *reinterpret_cast<const unsigned*>(&xs[m0 + g][ks + t2 + 8]);
+        a[3] = *reinterpret_cast<const unsigned*>(&xs[m0 + g + 8][ks + t2 + 8]);
+#pragma unroll
+        for (int j = 0; j < NFRAG; ++j) {
+            const unsigned b0 = *reinterpret_cast<const unsigned*>(&ws[8 * j + g][ks + t2]);
+            const unsigned b1 = *reinterpret_cast<const unsigned*>(&ws[8 * j + g][ks + t2 + 8]);
+            mma16816<S>(acc[j], a, b0, b1);
+        }
+    }
+}
+
 // 16 bytes copied from global to shared memory without passing through registers (cp.async); `valid` false
 // writes zeros and reads nothing. The copies a thread issued land by cp_async_wait.
 __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {

@@ -125,22 +125,7 @@ __global__ void __launch_bounds__(128) expert_gemm(const typename S::T* __restri
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (busy) {
-#pragma unroll
-            for (int ks = 0; ks < EXPERT_TILE_K; ks += 16) {
-                unsigned a[4];
-                a[0] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g][ks + t2]);
-                a[1] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g + 8][ks + t2]);
-                a[2] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g][ks + t2 + 8]);
-                a[3] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g + 8][ks + t2 + 8]);
-#pragma unroll
-                for (int j = 0; j < EXPERT_TILE_N / 8; ++j) {
-                    const unsigned b0 = *reinterpret_cast<const unsigned*>(&ws[buffer][8 * j + g][ks + t2]);
-                    const unsigned b1 = *reinterpret_cast<const unsigned*>(&ws[buffer][8 * j + g][ks + t2 + 8]);
-                    mma16816<S>(acc[j], a, b0, b1);
-                }
-            }
-        }
+        if (busy) mma_stage<S, EXPERT_TILE_K>(acc, xs[buffer], ws[buffer], m0, lane);
         __syncthreads();  // (the next stage's copy overwrites this buffer)
     }
     if (!busy) return;

@@ -6,6 +6,7 @@ step reads 2x/4x fewer weight bytes than bfloat16), larger batches dequantize an
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import cupy as cp
@@ -267,8 +268,13 @@ def _gemm_rows_splits(n: int, k: int) -> int:
     if GEMM_ROWS_SPLITS is not None:
         return max(1, min(GEMM_ROWS_SPLITS, k // 32))
     tiles = -(-n // 64)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    return max(1, min(8, k // (32 * 8), -(-2 * sms // tiles)))
+    return max(1, min(8, k // (32 * 8), -(-2 * _multiprocessors(cp.cuda.Device().id) // tiles)))
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    """The GPU's SM count, asked once (CuPy's Device.attributes queries every attribute on each read)."""
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
 def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,

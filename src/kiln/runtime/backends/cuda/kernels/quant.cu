@@ -819,62 +819,37 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (busy) {
-#pragma unroll
-            for (int ks = 0; ks < ROWS_K; ks += 16) {
-                unsigned a[4];
-                a[0] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g][ks + t2]);
-                a[1] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g + 8][ks + t2]);
-                a[2] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g][ks + t2 + 8]);
-                a[3] = *reinterpret_cast<const unsigned*>(&xs[buffer][m0 + g + 8][ks + t2 + 8]);
-#pragma unroll
-                for (int j = 0; j < ROWS_TILE / 8; ++j) {
-                    const unsigned b0 = *reinterpret_cast<const unsigned*>(&ws[buffer][8 * j + g][ks + t2]);
-                    const unsigned b1 = *reinterpret_cast<const unsigned*>(&ws[buffer][8 * j + g][ks + t2 + 8]);
-                    mma16816<S>(acc[j], a, b0, b1);
-                }
-            }
-        }
+        if (busy) mma_stage<S, ROWS_K>(acc, xs[buffer], ws[buffer], m0, lane);
         if (more) store_weights(buffer ^ 1);  // (its last readers finished before this stage's barrier)
         __syncthreads();
     }
     if (!busy) return;
-    const bool split = gridDim.z > 1;
+    constexpr int GATES = ROWS_TILE / 16;  // (gated: fragments j < GATES are gate rows, j + GATES their up rows)
 #pragma unroll
     for (int h8 = 0; h8 < 2; ++h8) {  // rows g and g + 8 of the warp's 16
         const int r = m_base + m0 + g + 8 * h8;
         if (r >= rows) continue;
-        if (GATED) {  // fragments j < 4: the gate rows' columns, j + 4 their up rows'
-#pragma unroll
-            for (int j = 0; j < ROWS_TILE / 16; ++j) {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int o = o0 + 8 * j + t2 + i;
-                    if (o >= half) continue;
-                    const float gv = acc[j][2 * h8 + i], uv = acc[j + ROWS_TILE / 16][2 * h8 + i];
-                    if (split) {
-                        float* prow = partial + ((long long)blockIdx.z * rows + r) * n;
-                        prow[o] = gv, prow[half + o] = uv;
-                    } else {
-                        const float gate = S::load(S::store(gv + (has_bias ? S::load(bias[o]) : 0.0f)));
-                        const float up = S::load(S::store(uv + (has_bias ? S::load(bias[half + o]) : 0.0f)));
-                        out[(long long)r * half + o] = S::store(gate_activation(gate, act) * up);
-                    }
-                }
-            }
-            continue;
-        }
+        float gate[GATES][2];  // (gated: the gate rows' sums with their bias, rounded to S, for the up rows after)
 #pragma unroll
         for (int j = 0; j < ROWS_TILE / 8; ++j) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const int c = n0 + 8 * j + t2 + i;
-                if (c >= n) continue;
+                // the weight row this sum multiplied (gated: o's gate row, or its up row half + o)
+                const int o = GATED ? o0 + 8 * (j % GATES) + t2 + i : n0 + 8 * j + t2 + i;
+                const int c = GATED && j >= GATES ? half + o : o;
+                if (o >= (GATED ? half : n)) continue;
                 const float v = acc[j][2 * h8 + i];
-                if (split)
+                if (gridDim.z > 1) {  // (gemm_rows_reduce adds the bias and, gated, the activation)
                     partial[((long long)blockIdx.z * rows + r) * n + c] = v;
+                    continue;
+                }
+                const float rounded = S::load(S::store(v + (has_bias ? S::load(bias[c]) : 0.0f)));
+                if (!GATED)
+                    out[(long long)r * n + c] = S::store(rounded);
+                else if (j < GATES)
+                    gate[j][i] = rounded;
                 else
-                    out[(long long)r * n + c] = S::store(v + (has_bias ? S::load(bias[c]) : 0.0f));
+                    out[(long long)r * half + o] = S::store(gate_activation(gate[j - GATES][i], act) * rounded);
             }
         }
     }
