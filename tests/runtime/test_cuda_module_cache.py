@@ -93,3 +93,32 @@ def test_a_source_compiled_once_is_loaded_from_the_cache_and_runs(monkeypatch, t
     y = cp.empty_like(x)
     kernel((1,), (64,), (x, x, x, x, y, np.int32(64), np.float32(0.0), np.int32(0), np.int32(0)))
     np.testing.assert_allclose(cp.asnumpy(y), 1.0, rtol=1e-6)
+
+
+@pytest.mark.cuda
+def test_a_module_the_cache_cannot_keep_is_compiled_once_and_runs(monkeypatch, tmp_path) -> None:
+    """On the GPU: where the cache cannot store the binary, the process loads the binary it compiled (from a
+    temporary file) rather than compiling the source a second time through RawModule."""
+    from tests.conftest import BACKENDS
+
+    if "cuda" not in BACKENDS:
+        pytest.skip("needs an NVIDIA GPU with CuPy")
+    import cupy as cp
+    import numpy as np
+    from cupy.cuda import compiler
+
+    from kiln.runtime.backends.cuda import nvrtc, sources
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(module_cache, "store", lambda *a, **kw: None)
+    compiles = []
+    real = compiler.compile_using_nvrtc
+    monkeypatch.setattr(compiler, "compile_using_nvrtc", lambda *a, **kw: compiles.append(1) or real(*a, **kw))
+    source = sources.read("fused")
+    loaded = nvrtc._cached_module("fused", source, nvrtc.OPTIONS, sources.instances(source, "fused"))
+    assert loaded is not None and len(compiles) == 1
+    x = cp.full((1, 64), 2.0, dtype=cp.float32)
+    y = cp.empty_like(x)
+    loaded.get_function("rms_norm<F32>")((1,), (64,), (x, x, x, x, y, np.int32(64), np.float32(0.0), np.int32(0),
+                                                        np.int32(0)))
+    np.testing.assert_allclose(cp.asnumpy(y), 1.0, rtol=1e-6)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import cupy as cp
@@ -79,19 +81,27 @@ def _cached_module(name: str, source: str, options: tuple[str, ...], expressions
 
             binary, names = compiler.compile_using_nvrtc(source, options + RAW_MODULE_OPTIONS,
                                                          name_expressions=expressions)
-            path = module_cache.store(folder, name, key, binary.encode() if isinstance(binary, str) else binary,
-                                      dict(names))
-            if path is None:
-                return None
+            data = binary.encode() if isinstance(binary, str) else binary
+            path = module_cache.store(folder, name, key, data, dict(names))
+            if path is None:  # (a cache that cannot be written: this process loads what it compiled, once)
+                with tempfile.TemporaryDirectory() as scratch:
+                    path = Path(scratch) / f"{name}.cubin"
+                    path.write_bytes(data)
+                    return _loaded(path, dict(names), expressions)
             found = path, dict(names)
-        path, names = found
-        compiled = SourceModule(cp.RawModule(path=str(path)), names)
-        if expressions and not isinstance(compiled.get_function(expressions[0]), cp.RawKernel):  # (launch.Kernel's)
-            raise TypeError("a RawModule loaded from a file did not give RawKernels")
-        return compiled
+        return _loaded(*found, expressions)
     except Exception as exc:  # (any failure here leaves the compile to RawModule, as before the cache)
         log.warning("kiln's CUDA module cache is not used for %s.cu (%s: %s)", name, type(exc).__name__, exc)
         return None
+
+
+def _loaded(path: Path, names: dict[str, str], expressions: list[str]) -> SourceModule:
+    """The module in the binary at `path`, loaded now (CuPy loads a file's module on first use, and keeps it)."""
+    compiled = SourceModule(cp.RawModule(path=str(path)), names)
+    compiled.raw.compile()
+    if expressions and not isinstance(compiled.get_function(expressions[0]), cp.RawKernel):  # (launch.Kernel's)
+        raise TypeError("a RawModule loaded from a file did not give RawKernels")
+    return compiled
 
 
 @functools.cache
