@@ -39,6 +39,30 @@ def step_inputs(info, rows: int, position: int) -> tuple:
     return (np.full((rows, 1), 42, np.int64), np.asarray(positions, np.int64), *slot_inputs(info, slot_of))
 
 
+SWITCHES = {"slot-runs": ("attention", "SLOT_RUNS", False), "dense-gemm-rows": ("linalg", "DENSE_GEMM_ROWS", True)}
+"""--compare-NAME: the cuda kernels module and its switch, set to the value for that session's capture."""
+
+
+def captured_session(program, info, args, module: str, switch: str, value: bool):
+    """A session whose CUDA graphs for every batch were captured with `module.switch = value` (set back after):
+    a graph replays the kernels chosen at capture, so the two sessions run their own choices interleaved."""
+    import importlib
+
+    from kiln.runtime.graphs import WARMUP_RUNS
+
+    kernels = importlib.import_module(f"kiln.runtime.backends.cuda.kernels.{module}")
+    before = getattr(kernels, switch)
+    setattr(kernels, switch, value)
+    try:
+        session = program.session("cuda")
+        for batch in (int(b) for b in args.batches.split(",")):  # run until captured, with the switch set
+            for _ in range(WARMUP_RUNS + 1):
+                session.run("decode", *step_inputs(info, batch, args.position))
+    finally:
+        setattr(kernels, switch, before)
+    return session
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("program", type=Path)
@@ -51,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps of more rows than this give prompt runs to flash.cu (default: attention.py's)")
     parser.add_argument("--compare-slot-runs", action="store_true",
                         help="also time each batch with every row on the decode kernel (prompt runs not by flash)")
+    parser.add_argument("--compare-dense-gemm-rows", action="store_true",
+                        help="also time each batch with the 16-bit linears at 9-64 rows on quant.cu's gemm_rows "
+                             "(linalg.DENSE_GEMM_ROWS), not cuBLAS")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -72,16 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB; KV bytes per token "
           f"{kv_per_token}", flush=True)
     sessions = {"": session}
-    if args.compare_slot_runs:  # a second session (its own graphs) with every row on the decode kernel
-        from kiln.runtime.backends.cuda.kernels import attention
-        from kiln.runtime.graphs import WARMUP_RUNS
-
-        attention.SLOT_RUNS = False
-        sessions["decode kernel only"] = program.session("cuda")
-        for batch in (int(b) for b in args.batches.split(",")):  # run until captured, with the switch off
-            for _ in range(WARMUP_RUNS + 1):
-                sessions["decode kernel only"].run("decode", *step_inputs(info, batch, args.position))
-        attention.SLOT_RUNS = True
+    for name, (module, switch, value) in SWITCHES.items():  # a session of its own (its own graphs) a switch
+        if getattr(args, "compare_" + name.replace("-", "_")):
+            sessions[name] = captured_session(program, info, args, module, switch, value)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         inputs = step_inputs(info, batch, args.position)

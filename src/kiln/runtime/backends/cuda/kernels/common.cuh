@@ -118,6 +118,13 @@ struct BF16 {
         u += 0x7fffu + ((u >> 16) & 1u);
         return (unsigned short)(u >> 16);
     }
+    // two values rounded as store rounds them (NaN aside: the hardware's canonical NaN), lo in the low half, in one
+    // instruction: kernels that round many values (gemm_rows's dequantized tiles) spend 1 instruction, not ~7 each
+    static __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+        unsigned int u;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
+        return u;
+    }
 };
 
 struct F16 {
@@ -133,6 +140,11 @@ struct F16 {
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
         return h;
+    }
+    static __device__ __forceinline__ unsigned int pack2(float lo, float hi) {  // (as BF16::pack2)
+        unsigned int u;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
+        return u;
     }
     static __device__ __forceinline__ void unpack(const U4& u, float* f) {
         const unsigned int w[4] = {u.x, u.y, u.z, u.w};
@@ -299,36 +311,57 @@ __device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b
 KILN_MMA16816(BF16, "bf16")
 KILN_MMA16816(F16, "f16")
 
+// A shared-memory pointer as the 32-bit address cp.async and ldmatrix take (a kernel that copies every stage works
+// it out once).
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned long long shared;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(p));
+    return (unsigned)shared;
+}
+
+// Four 8x8 matrices of 16-bit values from shared memory (ldmatrix .x4; rows 16-byte aligned): lane l gives the
+// address of row l % 8 of matrix l / 8, and each thread receives, of matrix i, in r[i], the two values of row
+// lane / 4 at columns 2 (lane % 4) and 2 (lane % 4) + 1: an mma fragment, in one instruction for four.
+__device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
 // One stage of a tile product whose operands are K-contiguous rows in shared memory (mma's row.col form, nothing
 // transposed): acc[j] += the warp's 16 rows of x (xs rows m0 ..) times the 8 weight rows 8 j .. 8 j + 7 of w, over
-// the stage's KTILE columns. experts.cu's expert_gemm and quant.cu's gemm_rows.
+// the stage's KTILE columns, the fragments by ldmatrix (x's four 8x8 quarters in one; two weight fragments' b0 and
+// b1 in one). Rows 16-byte aligned, a multiple of 16 bytes apart. experts.cu's expert_gemm and quant.cu's gemm_rows.
 template <class S, int KTILE, int NFRAG, int LD>
 __device__ __forceinline__ void mma_stage(float (&acc)[NFRAG][4], const typename S::T (*xs)[LD],
                                           const typename S::T (*ws)[LD], int m0, int lane) {
-    const int g = lane >> 2, t2 = (lane & 3) * 2;
+    static_assert(NFRAG % 2 == 0 && LD % 8 == 0, "weight fragments go in pairs; rows are whole 16-byte pieces");
 #pragma unroll
     for (int ks = 0; ks < KTILE; ks += 16) {
-        unsigned a[4];
-        a[0] = *reinterpret_cast<const unsigned*>(&xs[m0 + g][ks + t2]);
-        a[1] = *reinterpret_cast<const unsigned*>(&xs[m0 + g + 8][ks + t2]);
-        a[2] = *reinterpret_cast<const unsigned*>(&xs[m0 + g][ks + t2 + 8]);
-        a[3] = *reinterpret_cast<const unsigned*>(&xs[m0 + g + 8][ks + t2 + 8]);
+        unsigned a[4];  // rows m0 + 0-7 and 8-15 at columns ks .., then the same at ks + 8 ..
+        load_matrices(a, &xs[m0 + (lane & 15)][ks + (lane >> 4) * 8]);
 #pragma unroll
-        for (int j = 0; j < NFRAG; ++j) {
-            const unsigned b0 = *reinterpret_cast<const unsigned*>(&ws[8 * j + g][ks + t2]);
-            const unsigned b1 = *reinterpret_cast<const unsigned*>(&ws[8 * j + g][ks + t2 + 8]);
-            mma16816<S>(acc[j], a, b0, b1);
+        for (int j = 0; j < NFRAG; j += 2) {
+            unsigned b[4];  // weight rows 8 j .. at columns ks .. and ks + 8 .., then rows 8 (j + 1) .. the same
+            load_matrices(b, &ws[8 * (j + (lane >> 4)) + (lane & 7)][ks + ((lane >> 3) & 1) * 8]);
+            mma16816<S>(acc[j], a, b[0], b[1]);
+            mma16816<S>(acc[j + 1], a, b[2], b[3]);
         }
     }
 }
 
 // 16 bytes copied from global to shared memory without passing through registers (cp.async); `valid` false
 // writes zeros and reads nothing. The copies a thread issued land by cp_async_wait.
+__device__ __forceinline__ void copy_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
-    unsigned long long shared;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)shared), "l"(src),
-                 "r"(valid ? 16 : 0));
+    copy_async16(shared_address(dst), src, valid);
+}
+// 4 bytes (src 4-byte aligned) copied the same way, reading only its first `bytes` (0, 2 or 4) and zero-filling the
+// rest: a 16-bit value's aligned word where the word's other half may lie past the array's end.
+__device__ __forceinline__ void copy_async4(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int PENDING>

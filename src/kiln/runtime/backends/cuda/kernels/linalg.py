@@ -201,7 +201,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
         return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size, offset).reshape(*lead, n)
     x2 = cp.ascontiguousarray(x2)
     zero_mode = quant_zero_mode(zero, offset)
-    if QGEMM and bits in (4, 8) and group_size % 32 == 0 and scale.dtype == x2.dtype and _gemm_rows_apply(x2, q):
+    if (QGEMM and bits in (4, 8) and group_size % 32 == 0 and scale.dtype == x2.dtype
+            and _gemm_rows_apply(x2, q, scale, zero)):
         return _gemm_rows(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
@@ -247,11 +248,13 @@ GEMM_ROWS_SPLITS: int | None = None
 """gemm_rows's splits of K; None: _gemm_rows_splits."""
 
 
-def _gemm_rows_apply(x2: Any, w: Any) -> bool:
+def _gemm_rows_apply(x2: Any, w: Any, *groups: Any) -> bool:
     """gemm_rows's operands: 16-bit storage (the tensor cores' mma types), 9 to GEMM_ROWS_MAX rows, K whole stages
-    of 32, x and the weight (codes) 16-byte aligned. (A quantized weight's group must be whole stages too.)"""
+    of 64, x and the weight (codes) 16-byte aligned, a quantized weight's scale and zero (`groups`, None where
+    absent) 4-byte aligned (its copies read aligned words). (Its group must be a multiple of 32 too.)"""
     return (QUANT_ROWS < x2.shape[0] <= GEMM_ROWS_MAX and x2.dtype in (np.dtype(np.float16), BFLOAT16)
-            and x2.shape[1] % 32 == 0 and x2.flags.c_contiguous and x2.data.ptr % 16 == 0 and w.data.ptr % 16 == 0)
+            and x2.shape[1] % 64 == 0 and x2.flags.c_contiguous and x2.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+            and all(a.data.ptr % 4 == 0 for a in groups if a is not None))
 
 
 def _dense_gemm_rows_apply(x2: Any, weight: Any, bias: Any) -> bool:
@@ -268,13 +271,40 @@ def _gemm_rows_splits(n: int, k: int) -> int:
     if GEMM_ROWS_SPLITS is not None:
         return max(1, min(GEMM_ROWS_SPLITS, k // 32))
     tiles = -(-n // 64)
-    return max(1, min(8, k // (32 * 8), -(-2 * _multiprocessors(cp.cuda.Device().id) // tiles)))
+    return max(1, min(8, k // (64 * 4), -(-2 * _multiprocessors(cp.cuda.Device().id) // tiles)))
 
 
 @functools.cache
 def _multiprocessors(device: int) -> int:
     """The GPU's SM count, asked once (CuPy's Device.attributes queries every attribute on each read)."""
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+GEMM_ROWS_STAGES = 4
+"""quant.cu's ROWS_STAGES: the ring of stages (64 values of K) gemm_rows streams through shared memory."""
+
+
+def _gemm_rows_shared(bits: int) -> int:
+    """gemm_rows's dynamic shared memory: the ring's x tiles (64 rows of 72 halves) and weight codes (a 16-bit
+    weight's rows padded as x's), and for a quantized weight the ring's scale and zero words and the tile the
+    stage is dequantized into."""
+    x_tiles = GEMM_ROWS_STAGES * 64 * 72 * 2
+    if bits == 16:
+        return 2 * x_tiles
+    return x_tiles + GEMM_ROWS_STAGES * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
+
+
+def _gemm_rows_function(dtype: np.dtype, instance: int) -> Any:
+    """gemm_rows's instance, allowed its dynamic shared memory (over the 48 KB a kernel gets without asking) the
+    first time it is looked up."""
+    function = nvrtc.function("quant", "gemm_rows", dtype, instance)
+    if function not in _GEMM_ROWS_ALLOWED:
+        function.raw.max_dynamic_shared_size_bytes = _gemm_rows_shared(instance % 100)
+        _GEMM_ROWS_ALLOWED.add(function)
+    return function
+
+
+_GEMM_ROWS_ALLOWED: set = set()
 
 
 def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,
@@ -286,17 +316,18 @@ def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, gro
     n = w.shape[0]
     width = n // 2 if activation else n
     out = cp.empty((rows, width), dtype=x2.dtype)
-    stages = k // 32
+    stages = k // 64
     per_split = -(-stages // _gemm_rows_splits(n, k))
     splits = -(-stages // per_split)  # (no split without stages)
     partial = cp.empty((splits, rows, n), dtype=np.float32) if splits > 1 else out
     scale = x2 if scale is None else scale
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
     act = np.int32(GATE_CODES[activation] if activation else 0)
-    nvrtc.function("quant", "gemm_rows", x2.dtype, (100 if activation else 0) + bits)(
+    _gemm_rows_function(x2.dtype, (100 if activation else 0) + bits)(
         (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
-         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act))
+         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
+        shared_mem=_gemm_rows_shared(bits))
     if splits > 1:
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),
@@ -382,7 +413,8 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
                       activation)
         return out.reshape(*lead, n // 2)
     if (QGEMM and activation in GATE_CODES and n % 2 == 0 and bits in (4, 8) and group_size % 32 == 0
-            and _quant_parts_apply(x2, q, scale, zero, bias) and _gemm_rows_apply(x2 := cp.ascontiguousarray(x2), q)):
+            and _quant_parts_apply(x2, q, scale, zero, bias)
+            and _gemm_rows_apply(x2 := cp.ascontiguousarray(x2), q, scale, zero)):
         out = _gemm_rows(x2, q, scale, zero, bias, bits, group_size, quant_zero_mode(zero, offset), activation)
         return out.reshape(*lead, n // 2)
     return composite.gated_quantized_linear(CUDA_KERNELS.kernels, x, q, scale, zero, bias, bits, group_size, offset,

@@ -699,22 +699,29 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 // out = x W^T + bias for 9 to 64 input rows (a batched decode step's, linalg.GEMM_ROWS_MAX) on the tensor cores.
 // N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
 // in the storage type itself (linalg.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
-// scale and zero unused). The quantized path before it dequantized the whole weight to a dense copy in global
-// memory for cuBLAS on every call, writing and reading 4 (int4) or 2 (int8) times the bytes of its codes. A block
-// takes 64 rows of x (4 warps of 16) and 64 outputs, over its share of K (blockIdx.z of gridDim.z splits, whole
-// stages of 32): each stage's x tile lands by cp.async while the next stage's weights (codes, scale and zero) are
-// loaded into registers; a thread writes 16 weights of one row (dequantized within one group: the group is a
-// multiple of 32) into the tile, rounded to the storage type as `dequantize` rounds them, so the products are those
-// of dequantize + a GEMM, mma m16n8k16 with float32 sums. With one split the block writes out (and bias); with
-// several it writes its float32 sums to partial[z] and gemm_rows_reduce adds the splits in order (the same bits on
-// every run; a row's result never depends on the other rows). N + 100: the gated form (gated_linear's and
-// gated_quantized_linear's): W stacks gate rows then up rows (n of them in all), a block takes 32 gate rows and the
-// 32 up rows that pair with them, and out [rows, n / 2] is act(gate) * up, each half rounded to S with its bias first
-// (`act`: common.cuh's gate_activation), in the block or, where K is split, in gemm_rows_reduce. Needs K (and the
-// group) multiples of 32, and x, W 16-byte aligned (linalg.py checks).
+// scale and zero unused). A block takes 64 rows of x (4 warps of 16) and 64 outputs, over its share of K (blockIdx.z
+// of gridDim.z splits, whole stages of 64). The stages stream through a ring of ROWS_STAGES slots in shared memory
+// (x tile, weight codes, and the 4-byte words holding each half row's scale and zero, all by cp.async), three stages
+// in flight while one is multiplied (the first form of this kernel, registers one stage ahead, waited a memory
+// latency a stage). Each stage a thread dequantizes 32 weights of one row (within one group: the group is a multiple
+// of 32) from the ring into the tile the mma reads, rounded to the storage type as `dequantize` rounds them (two at
+// a time by the hardware's cvt), so the products are those of dequantize + a GEMM, mma m16n8k16 with float32 sums
+// and ldmatrix fragments; a 16-bit weight is multiplied from its ring slot as it is. The kernel is bound by the
+// instructions it issues, not by memory (Nsight Compute, H200, 1B gate/up int4 at 64 rows: 5.8% of DRAM bandwidth,
+// 26.3M warp instructions, ~776 a warp a stage in software rounding and per-copy address arithmetic): copies'
+// addresses are worked out once, groups counted without division, ~360 a warp a stage (SASS, sm_90).
+// With one split the block writes out (and bias); with several it writes its float32 sums to partial[z] and
+// gemm_rows_reduce adds the splits in order (the same bits on every run; a row's result never depends on the other
+// rows). N + 100: the gated form (gated_linear's and gated_quantized_linear's): W stacks gate rows then up rows (n of
+// them in all), a block takes 32 gate rows and the 32 up rows that pair with them, and out [rows, n / 2] is
+// act(gate) * up, each half rounded to S with its bias first (`act`: common.cuh's gate_activation), in the block or,
+// where K is split, in gemm_rows_reduce. Needs K a multiple of 64, the group of 32, x and W 16-byte aligned, scale
+// and zero 4-byte aligned (linalg.py checks). Dynamic shared memory: linalg._gemm_rows_shared's bytes.
 #define ROWS_TILE 64
-#define ROWS_K 32
-#define ROWS_PAD 8  // halves after each shared row: rows 80 bytes apart, as expert_gemm's
+#define ROWS_K 64
+#define ROWS_LD 72      // halves a shared row of x (and of a 16-bit weight): 144 bytes apart, so the mma's fragment
+                        // loads (8 rows x 4 words) fall in 32 different banks
+#define ROWS_STAGES 4   // ring slots: three stages in flight while one is multiplied
 
 template <class S, int N>
 __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict__ x,
@@ -727,101 +734,142 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
                                                  int zero_mode, int has_bias, int stages_a_split, int act) {
     typedef typename S::T T;
     constexpr int BITS = N % 100;
-    constexpr bool GATED = N >= 100;
-    constexpr int LD = ROWS_K + ROWS_PAD;
-    __shared__ __align__(16) T xs[2][ROWS_TILE][LD];
-    __shared__ __align__(16) T ws[2][ROWS_TILE][LD];
+    constexpr bool GATED = N >= 100, QUANTIZED = BITS != 16;
+    constexpr int ROW_CODES = ROWS_K * BITS / 8;  // bytes of a weight row a stage
+    constexpr int PIECES = ROW_CODES / 16;        // their 16-byte pieces: 2, 4 or 8
+    constexpr int SLOT_CODES = QUANTIZED ? ROWS_TILE * ROW_CODES : ROWS_TILE * ROWS_LD * 2;  // (16-bit: padded rows)
+    extern __shared__ __align__(16) unsigned char smem[];
+    T (*xs)[ROWS_TILE][ROWS_LD] = reinterpret_cast<T (*)[ROWS_TILE][ROWS_LD]>(smem);
+    unsigned char* codes = smem + ROWS_STAGES * ROWS_TILE * ROWS_LD * sizeof(T);
+    T (*sv)[ROWS_TILE][4] = reinterpret_cast<T (*)[ROWS_TILE][4]>(codes + ROWS_STAGES * SLOT_CODES);  // scale words
+    T (*zv)[ROWS_TILE][4] = sv + ROWS_STAGES;                                                         // zero words
+    T (*ws)[ROWS_LD] = reinterpret_cast<T (*)[ROWS_LD]>(zv + ROWS_STAGES);  // the dequantized stage
     grid_dependency_sync();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n0 = blockIdx.x * ROWS_TILE, m_base = blockIdx.y * ROWS_TILE;
+    const int o0 = blockIdx.x * (ROWS_TILE / 2);  // (gated: the block's first output)
     const int first = blockIdx.z * stages_a_split, last = min(k / ROWS_K, first + stages_a_split);
     if (first >= last) return;  // (never: linalg sizes the splits so each has stages; kept for safety)
-    // x: each thread copies rows tid / 4 and 32 + tid / 4, 16-byte column piece tid % 4, as expert_gemm
-    const int piece = (tid & 3) * 8;
-    const T* xsrc[2];
-    bool xvalid[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int r = m_base + (tid >> 2) + 32 * j;
-        xvalid[j] = r < rows;
-        xsrc[j] = xvalid[j] ? x + (long long)r * k + piece : x;
-    }
-    // W: each thread dequantizes 16 weights of the tile's row wr (gated: rows 0-31 gate rows, 32-63 their up rows),
-    // columns wc .. wc + 15 of the stage
-    const int wr = tid >> 1, wc = (tid & 1) * 16, ngroups = k / group, row_bytes = k * BITS / 8, half = n / 2;
-    const int o0 = blockIdx.x * (ROWS_TILE / 2);  // (gated: the block's first output)
-    const int w_row = GATED ? (wr < 32 ? o0 + wr : half + o0 + wr - 32) : n0 + wr;
-    const bool wvalid = GATED ? o0 + (wr & 31) < half : w_row < n;
-    const unsigned char* qrow = q + (long long)(wvalid ? w_row : 0) * row_bytes;
-    const long long grow = (long long)(wvalid ? w_row : 0) * ngroups;
+    const int half = n / 2, ngroups = k / group;
+    const long long row_bytes = (long long)k * BITS / 8, values = (long long)n * ngroups;
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
-    const float zdefault = BITS == 4 ? 8.0f : 0.0f;
-    uint4 codes = make_uint4(0u, 0u, 0u, 0u), plain = make_uint4(0u, 0u, 0u, 0u);  // (plain: N = 16's second half)
-    float s = 0.0f, z = 0.0f;
-    auto load_codes = [&](int stage) {
-        const int j0 = stage * ROWS_K + wc;
-        if (wvalid) {
-            const unsigned char* at = qrow + j0 * BITS / 8;
-            if (BITS == 16) {
-                codes = reinterpret_cast<const uint4*>(at)[0], plain = reinterpret_cast<const uint4*>(at)[1];
-            } else if (BITS == 8) {
-                codes = *reinterpret_cast<const uint4*>(at);
-            } else {
-                const uint2 half = *reinterpret_cast<const uint2*>(at);
-                codes.x = half.x, codes.y = half.y;
-            }
-            if (BITS != 16) {
-                s = S::load(scale[grow + j0 / group]);
-                z = has_zero ? S::load(zero[grow + j0 / group]) : zdefault;
-            }
-        }
+    // the weight row that tile row r holds (gated: rows 0-31 gate rows, 32-63 their up rows), 0 where none
+    auto weight_row = [&](int r, bool& valid) {
+        const int w = GATED ? (r < 32 ? o0 + r : half + o0 + r - 32) : n0 + r;
+        valid = GATED ? o0 + (r & 31) < half : w < n;
+        return valid ? w : 0;
     };
-    auto store_weights = [&](int buffer) {  // the registers' 16 weights, dequantized as `dequantize` does
-        if (BITS == 16) {  // (zeros past the last row: load_codes left them)
-            *reinterpret_cast<uint4*>(&ws[buffer][wr][wc]) = codes;
-            *reinterpret_cast<uint4*>(&ws[buffer][wr][wc + 8]) = plain;
-            return;
-        }
-        const unsigned int word[4] = {codes.x, codes.y, codes.z, codes.w};
-        unsigned int packed[8];  // (two 16-bit weights a word, the first low: kept in registers, no local array)
+    // This thread's copies, worked out once: sources at column 0 and shared addresses in slot 0 (a stage adds its
+    // columns and its slot). x: 8 pieces of 16 bytes a row, 4 a thread; W: 1, 2 or 4 pieces a thread.
+    constexpr int X_COPIES = ROWS_TILE * ROWS_K / 8 / 128, W_COPIES = ROWS_TILE * PIECES / 128;
+    constexpr int X_SLOT = ROWS_TILE * ROWS_LD * 2, GROUP_SLOT = ROWS_TILE * 4 * 2;  // bytes a slot
+    const T* xsrc[X_COPIES];
+    unsigned xdst[X_COPIES];
+    bool xok[X_COPIES];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const float c = BITS == 8 ? (float)(signed char)((word[i / 4] >> (8 * (i % 4))) & 255u)
-                                   : (float)((word[i / 8] >> (4 * (i % 8))) & 15u);
-            const unsigned int v = S::store(!wvalid ? 0.0f
-                                            : zero_mode >= ZERO_OFFSETS ? c * s + (has_zero ? z : 0.0f) : (c - z) * s);
-            packed[i / 2] = i % 2 ? packed[i / 2] | (v << 16) : v;
-        }
-        *reinterpret_cast<uint4*>(&ws[buffer][wr][wc]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        *reinterpret_cast<uint4*>(&ws[buffer][wr][wc + 8]) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    };
-    auto copy_x = [&](int stage, int buffer) {
-        const int k0 = stage * ROWS_K;
+    for (int i = 0; i < X_COPIES; ++i) {
+        const int p = tid + 128 * i, r = p >> 3, c = (p & 7) * 8;
+        xok[i] = m_base + r < rows;
+        xsrc[i] = x + (long long)(xok[i] ? m_base + r : 0) * k + c;  // (row 0 where none: in bounds, not read)
+        xdst[i] = shared_address(&xs[0][r][c]);
+    }
+    const unsigned char* wsrc[W_COPIES];
+    unsigned wdst[W_COPIES];
+    bool wok[W_COPIES];
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-            copy_async16(&xs[buffer][(tid >> 2) + 32 * j][piece], xsrc[j] + (xvalid[j] ? k0 : 0), xvalid[j]);
+    for (int i = 0; i < W_COPIES; ++i) {
+        const int p = tid + 128 * i, r = p / PIECES, c = p % PIECES;
+        const long long w = weight_row(r, wok[i]);
+        wsrc[i] = q + w * row_bytes + 16 * c;  // (w 0 where none)
+        wdst[i] = shared_address(codes + (QUANTIZED ? r * ROW_CODES + 16 * c : (r * ROWS_LD + 8 * c) * 2));
+    }
+    // The scale and zero of this thread's half row (row tid / 2, columns 32 (tid % 2) .. + 31 of a stage, within one
+    // group): its group followed from stage to stage by the copies and by dequantize_stage, each its own count (a
+    // stage's 64 columns cross at most two group boundaries; no division a stage).
+    const int gr = tid >> 1, gh = tid & 1;
+    bool gok;
+    const long long gbase = (long long)weight_row(gr, gok) * ngroups;
+    const unsigned sdst = shared_address(&sv[0][gr][2 * gh]), zdst = shared_address(&zv[0][gr][2 * gh]);
+    struct GroupCount {
+        int col, index, next;
+        __device__ void start(int column, int group) {
+            col = column, index = column / group, next = (index + 1) * group;
+        }
+        __device__ void step(int group) {
+            col += ROWS_K;
+            while (col >= next) ++index, next += group;
+        }
+    } copied, dequantized;
+    copied.start(first * ROWS_K + 32 * gh, group);
+    dequantized.start(first * ROWS_K + 32 * gh, group);
+    auto issue = [&](int stage) {  // the stage into slot stage % ROWS_STAGES, as one cp.async group
+        const int slot = stage % ROWS_STAGES;
+        const long long k0 = (long long)stage * ROWS_K;
+#pragma unroll
+        for (int i = 0; i < X_COPIES; ++i) copy_async16(xdst[i] + slot * X_SLOT, xsrc[i] + k0, xok[i]);
+#pragma unroll
+        for (int i = 0; i < W_COPIES; ++i) copy_async16(wdst[i] + slot * SLOT_CODES, wsrc[i] + k0 * BITS / 8, wok[i]);
+        if (QUANTIZED) {  // the aligned 4-byte word holding the group's scale (zero)
+            const long long word = (gbase + copied.index) & ~1LL;
+            const int bytes = !gok ? 0 : word + 1 < values ? 4 : 2;
+            copy_async4(sdst + slot * GROUP_SLOT, scale + word, bytes);
+            if (has_zero) copy_async4(zdst + slot * GROUP_SLOT, zero + word, bytes);
+            copied.step(group);
+        }
         cp_async_commit();
+    };
+    // 32 weights of row tid / 2 into ws, as `dequantize` rounds them (a row past the last has zero codes, scale and
+    // zero from its copies, so its weights are zeros)
+    auto dequantize_stage = [&](int slot) {
+        const int parity = (int)((gbase + dequantized.index) & 1);
+        dequantized.step(group);
+        const float s = S::load(sv[slot][gr][2 * gh + parity]);
+        const float z = has_zero ? S::load(zv[slot][gr][2 * gh + parity]) : (BITS == 4 ? 8.0f : 0.0f);
+        const float add = has_zero ? z : 0.0f;
+        const bool offsets = zero_mode >= ZERO_OFFSETS;
+        const uint4* from =
+            reinterpret_cast<const uint4*>(codes + slot * SLOT_CODES + gr * ROW_CODES + gh * ROW_CODES / 2);
+#pragma unroll
+        for (int part = 0; part < 4; ++part) {  // 8 weights a part: one 16-byte store into the tile
+            const uint4 c4 = from[BITS == 8 ? part / 2 : 0];
+            const unsigned int word[4] = {c4.x, c4.y, c4.z, c4.w};
+            unsigned int packed[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int at = 8 * part + 2 * i + e;  // the weight's column in the thread's 32
+                    const float c = BITS == 8 ? (float)(signed char)((word[(at % 16) / 4] >> (8 * (at % 4))) & 255u)
+                                              : (float)((word[at / 8] >> (4 * (at % 8))) & 15u);
+                    v[e] = offsets ? c * s + add : (c - z) * s;
+                }
+                packed[i] = S::pack2(v[0], v[1]);
+            }
+            *reinterpret_cast<uint4*>(&ws[gr][32 * gh + 8 * part]) =
+                make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
     };
     float acc[ROWS_TILE / 8][4] = {};
     const int g = lane >> 2, t2 = (lane & 3) * 2, m0 = warp * 16;
-    const bool busy = m_base + m0 < rows;  // (a warp whose 16 rows are past the last only copies)
-    copy_x(first, 0);
-    load_codes(first);
-    store_weights(0);
+    const bool busy = m_base + m0 < rows;  // (a warp whose 16 rows are past the last only copies and dequantizes)
+#pragma unroll
+    for (int i = 0; i < ROWS_STAGES - 1; ++i) {  // (an empty group past the last stage keeps the count the wait uses)
+        if (first + i < last) issue(first + i); else cp_async_commit();
+    }
     for (int stage = first; stage < last; ++stage) {
-        const int buffer = (stage - first) & 1;
-        const bool more = stage + 1 < last;
-        if (more) {
-            copy_x(stage + 1, buffer ^ 1);
-            load_codes(stage + 1);  // (in flight while the tensor cores multiply this stage)
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+        cp_async_wait<ROWS_STAGES - 2>();  // this thread's copies of `stage` landed
+        __syncthreads();  // everyone's; and every warp is done with the last stage's slot and tile
+        if (stage + ROWS_STAGES - 1 < last) issue(stage + ROWS_STAGES - 1); else cp_async_commit();
+        const int slot = stage % ROWS_STAGES;
+        if (QUANTIZED) {
+            dequantize_stage(slot);
+            __syncthreads();
         }
-        __syncthreads();
-        if (busy) mma_stage<S, ROWS_K>(acc, xs[buffer], ws[buffer], m0, lane);
-        if (more) store_weights(buffer ^ 1);  // (its last readers finished before this stage's barrier)
-        __syncthreads();
+        if (busy)
+            mma_stage<S, ROWS_K>(acc, xs[slot],
+                                 QUANTIZED ? ws : reinterpret_cast<T (*)[ROWS_LD]>(codes + slot * SLOT_CODES), m0,
+                                 lane);
     }
     if (!busy) return;
     constexpr int GATES = ROWS_TILE / 16;  // (gated: fragments j < GATES are gate rows, j + GATES their up rows)
