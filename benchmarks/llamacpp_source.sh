@@ -16,8 +16,8 @@
 # records the commit from llama-cpp-python's CHANGELOG (the tree is not a git checkout; without the patch a tree
 # unpacked inside another git repository would report that repository's commit).
 #
-# Build on the GPU machine (H100; nothing here fetches from the network: no OpenSSL, no NCCL, no CCCL fetch, no
-# KleidiAI, no OpenMP download):
+# Build on the GPU machine with benchmarks/llamacpp_build.sh (carry .cache/llamacpp), which runs these lines (H100;
+# nothing here fetches from the network: no OpenSSL, no NCCL, no CCCL fetch, no KleidiAI, no OpenMP download):
 #
 #     mkdir -p /tmp/llama.cpp && tar xzf llama.cpp-*.tar.gz -C /tmp/llama.cpp && cd /tmp/llama.cpp
 #     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
