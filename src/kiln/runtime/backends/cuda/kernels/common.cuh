@@ -321,11 +321,20 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 
 // Four 8x8 matrices of 16-bit values from shared memory (ldmatrix .x4; rows 16-byte aligned): lane l gives the
 // address of row l % 8 of matrix l / 8, and each thread receives, of matrix i, in r[i], the two values of row
-// lane / 4 at columns 2 (lane % 4) and 2 (lane % 4) + 1: an mma fragment, in one instruction for four.
+// lane / 4 at columns 2 (lane % 4) and 2 (lane % 4) + 1: an mma fragment, in one instruction for four. TRANSPOSED
+// (.trans): of column lane / 4, rows 2 (lane % 4) and 2 (lane % 4) + 1 (flash.cu's B fragments of v).
+template <bool TRANSPOSED = false>
 __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
+    if (TRANSPOSED)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row))
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row))
+                     : "memory");
 }
 
 // One stage of a tile product whose operands are K-contiguous rows in shared memory (mma's row.col form, nothing

@@ -31,23 +31,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// Two values rounded to the storage type in one 32-bit register, the first in the low half (mma's order).
-template <class S>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    return (unsigned)S::store(lo) | ((unsigned)S::store(hi) << 16);
-}
-
-// Four 8x8 16-bit matrices from shared memory, transposed, as mma B fragments: lanes 8 m .. 8 m + 7 give the
-// row addresses of matrix m, and each lane receives of matrix m the column g, rows 2 t and 2 t + 1.
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* row) {
-    unsigned long long shared;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(row));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"((unsigned)shared)
-                 : "memory");
-}
-
 // The mask of 32 keys (k0 + first ...) of one query row as bytes (1 = visible; keys past the end and rows past the
 // last are 0), in 8 words. A bool mask whose rows are 16-byte aligned (mask_aligned) is read 16 bytes at a time.
 __device__ __forceinline__ void mask_words(unsigned* words, const void* mask, int mask_kind, bool mask_aligned,
@@ -292,14 +275,14 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {  // 16 keys at a time: slices 2 kk and 2 kk + 1 form the A fragment
-            const unsigned a[4] = {pack2<S>(s[2 * kk][0], s[2 * kk][1]), pack2<S>(s[2 * kk][2], s[2 * kk][3]),
-                                   pack2<S>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack2<S>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const unsigned a[4] = {S::pack2(s[2 * kk][0], s[2 * kk][1]), S::pack2(s[2 * kk][2], s[2 * kk][3]),
+                                   S::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   S::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             const int key = 16 * kk + (lane >> 3 & 1) * 8 + (lane & 7);
 #pragma unroll
             for (int n = 0; n < ESLICES; n += 2) {  // v's B fragments of two 8-wide slices in one ldmatrix
                 unsigned bv[4];
-                ldmatrix_x4_trans(bv, &v_tile[stage][key][8 * (n + (lane >> 4))]);
+                load_matrices<true>(bv, &v_tile[stage][key][8 * (n + (lane >> 4))]);
                 mma16816<S>(acc[n], a, bv[0], bv[1]);
                 mma16816<S>(acc[n + 1], a, bv[2], bv[3]);
             }
@@ -314,6 +297,6 @@ __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attention(
 #pragma unroll
         for (int n = 0; n < ESLICES; ++n)
             *reinterpret_cast<unsigned*>(out_row[x] + 8 * n + 2 * t) =
-                pack2<S>(acc[n][2 * x] * inv, acc[n][2 * x + 1] * inv);
+                S::pack2(acc[n][2 * x] * inv, acc[n][2 * x + 1] * inv);
     }
 }
