@@ -407,6 +407,38 @@ def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, monk
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads,e", [(8, 2, 64), (4, 4, 64), (6, 1, 128)], ids=["g4", "mha", "g6-e128"])
+@pytest.mark.parametrize("window", [0, 50], ids=["full", "window"])
+def test_slot_decode_rows_all_by_flash(dtype, heads, kv_heads, e, window, monkeypatch) -> None:
+    """attention.SLOT_FLASH_ROWS_ABOVE: every row of a decode step by flash.cu as a run of one query (a block per
+    row and kv head; decode.cu not launched), sequences in shuffled slots (one twice) at positions 0, inside the
+    first key tile, on a tile boundary and at the cache's end, against float64; with a window (a limit flash.cu's
+    runs do not take) the decode kernel as before."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    rng = np.random.default_rng(heads + e)
+    slots_n, length = 6, 400
+    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    slots = np.array([4, 0, 2, 5, 2, 1], np.int64)
+    positions = np.array([[0], [37], [127], [399], [64], [200]], np.int64)
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    runs, decodes = [], []
+    flash, decode = attention._slot_runs_attention, attention._decode_attention
+    monkeypatch.setattr(attention, "_slot_runs_attention", lambda *a: runs.append(a[6]) or flash(*a))
+    monkeypatch.setattr(attention, "_decode_attention", lambda *a, **kw: decodes.append(1) or decode(*a, **kw))
+    monkeypatch.setattr(attention, "SLOT_FLASH_ROWS_ABOVE", 0)
+    got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
+                                              scale=0.125, window=window)).astype(np.float64)
+    assert (runs, decodes) == (([], [1]) if window else ([1], []))
+    want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 def test_slot_decode_attention_of_a_slot_outside_the_cache_reads_nothing() -> None:
     import cupy as cp
 

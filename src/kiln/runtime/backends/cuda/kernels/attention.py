@@ -205,6 +205,11 @@ def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: An
     not take and with sinks (gpt-oss), by the portable composition over the whole slot (cuBLAS products)."""
     keys, values = cp.swapaxes(k_cache, 1, 2), cp.swapaxes(v_cache, 1, 2)  # [N, Hkv, L, E] views
     if sinks is None and _slot_decode_applies(q, keys, values, slots, positions):
+        if _slot_flash_applies(q, keys, values, window):
+            out = cp.empty(q.shape, dtype=q.dtype)
+            _slot_runs_attention(out, q if q.flags.c_contiguous else cp.ascontiguousarray(q), keys, values, slots,
+                                 positions, 1, scale)
+            return out
         run = _slot_runs_apply(q, keys, values, window)
         out = _decode_attention(q, keys, values, None, scale, slots=slots, positions=positions, window=window,
                                 run_rows=run)
@@ -338,15 +343,37 @@ keys in turn: with few runs there are too few blocks to fill the GPU (a split ov
 with the decode rows', is what would make it pay at every size)."""
 
 
+SLOT_FLASH_ROWS_ABOVE: int | None = None
+"""Steps of more rows than this attend every row by flash.cu (a block per row and kv head: a run of one query),
+decode.cu and its combine not launched; None: never. An A/B not yet measured (benchmarks/gpu_slot_decode.py
+--compare-slot-flash): at 64 decode rows at position 400 (1B shape, H200) decode.cu reads the step's keys and values
+at about a quarter of the bandwidth (slot_attention 833 of a 2465 us step, op by op), whatever its chunking (the
+H100's DECODE_BLOCKS table); flash.cu streams each row's key tiles through shared memory to the tensor cores.
+The rows of a slot outside the cache are left unwritten there (decode.cu writes NaN), which a step's padding rows
+never read back."""
+
+
+def _flash_takes_slot_rows(q: Any, keys: Any, values: Any, window: int) -> bool:
+    """Whether flash.cu can attend this step's rows as slot runs: its type, head width and layout, no window (a
+    run's limit is causal only)."""
+    e = q.shape[3]
+    if window or q.dtype not in FLASH_TYPES or e not in FLASH_WIDTHS or keys.shape != values.shape or \
+            not _rows_of_16_bytes(keys, values):
+        return False
+    return not (q.strides[3] != q.itemsize or q.data.ptr % 4 or any(st % 4 for st in q.strides[:3]))
+
+
+def _slot_flash_applies(q: Any, keys: Any, values: Any, window: int) -> bool:
+    """Every row of this step by flash.cu (SLOT_FLASH_ROWS_ABOVE)."""
+    return (SLOT_FLASH_ROWS_ABOVE is not None and q.shape[0] > SLOT_FLASH_ROWS_ABOVE
+            and _flash_takes_slot_rows(q, keys, values, window))
+
+
 def _slot_runs_apply(q: Any, keys: Any, values: Any, window: int) -> int:
     """The rows of a flash.cu slot-run group for this step (0: none): FLASH_M // group size, where flash.cu takes
-    the type, head width and layout and the step has more than SLOT_RUNS_ABOVE rows (no window: the run's limit is
-    causal only)."""
-    b, hq, _, e = q.shape
-    if not SLOT_RUNS or window or q.dtype not in FLASH_TYPES or e not in FLASH_WIDTHS or keys.shape != values.shape or \
-            not _rows_of_16_bytes(keys, values):
-        return 0
-    if q.strides[3] != q.itemsize or q.data.ptr % 4 or any(st % 4 for st in q.strides[:3]):
+    the rows (_flash_takes_slot_rows) and the step has more than SLOT_RUNS_ABOVE rows."""
+    b, hq = q.shape[:2]
+    if not SLOT_RUNS or not _flash_takes_slot_rows(q, keys, values, window):
         return 0
     run = FLASH_M // (hq // keys.shape[1])
     return run if b > SLOT_RUNS_ABOVE and b >= run else 0
