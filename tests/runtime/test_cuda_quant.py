@@ -261,6 +261,34 @@ def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, d
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("rows,n,splits", [(9, 77, 1), (64, 200, 3)])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows, n, splits, dtype, gated,
+                                                                           monkeypatch) -> None:
+    """linalg.GEMM_ROWS_PACKED: symmetric int4 (no zero array, no offsets) dequantized two codes at a time in the
+    storage type (gemm_rows instance + 1000) gives exactly the bits of the float32 dequantization, plain and gated,
+    one split and several."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import linalg
+
+    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
+    args, _ = _case(np.random.default_rng(rows + n), (rows,), 2 * n if gated else n, 512, 4, 32, True, dtype, True)
+    arrays = [None if a is None else cp.asarray(a) for a in args]
+    results = {}
+    for packed in (False, True):
+        monkeypatch.setattr(linalg, "GEMM_ROWS_PACKED", packed)
+        launched = _kernels_looked_up(linalg, monkeypatch)
+        if gated:
+            got = linalg.gated_quantized_linear(*arrays, 4, 32, False, "silu")
+        else:
+            got = linalg.quantized_linear(*arrays, 4, 32, False)
+        assert [f[2] for f in launched if f[0] == "gemm_rows"] == [(1000 if packed else 0) + (104 if gated else 4)]
+        results[packed] = cp.asnumpy(got).view(np.uint16)
+    np.testing.assert_array_equal(results[True], results[False])
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, "offset"])
 def test_gemm_rows_reads_the_last_scale_of_an_odd_count_alone(bits, symmetric, monkeypatch) -> None:

@@ -125,6 +125,19 @@ struct BF16 {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
         return u;
     }
+    // Pairs of values in one register, each rounded once (no contraction): the packed arithmetic of gemm_rows's
+    // int4 dequantization. INT_BASE is 128.0: its bits OR a code 0..127 are 128 + code, exactly.
+    static constexpr unsigned int INT_BASE = 0x4300u;
+    static __device__ __forceinline__ unsigned int sub2(unsigned int a, unsigned int b) {
+        unsigned int d;
+        asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
+    static __device__ __forceinline__ unsigned int mul2(unsigned int a, unsigned int b) {
+        unsigned int d;
+        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
 };
 
 struct F16 {
@@ -145,6 +158,17 @@ struct F16 {
         unsigned int u;
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
         return u;
+    }
+    static constexpr unsigned int INT_BASE = 0x6400u;  // (as BF16's: 1024.0, codes 0..1023 exact)
+    static __device__ __forceinline__ unsigned int sub2(unsigned int a, unsigned int b) {
+        unsigned int d;
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
+    static __device__ __forceinline__ unsigned int mul2(unsigned int a, unsigned int b) {
+        unsigned int d;
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
     }
     static __device__ __forceinline__ void unpack(const U4& u, float* f) {
         const unsigned int w[4] = {u.x, u.y, u.z, u.w};

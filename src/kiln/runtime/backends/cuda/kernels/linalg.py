@@ -280,6 +280,11 @@ def _multiprocessors(device: int) -> int:
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
+GEMM_ROWS_PACKED: bool = False
+"""Whether int4 weights with no zero array and no offsets (Q4_0's layout) take gemm_rows's packed dequantization
+(instance + 1000: two codes a packed subtract and multiply in the storage type, the same bits as the float32 path
+in fewer instructions): an A/B not yet measured (the benchmarks' "-packed" kernels)."""
+
 GEMM_ROWS_STAGES = 4
 """quant.cu's ROWS_STAGES: the ring of stages (64 values of K) gemm_rows streams through shared memory."""
 
@@ -323,7 +328,8 @@ def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, gro
     scale = x2 if scale is None else scale
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
     act = np.int32(GATE_CODES[activation] if activation else 0)
-    _gemm_rows_function(x2.dtype, (100 if activation else 0) + bits)(
+    packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
+    _gemm_rows_function(x2.dtype, (1000 if packed else 0) + (100 if activation else 0) + bits)(
         (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),

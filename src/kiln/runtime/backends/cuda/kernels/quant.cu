@@ -695,7 +695,7 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 }
 
 // gemm_rows<S>: F16 BF16
-// gemm_rows<N>: 4 8 16 104 108 116
+// gemm_rows<N>: 4 8 16 104 108 116 1004 1104
 // out = x W^T + bias for 9 to 64 input rows (a batched decode step's, linalg.GEMM_ROWS_MAX) on the tensor cores.
 // N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
 // in the storage type itself (linalg.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
@@ -715,7 +715,10 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 // rows). N + 100: the gated form (gated_linear's and gated_quantized_linear's): W stacks gate rows then up rows (n of
 // them in all), a block takes 32 gate rows and the 32 up rows that pair with them, and out [rows, n / 2] is
 // act(gate) * up, each half rounded to S with its bias first (`act`: common.cuh's gate_activation), in the block or,
-// where K is split, in gemm_rows_reduce. Needs K a multiple of 64, the group of 32, x and W 16-byte aligned, scale
+// where K is split, in gemm_rows_reduce. N + 1000 (int4 with no zero array and no offsets: Q4_0's layout): the
+// codes dequantized two at a time in the storage type (byte permutes put two codes under the bits of 2^m, one packed
+// subtract of 2^m + 8 exact, one packed multiply by the scale rounded once: the same bits as (c - 8) s in float32
+// rounded once, in ~2.5 instructions a weight rather than ~5.5; linalg.GEMM_ROWS_PACKED). Needs K a multiple of 64, the group of 32, x and W 16-byte aligned, scale
 // and zero 4-byte aligned (linalg.py checks). Dynamic shared memory: linalg._gemm_rows_shared's bytes.
 #define ROWS_TILE 64
 #define ROWS_K 64
@@ -734,7 +737,8 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
                                                  int zero_mode, int has_bias, int stages_a_split, int act) {
     typedef typename S::T T;
     constexpr int BITS = N % 100;
-    constexpr bool GATED = N >= 100, QUANTIZED = BITS != 16;
+    constexpr bool GATED = N % 1000 >= 100, QUANTIZED = BITS != 16, PACKED = N >= 1000;
+    static_assert(!PACKED || BITS == 4, "the packed dequantization is int4's");
     constexpr int ROW_CODES = ROWS_K * BITS / 8;  // bytes of a weight row a stage
     constexpr int PIECES = ROW_CODES / 16;        // their 16-byte pieces: 2, 4 or 8
     constexpr int SLOT_CODES = QUANTIZED ? ROWS_TILE * ROW_CODES : ROWS_TILE * ROWS_LD * 2;  // (16-bit: padded rows)
@@ -829,6 +833,26 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
         const bool offsets = zero_mode >= ZERO_OFFSETS;
         const uint4* from =
             reinterpret_cast<const uint4*>(codes + slot * SLOT_CODES + gr * ROW_CODES + gh * ROW_CODES / 2);
+        if (PACKED) {  // codes 2 j, 2 j + 1 of a word under 2^m's bits, minus 2^m + 8, times the scale
+            const unsigned int scale_bits = sv[slot][gr][2 * gh + parity], s2 = scale_bits | (scale_bits << 16);
+            constexpr unsigned int base2 = S::INT_BASE | (S::INT_BASE << 16);
+            constexpr unsigned int bias2 = (S::INT_BASE + 8u) | ((S::INT_BASE + 8u) << 16);
+            const uint4 c4 = from[0];
+            const unsigned int word[4] = {c4.x, c4.y, c4.z, c4.w};
+#pragma unroll
+            for (int part = 0; part < 4; ++part) {
+                const unsigned int even = word[part] & 0x0F0F0F0Fu, odd = (word[part] >> 4) & 0x0F0F0F0Fu;
+                unsigned int packed[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // byte i of `even` (code 2 i) low, byte i of `odd` (code 2 i + 1) high
+                    const unsigned int pair = __byte_perm(even, odd, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12));
+                    packed[i] = S::mul2(S::sub2((pair & 0x000F000Fu) | base2, bias2), s2);
+                }
+                *reinterpret_cast<uint4*>(&ws[gr][32 * gh + 8 * part]) =
+                    make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            }
+            return;
+        }
 #pragma unroll
         for (int part = 0; part < 4; ++part) {  // 8 weights a part: one 16-byte store into the tile
             const uint4 c4 = from[BITS == 8 ? part / 2 : 0];
