@@ -219,17 +219,20 @@ def test_interleaved_staging_gives_the_bits_of_staging_first(bits, group, symmet
     np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
 
 
-@pytest.mark.parametrize("rows,k,interleaved", [(1, 2048, False), (1, 4096, True), (1, 14336, True), (2, 2048, True)])
-def test_interleaved_form_is_taken_where_x_takes_more_than_one_turn(rows, k, interleaved, monkeypatch) -> None:
+@pytest.mark.parametrize("rows,k,n,interleaved", [(1, 2048, 64, False), (1, 4096, 64, True), (1, 14336, 64, True),
+                                                   (2, 2048, 64, True), (1, 8192, 48, False)])
+def test_interleaved_form_is_taken_where_x_takes_more_than_one_turn(rows, k, n, interleaved, monkeypatch) -> None:
     """linalg.QDOT_INTERLEAVED's default (None): the interleaved form only where staging x takes more than one turn
-    of 2048 values (the 8B shape's products; the 1B shape's K = 2048 products at one row stage x first)."""
+    of 2048 values (the 8B shape's products; the 1B shape's K = 2048 products at one row stage x first) and the
+    layer has QDOT_INTERLEAVE_ROWS rows (here 64; the 1B shape's down layer, 2048 of 4096, stages first)."""
     import cupy as cp
 
     from kiln.runtime.backends.cuda.kernels import linalg
 
     monkeypatch.setattr(linalg, "QUANT_DOT", True)
     monkeypatch.setattr(linalg, "QDOT_INTERLEAVED", None)
-    args, _ = _case(np.random.default_rng(k + rows), (rows,), 64, k, 4, 32, True, BFLOAT16, False)
+    monkeypatch.setattr(linalg, "QDOT_INTERLEAVE_ROWS", 64)
+    args, _ = _case(np.random.default_rng(k + rows), (rows,), n, k, 4, 32, True, BFLOAT16, False)
     launched = _kernels_looked_up(linalg, monkeypatch)
     linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), 4, 32, False)
     assert [f[2] >= 4000 for f in launched if f[0] == "qgemv_dot"] == [interleaved]

@@ -383,7 +383,7 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
     if activation:
         weight_rows = max(2, weight_rows)
     dot = _takes_dot(k)
-    instance = (1000 if activation else 0) + (4000 if dot and _interleaves(rows, k) else 0) + 10 * bits + rows_cap
+    instance = (1000 if activation else 0) + (4000 if dot and _interleaves(rows, k, n) else 0) + 10 * bits + rows_cap
     if dot:  # (int4 with 4 weight rows a warp and 2 input rows would spill: quant.cu instantiates none)
         weight_rows = 2 if bits == 4 and rows_cap == 2 and weight_rows == 4 else weight_rows
     name = "qgemv_dot" if dot else "qgemv_staged"
@@ -458,15 +458,22 @@ quant.cu's N + 4000) rather than all of x first; None: where staging x takes mor
 True or False for every product: the benchmarks' "-interleaved" and "-stagefirst" kernels."""
 
 
-def _interleaves(rows: int, k: int) -> bool:
-    """QDOT_INTERLEAVED's choice for `rows` rows of K: the interleaved form where staging x takes more than one
-    turn (a turn stages 8 values a thread, 2048 a block), so that a product waits for one turn's L2 round trip, not
-    all of them. Measured (H100, whole decode steps, CUDA graphs): the 8B shape (K 4096 and 14336, 2 to 7 turns)
-    int4 2.483 -> 2.395 ms, int8 3.702 -> 3.554; the 1B shape with every product interleaved (K 2048: one turn,
-    nothing to overlap; its down layer K 8192) int4 0.606 -> 0.626, int8 0.829 -> 0.832."""
+QDOT_INTERLEAVE_ROWS = 4096
+"""The fewest weight rows (outputs) a product needs for the interleaved form (_interleaves)."""
+
+
+def _interleaves(rows: int, k: int, n: int) -> bool:
+    """QDOT_INTERLEAVED's choice for `rows` rows of K against n weight rows: the interleaved form where staging x
+    takes more than one turn (a turn stages 8 values a thread, 2048 a block), so that a product waits for one turn's
+    L2 round trip, not all of them, and the layer has at least QDOT_INTERLEAVE_ROWS rows. Measured (whole decode
+    steps, CUDA graphs): the 8B shape (K 4096 and 14336, 2 to 7 turns; 4096 rows and more) H100 int4 2.483 ->
+    2.395 ms, int8 3.702 -> 3.554; H200 int8 2.963 -> 2.909, int4 2.167 -> 2.166. The 1B shape's down layer (K
+    8192, 2048 rows) interleaved cost the int4 step 0.588 -> 0.614 ms (H200; int8 0.750 -> 0.753), and every 1B
+    product interleaved 0.606 -> 0.626 (H100): with fewer rows than SMs' worth of blocks the staging is not what
+    a block waits on."""
     if QDOT_INTERLEAVED is not None:
         return QDOT_INTERLEAVED
-    return rows * k > 8 * 32 * QUANT_WARPS
+    return rows * k > 8 * 32 * QUANT_WARPS and n >= QDOT_INTERLEAVE_ROWS
 
 
 QGEMV_GATED = True
