@@ -205,12 +205,12 @@ def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: An
     not take and with sinks (gpt-oss), by the portable composition over the whole slot (cuBLAS products)."""
     keys, values = cp.swapaxes(k_cache, 1, 2), cp.swapaxes(v_cache, 1, 2)  # [N, Hkv, L, E] views
     if sinks is None and _slot_decode_applies(q, keys, values, slots, positions):
-        if _slot_flash_applies(q, keys, values, window):
+        run = _slot_runs_apply(q, keys, values, window)
+        if not run and _slot_flash_applies(q, keys, values, window):
             out = cp.empty(q.shape, dtype=q.dtype)
             _slot_runs_attention(out, q if q.flags.c_contiguous else cp.ascontiguousarray(q), keys, values, slots,
                                  positions, 1, scale)
             return out
-        run = _slot_runs_apply(q, keys, values, window)
         out = _decode_attention(q, keys, values, None, scale, slots=slots, positions=positions, window=window,
                                 run_rows=run)
         if run:
@@ -344,8 +344,9 @@ with the decode rows', is what would make it pay at every size)."""
 
 
 SLOT_FLASH_ROWS_ABOVE: int | None = None
-"""Steps of more rows than this attend every row by flash.cu (a block per row and kv head: a run of one query),
-decode.cu and its combine not launched; None: never. An A/B not yet measured (benchmarks/gpu_slot_decode.py
+"""Steps of more rows than this (and not more than SLOT_RUNS_ABOVE, where prompt runs take flash.cu a group of
+rows at a time) attend every row by flash.cu (a block per row and kv head: a run of one query), decode.cu and its
+combine not launched; None: never. An A/B not yet measured (benchmarks/gpu_slot_decode.py
 --compare-slot-flash): at 64 decode rows at position 400 (1B shape, H200) decode.cu reads the step's keys and values
 at about a quarter of the bandwidth (slot_attention 833 of a 2465 us step, op by op), whatever its chunking (the
 H100's DECODE_BLOCKS table); flash.cu streams each row's key tiles through shared memory to the tensor cores.
