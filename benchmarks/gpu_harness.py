@@ -138,12 +138,19 @@ def check_quant_kernels(parser, names: list[str]) -> None:
             parser.error(str(e))
 
 
+SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows"}
+"""The cuda kernels module of each quant_kernel_choice setting outside linalg."""
+
+
 def select_quant_kernel(linalg, name: str) -> None:
-    """Set kiln's CUDA quantized linear (and the norm before it) as quant_kernel_choice(name) says."""
-    from kiln.runtime.backends.cuda.kernels import norm
+    """Set kiln's CUDA quantized linear (and the norm before it) as quant_kernel_choice(name) says: linalg's
+    switches on `linalg`, the others on their modules (SETTING_MODULES)."""
+    import importlib
 
     for setting, value in quant_kernel_choice(name).items():
-        setattr(norm if setting == "ADD_RMS_NORM_ROW" else linalg, setting, value)
+        module = SETTING_MODULES.get(setting)
+        setattr(importlib.import_module(f"kiln.runtime.backends.cuda.kernels.{module}") if module else linalg,
+                setting, value)
 
 
 QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two kernels",

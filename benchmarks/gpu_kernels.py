@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--rows", type=int, default=1, help="input rows of the linear layers (default 1)")
     parser.add_argument("--gemm-rows", action="store_true",
-                        help="kiln's linear at 9-64 rows through quant.cu's gemm_rows (linalg.DENSE_GEMM_ROWS), not "
+                        help="kiln's linear at 9-64 rows through quant.cu's gemm_rows (gemm_rows.DENSE_GEMM_ROWS), not "
                              "cuBLAS: the cuBLAS column is then its peer")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--contexts", default="128,1024", help="attention contexts (default 128,1024)")
@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(cp)
     linear, sdpa = CUDA_KERNELS.kernels["linear"], CUDA_KERNELS.kernels["sdpa"]
     if args.gemm_rows:
-        from kiln.runtime.backends.cuda.kernels import linalg
+        from kiln.runtime.backends.cuda.kernels import gemm_rows
 
-        linalg.DENSE_GEMM_ROWS = True
+        gemm_rows.DENSE_GEMM_ROWS = True
     print(f"{args.shape}, {args.dtype}, on {device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); "
           f"GPU time per call, median of 5 runs of {args.calls} queued calls")
 

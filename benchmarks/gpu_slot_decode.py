@@ -39,7 +39,7 @@ def step_inputs(info, rows: int, position: int) -> tuple:
     return (np.full((rows, 1), 42, np.int64), np.asarray(positions, np.int64), *slot_inputs(info, slot_of))
 
 
-SWITCHES = {"slot-runs": ("attention", "SLOT_RUNS", False), "dense-gemm-rows": ("linalg", "DENSE_GEMM_ROWS", True),
+SWITCHES = {"slot-runs": ("attention", "SLOT_RUNS", False), "dense-gemm-rows": ("gemm_rows", "DENSE_GEMM_ROWS", True),
             "slot-flash": ("attention", "SLOT_FLASH_ROWS_ABOVE", 0)}
 """--compare-NAME: the cuda kernels module and its switch, set to the value for that session's capture."""
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each batch with every row on the decode kernel (prompt runs not by flash)")
     parser.add_argument("--compare-dense-gemm-rows", action="store_true",
                         help="also time each batch with the 16-bit linears at 9-64 rows on quant.cu's gemm_rows "
-                             "(linalg.DENSE_GEMM_ROWS), not cuBLAS")
+                             "(gemm_rows.DENSE_GEMM_ROWS), not cuBLAS")
     parser.add_argument("--compare-slot-flash", action="store_true",
                         help="also time each batch with every row's attention by flash.cu, a block per row and kv "
                              "head (attention.SLOT_FLASH_ROWS_ABOVE), not decode.cu")

@@ -148,3 +148,66 @@ def test_the_check_reads_the_calls_it_is_for(functions) -> None:
            "    sdpa2(q, k, v, mask, False, None)\n")
     bad, checked = calls_that_do_not_bind(old, functions)
     assert checked == 5 and [line for line, _, _ in bad] == [4, 5, 6, 9]
+
+
+def _module_names() -> dict[str, set[str]]:
+    """Kernel module -> the names its source binds at top level (assignments, defs, classes, imports)."""
+    found: dict[str, set[str]] = {}
+    for path in KERNELS.glob("*.py"):
+        names = found.setdefault(path.stem, set())
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return found
+
+
+def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple[list, int]:
+    """([(line, module, name)] for the source's monkeypatch.setattr(module, "NAME", ...) and `module.NAME = ...` on
+    a kernel module (imported from the kernels package) whose source binds no NAME, number checked): a switch moved
+    to another module, or renamed, fails there only on a GPU otherwise."""
+    tree = ast.parse(source)
+    modules = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module == PACKAGE for alias in node.names
+               if alias.name in names}
+    bad, checked = [], 0
+    for node in ast.walk(tree):
+        found = None
+        if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("monkeypatch.setattr")
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+                and isinstance(node.args[1], ast.Constant)):
+            found = (node.args[0].id, node.args[1].value)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute) \
+                and isinstance(node.targets[0].value, ast.Name):
+            found = (node.targets[0].value.id, node.targets[0].attr)
+        if found is None or found[0] not in modules:
+            continue
+        checked += 1
+        if found[1] not in names[modules[found[0]]]:
+            bad.append((node.lineno, modules[found[0]], found[1]))
+    return sorted(bad), checked
+
+
+@pytest.mark.parametrize("path", CALLERS, ids=lambda p: p.name)
+def test_the_switches_the_cuda_tests_set_exist(path: Path) -> None:
+    bad, _ = switches_that_do_not_exist(path.read_text(), _module_names())
+    assert not bad, f"{path.name}: " + "; ".join(f"line {line}: {module}.{name}" for line, module, name in bad)
+
+
+def test_the_switch_check_reads_what_it_is_for() -> None:
+    """It sees the suite's switches, and it fails a switch set on the module it left (DENSE_GEMM_ROWS moved from
+    linalg to gemm_rows)."""
+    names = _module_names()
+    checked = sum(switches_that_do_not_exist(path.read_text(), names)[1] for path in CALLERS)
+    assert checked >= 20
+    old = ("def test(monkeypatch):\n    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg\n"
+           "    monkeypatch.setattr(linalg, 'DENSE_GEMM_ROWS', True)\n"
+           "    monkeypatch.setattr(gemm_rows, 'DENSE_GEMM_ROWS', True)\n"
+           "    linalg.QUANT_DOT = True\n    linalg.QUANT_DOTS = True\n")
+    bad, checked = switches_that_do_not_exist(old, names)
+    assert checked == 4 and bad == [(3, "linalg", "DENSE_GEMM_ROWS"), (6, "linalg", "QUANT_DOTS")]

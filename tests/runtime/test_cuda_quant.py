@@ -248,9 +248,9 @@ def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, d
     outputs not a multiple of the 64-output tile, each zero form, with and without bias."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
 
-    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
     k = 1024
     args, want = _case(np.random.default_rng(rows + n + bits), (rows,), n, k, bits, group, symmetric, dtype,
                        rows % 2 == 0)
@@ -259,7 +259,7 @@ def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, d
                                   symmetric == "offset")
     names = [f[0] for f in launched]
     assert names[:1] == ["gemm_rows"] and launched[0][2] == bits
-    assert ("gemm_rows_reduce" in names) == (linalg._gemm_rows_splits(n, k) > 1)
+    assert ("gemm_rows_reduce" in names) == (gemm_rows.splits_of(n, k) > 1)
     assert got.shape == (rows, n) and got.dtype == dtype
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
 
@@ -269,19 +269,19 @@ def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, d
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows, n, splits, dtype, gated,
                                                                            monkeypatch) -> None:
-    """linalg.GEMM_ROWS_PACKED: symmetric int4 (no zero array, no offsets) dequantized two codes at a time in the
+    """gemm_rows.GEMM_ROWS_PACKED: symmetric int4 (no zero array, no offsets) dequantized two codes at a time in the
     storage type (gemm_rows instance + 1000) gives exactly the bits of the float32 dequantization, plain and gated,
     one split and several."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
 
-    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
     args, _ = _case(np.random.default_rng(rows + n), (rows,), 2 * n if gated else n, 512, 4, 32, True, dtype, True)
     arrays = [None if a is None else cp.asarray(a) for a in args]
     results = {}
     for packed in (False, True):
-        monkeypatch.setattr(linalg, "GEMM_ROWS_PACKED", packed)
+        monkeypatch.setattr(gemm_rows, "GEMM_ROWS_PACKED", packed)
         launched = _kernels_looked_up(linalg, monkeypatch)
         if gated:
             got = linalg.gated_quantized_linear(*arrays, 4, 32, False, "silu")
@@ -322,14 +322,14 @@ def test_gemm_rows_reads_the_last_scale_of_an_odd_count_alone(bits, symmetric, m
 @pytest.mark.parametrize("rows,n,k,splits", [(9, 77, 64, None), (33, 300, 2048, None), (64, 64, 512, 3)])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
 def test_gemm_rows_with_a_16_bit_weight_matches_definition(rows, n, k, splits, dtype, monkeypatch) -> None:
-    """gemm_rows<S, 16>, the weight in the storage type itself (linalg.DENSE_GEMM_ROWS, the A/B against cuBLAS):
+    """gemm_rows<S, 16>, the weight in the storage type itself (gemm_rows.DENSE_GEMM_ROWS, the A/B against cuBLAS):
     the linear kernel's result against the float64 product, with a bias, one to several splits of K."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
 
-    monkeypatch.setattr(linalg, "DENSE_GEMM_ROWS", True)
-    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(gemm_rows, "DENSE_GEMM_ROWS", True)
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
     rng = np.random.default_rng(rows + n)
     x, w, bias = (rng.standard_normal(shape).astype(dtype) for shape in ((rows, k), (n, k), (n,)))
     launched = _kernels_looked_up(linalg, monkeypatch)
@@ -370,10 +370,10 @@ def test_gemm_rows_gated_form_gives_the_bits_of_the_two_kernels(bits, rows, half
     import cupy as cp
 
     from kiln.runtime.backends import composite
-    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, linalg
+    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, gemm_rows, linalg
 
-    monkeypatch.setattr(linalg, "GEMM_ROWS_SPLITS", splits)
-    monkeypatch.setattr(linalg, "DENSE_GEMM_ROWS", True)
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(gemm_rows, "DENSE_GEMM_ROWS", True)
     rng = np.random.default_rng(rows + half + bits)
     k = 512
     launched = _kernels_looked_up(linalg, monkeypatch)

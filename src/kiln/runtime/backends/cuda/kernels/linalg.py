@@ -2,21 +2,22 @@
 a few input rows (every linear of a decode step) by a matrix-vector kernel of our own (gemv.cu), which also runs
 gated_linear and add_rms_norm_linear with the activation and the norm folded in, and weight-only
 quantized linear layers: a warp per output feature streams the int8/int4 weight row for a few input rows (a decode
-step reads 2x/4x fewer weight bytes than bfloat16), larger batches dequantize and multiply on cuBLAS."""
+step reads 2x/4x fewer weight bytes than bfloat16), 9 to 64 rows go to the tensor cores a weight tile at a time
+(gemm_rows.py), larger batches dequantize and multiply on cuBLAS."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
 from kiln.runtime.backends import composite
-from kiln.runtime.backends.array_api import BFLOAT16, upcast
+from kiln.runtime.backends.array_api import upcast
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.array_api.quant import dequantize, integer_products_asked
 from kiln.runtime.backends.cuda import constants, cublas, nvrtc
+from kiln.runtime.backends.cuda.kernels import gemm_rows
 from kiln.runtime.backends.cuda.kernels.norm import NORM_ROW_MAX, fused_rms_norm_applies
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
 
@@ -134,8 +135,8 @@ def _linear(x2: Any, weight_t: Any, bias: Any) -> Any:
     PyTorch's addmm does."""
     if _gemv_applies(x2, weight_t.T, bias):
         return _gemv(x2, weight_t.T, bias)
-    if _dense_gemm_rows_apply(x2, weight_t.T, bias):
-        return _gemm_rows(x2, weight_t.T, None, None, bias, 16, 32, np.int32(0))
+    if gemm_rows.dense_applies(x2, weight_t.T, bias):
+        return gemm_rows.gemm_rows(x2, weight_t.T, None, None, bias, 16, 32, np.int32(0))
     if not (x2.dtype == weight_t.dtype and cublas.supports(x2.dtype)):
         out = cp.matmul(x2, weight_t)
         if bias is not None:
@@ -162,8 +163,8 @@ def gated_linear(x: Any, weight: Any, bias: Any, activation: str) -> Any:
     x2 = x.reshape(-1, x.shape[-1])
     if activation in GATE_CODES and weight.shape[0] % 2 == 0 and _gemv_applies(x2, weight, bias):
         return _gemv(x2, weight, bias, activation).reshape(*x.shape[:-1], weight.shape[0] // 2)
-    if activation in GATE_CODES and weight.shape[0] % 2 == 0 and _dense_gemm_rows_apply(x2, weight, bias):
-        out = _gemm_rows(x2, weight, None, None, bias, 16, 32, np.int32(0), activation)
+    if activation in GATE_CODES and weight.shape[0] % 2 == 0 and gemm_rows.dense_applies(x2, weight, bias):
+        out = gemm_rows.gemm_rows(x2, weight, None, None, bias, 16, 32, np.int32(0), activation)
         return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
     return composite.gated_linear(CUDA_KERNELS.kernels, x, weight, bias, activation)
 
@@ -202,8 +203,8 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     x2 = cp.ascontiguousarray(x2)
     zero_mode = quant_zero_mode(zero, offset)
     if (QGEMM and bits in (4, 8) and group_size % 32 == 0 and scale.dtype == x2.dtype
-            and _gemm_rows_apply(x2, q, scale, zero)):
-        return _gemm_rows(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
+            and gemm_rows.applies(x2, q, scale, zero)):
+        return gemm_rows.gemm_rows(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
         nvrtc.function("quant", "dequantize", dtype)(
@@ -230,116 +231,9 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
     return out.reshape(*lead, n)
 
 
-GEMM_ROWS_MAX = 64
-"""Most input rows quant.cu's gemm_rows (tensor cores, a weight tile at a time in shared memory) takes: a serving
-program's batched decode step (up to its slots); above, the rows of a prompt, dequantize + cuBLAS, whose dense copy
-of the weight is paid once for many rows."""
-
 QGEMM: bool = True
 """Whether a quantized weight's 9 to GEMM_ROWS_MAX rows take gemm_rows (False: dequantize + cuBLAS, as before it;
 the benchmarks' "-dequant" variant)."""
-
-DENSE_GEMM_ROWS: bool = False
-"""Whether a 16-bit weight's 9 to GEMM_ROWS_MAX rows take gemm_rows rather than cuBLAS: an A/B not yet measured
-(gpu_kernels.py --rows 64 --gemm-rows), aimed at the small-N shapes cuBLAS reads at 36-62% of the bandwidth at 64
-rows (H100: q/k/v, o, down)."""
-
-GEMM_ROWS_SPLITS: int | None = None
-"""gemm_rows's splits of K; None: _gemm_rows_splits."""
-
-
-def _gemm_rows_apply(x2: Any, w: Any, *groups: Any) -> bool:
-    """gemm_rows's operands: 16-bit storage (the tensor cores' mma types), 9 to GEMM_ROWS_MAX rows, K whole stages
-    of 64, x and the weight (codes) 16-byte aligned, a quantized weight's scale and zero (`groups`, None where
-    absent) 4-byte aligned (its copies read aligned words). (Its group must be a multiple of 32 too.)"""
-    return (QUANT_ROWS < x2.shape[0] <= GEMM_ROWS_MAX and x2.dtype in (np.dtype(np.float16), BFLOAT16)
-            and x2.shape[1] % 64 == 0 and x2.flags.c_contiguous and x2.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
-            and all(a.data.ptr % 4 == 0 for a in groups if a is not None))
-
-
-def _dense_gemm_rows_apply(x2: Any, weight: Any, bias: Any) -> bool:
-    """Whether a 16-bit weight [N, K] (row-major) and bias take gemm_rows<S, 16> (DENSE_GEMM_ROWS)."""
-    return (DENSE_GEMM_ROWS and weight.dtype == x2.dtype and weight.flags.c_contiguous
-            and (bias is None or (bias.dtype == x2.dtype and bias.flags.c_contiguous)) and _gemm_rows_apply(x2, weight))
-
-
-def _gemm_rows_splits(n: int, k: int) -> int:
-    """Splits of K for gemm_rows: enough blocks for two per SM of the GPU where the 64-output tiles alone give fewer
-    (the 1B shape's q/k/v, 3072 outputs, makes 48 tiles for 132 SMs), each split at least 8 stages of 32; at most 8,
-    since each split writes the rows' float32 sums for gemm_rows_reduce to read back. A function of the layer only,
-    not of the rows, so a row's bits do not depend on how many rows share its step."""
-    if GEMM_ROWS_SPLITS is not None:
-        return max(1, min(GEMM_ROWS_SPLITS, k // 32))
-    tiles = -(-n // 64)
-    return max(1, min(8, k // (64 * 4), -(-2 * _multiprocessors(cp.cuda.Device().id) // tiles)))
-
-
-@functools.cache
-def _multiprocessors(device: int) -> int:
-    """The GPU's SM count, asked once (CuPy's Device.attributes queries every attribute on each read)."""
-    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
-
-
-GEMM_ROWS_PACKED: bool = False
-"""Whether int4 weights with no zero array and no offsets (Q4_0's layout) take gemm_rows's packed dequantization
-(instance + 1000: two codes a packed subtract and multiply in the storage type, the same bits as the float32 path
-in fewer instructions): an A/B not yet measured (the benchmarks' "-packed" kernels)."""
-
-GEMM_ROWS_STAGES = 4
-"""quant.cu's ROWS_STAGES: the ring of stages (64 values of K) gemm_rows streams through shared memory."""
-
-
-def _gemm_rows_shared(bits: int) -> int:
-    """gemm_rows's dynamic shared memory: the ring's x tiles (64 rows of 72 halves) and weight codes (a 16-bit
-    weight's rows padded as x's), and for a quantized weight the ring's scale and zero words and the tile the
-    stage is dequantized into."""
-    x_tiles = GEMM_ROWS_STAGES * 64 * 72 * 2
-    if bits == 16:
-        return 2 * x_tiles
-    return x_tiles + GEMM_ROWS_STAGES * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
-
-
-def _gemm_rows_function(dtype: np.dtype, instance: int) -> Any:
-    """gemm_rows's instance, allowed its dynamic shared memory (over the 48 KB a kernel gets without asking) the
-    first time it is looked up."""
-    function = nvrtc.function("quant", "gemm_rows", dtype, instance)
-    if function not in _GEMM_ROWS_ALLOWED:
-        function.raw.max_dynamic_shared_size_bytes = _gemm_rows_shared(instance % 100)
-        _GEMM_ROWS_ALLOWED.add(function)
-    return function
-
-
-_GEMM_ROWS_ALLOWED: set = set()
-
-
-def _gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,
-               activation: str = "") -> Any:
-    """quant.cu's gemm_rows (and gemm_rows_reduce where K is split): x2 [9..64, K] times w [N, K] (codes of `bits`
-    4 or 8 with their scale and zero, or 16: the weight in x2's type, scale and zero None); with an activation, w
-    stacks gate and up rows and the result is act(gate) * up [rows, N / 2]."""
-    rows, k = x2.shape
-    n = w.shape[0]
-    width = n // 2 if activation else n
-    out = cp.empty((rows, width), dtype=x2.dtype)
-    stages = k // 64
-    per_split = -(-stages // _gemm_rows_splits(n, k))
-    splits = -(-stages // per_split)  # (no split without stages)
-    partial = cp.empty((splits, rows, n), dtype=np.float32) if splits > 1 else out
-    scale = x2 if scale is None else scale
-    zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
-    act = np.int32(GATE_CODES[activation] if activation else 0)
-    packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
-    _gemm_rows_function(x2.dtype, (1000 if packed else 0) + (100 if activation else 0) + bits)(
-        (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
-        (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
-         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
-        shared_mem=_gemm_rows_shared(bits))
-    if splits > 1:
-        nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
-            grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),
-                                         np.int32(bias is not None), act))
-    return out
-
 
 def quant_zero_mode(zero: Any, offset: bool) -> Any:
     """quant.cu's zero_mode for a quantized weight's zero array (absent, zero points or additive offsets)."""
@@ -420,8 +314,8 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
         return out.reshape(*lead, n // 2)
     if (QGEMM and activation in GATE_CODES and n % 2 == 0 and bits in (4, 8) and group_size % 32 == 0
             and _quant_parts_apply(x2, q, scale, zero, bias)
-            and _gemm_rows_apply(x2 := cp.ascontiguousarray(x2), q, scale, zero)):
-        out = _gemm_rows(x2, q, scale, zero, bias, bits, group_size, quant_zero_mode(zero, offset), activation)
+            and gemm_rows.applies(x2 := cp.ascontiguousarray(x2), q, scale, zero)):
+        out = gemm_rows.gemm_rows(x2, q, scale, zero, bias, bits, group_size, quant_zero_mode(zero, offset), activation)
         return out.reshape(*lead, n // 2)
     return composite.gated_quantized_linear(CUDA_KERNELS.kernels, x, q, scale, zero, bias, bits, group_size, offset,
                                             activation)

@@ -696,9 +696,9 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 
 // gemm_rows<S>: F16 BF16
 // gemm_rows<N>: 4 8 16 104 108 116 1004 1104
-// out = x W^T + bias for 9 to 64 input rows (a batched decode step's, linalg.GEMM_ROWS_MAX) on the tensor cores.
+// out = x W^T + bias for 9 to 64 input rows (a batched decode step's, gemm_rows.GEMM_ROWS_MAX) on the tensor cores.
 // N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
-// in the storage type itself (linalg.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
+// in the storage type itself (gemm_rows.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
 // scale and zero unused). A block takes 64 rows of x (4 warps of 16) and 64 outputs, over its share of K (blockIdx.z
 // of gridDim.z splits, whole stages of 64). The stages stream through a ring of ROWS_STAGES slots in shared memory
 // (x tile, weight codes, and the 4-byte words holding each half row's scale and zero, all by cp.async), three stages
@@ -718,8 +718,9 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 // where K is split, in gemm_rows_reduce. N + 1000 (int4 with no zero array and no offsets: Q4_0's layout): the
 // codes dequantized two at a time in the storage type (byte permutes put two codes under the bits of 2^m, one packed
 // subtract of 2^m + 8 exact, one packed multiply by the scale rounded once: the same bits as (c - 8) s in float32
-// rounded once, in ~2.5 instructions a weight rather than ~5.5; linalg.GEMM_ROWS_PACKED). Needs K a multiple of 64, the group of 32, x and W 16-byte aligned, scale
-// and zero 4-byte aligned (linalg.py checks). Dynamic shared memory: linalg._gemm_rows_shared's bytes.
+// rounded once, in ~2.5 instructions a weight rather than ~5.5; gemm_rows.GEMM_ROWS_PACKED). Needs K a multiple of
+// 64, the group of 32, x and W 16-byte aligned, scale and zero 4-byte aligned (gemm_rows.py checks). Dynamic shared
+// memory: gemm_rows.shared_bytes.
 #define ROWS_TILE 64
 #define ROWS_K 64
 #define ROWS_LD 72      // halves a shared row of x (and of a 16-bit weight): 144 bytes apart, so the mma's fragment

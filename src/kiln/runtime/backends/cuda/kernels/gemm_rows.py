@@ -1,0 +1,128 @@
+"""The host side of quant.cu's gemm_rows: a linear layer's 9 to 64 input rows (a serving program's batched decode
+step) on the tensor cores, a quantized weight dequantized a tile at a time in shared memory (a 16-bit weight taken as
+it is, an A/B against cuBLAS), K split where the tiles alone leave SMs idle and the splits summed in order. Which
+operands it takes, how K is split, the shared memory it asks for, and the launch; linalg.py decides when a layer
+goes here."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from kiln.runtime.backends.array_api import BFLOAT16
+from kiln.runtime.backends.cuda import nvrtc
+from kiln.runtime.backends.cuda.kernels.registry import GATE_CODES, grid
+
+GEMM_ROWS_MIN = 9
+"""Fewest input rows gemm_rows takes: one past quant.cu's MAX_ROWS (linalg.QUANT_ROWS), below which the few-row
+kernels stream the weight once for all the rows."""
+
+GEMM_ROWS_MAX = 64
+"""Most input rows quant.cu's gemm_rows (tensor cores, a weight tile at a time in shared memory) takes: a serving
+program's batched decode step (up to its slots); above, the rows of a prompt, dequantize + cuBLAS, whose dense copy
+of the weight is paid once for many rows."""
+
+DENSE_GEMM_ROWS: bool = False
+"""Whether a 16-bit weight's 9 to GEMM_ROWS_MAX rows take gemm_rows rather than cuBLAS: an A/B aimed at the small-N
+shapes cuBLAS reads at 36-62% of the bandwidth at 64 rows (H100: q/k/v, o, down). Lost with the kernel's first form
+(H200, gpu_kernels.py --rows 64 --gemm-rows: q/k/v 31.2 us vs cuBLAS 7.6; the 64-slot step 3.450 vs 1.940 ms);
+not yet measured with the ring and the cheaper stages."""
+
+GEMM_ROWS_SPLITS: int | None = None
+"""gemm_rows's splits of K; None: splits_of's choice."""
+
+
+def applies(x2: Any, w: Any, *groups: Any) -> bool:
+    """gemm_rows's operands: 16-bit storage (the tensor cores' mma types), 9 to GEMM_ROWS_MAX rows, K whole stages
+    of 64, x and the weight (codes) 16-byte aligned, a quantized weight's scale and zero (`groups`, None where
+    absent) 4-byte aligned (its copies read aligned words). (Its group must be a multiple of 32 too.)"""
+    return (GEMM_ROWS_MIN <= x2.shape[0] <= GEMM_ROWS_MAX and x2.dtype in (np.dtype(np.float16), BFLOAT16)
+            and x2.shape[1] % 64 == 0 and x2.flags.c_contiguous and x2.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+            and all(a.data.ptr % 4 == 0 for a in groups if a is not None))
+
+
+def dense_applies(x2: Any, weight: Any, bias: Any) -> bool:
+    """Whether a 16-bit weight [N, K] (row-major) and bias take gemm_rows<S, 16> (DENSE_GEMM_ROWS)."""
+    return (DENSE_GEMM_ROWS and weight.dtype == x2.dtype and weight.flags.c_contiguous
+            and (bias is None or (bias.dtype == x2.dtype and bias.flags.c_contiguous)) and applies(x2, weight))
+
+
+def splits_of(n: int, k: int) -> int:
+    """Splits of K for gemm_rows: enough blocks for two per SM of the GPU where the 64-output tiles alone give fewer
+    (the 1B shape's q/k/v, 3072 outputs, makes 48 tiles for 132 SMs), each split at least 4 stages of 64; at most 8,
+    since each split writes the rows' float32 sums for gemm_rows_reduce to read back. A function of the layer only,
+    not of the rows, so a row's bits do not depend on how many rows share its step."""
+    if GEMM_ROWS_SPLITS is not None:
+        return max(1, min(GEMM_ROWS_SPLITS, k // 64))
+    tiles = -(-n // 64)
+    return max(1, min(8, k // (64 * 4), -(-2 * _multiprocessors(cp.cuda.Device().id) // tiles)))
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    """The GPU's SM count, asked once (CuPy's Device.attributes queries every attribute on each read)."""
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+GEMM_ROWS_PACKED: bool = False
+"""Whether int4 weights with no zero array and no offsets (Q4_0's layout) take gemm_rows's packed dequantization
+(instance + 1000: two codes a packed subtract and multiply in the storage type, the same bits as the float32 path
+in fewer instructions): an A/B not yet measured (the benchmarks' "-packed" kernels)."""
+
+GEMM_ROWS_STAGES = 4
+"""quant.cu's ROWS_STAGES: the ring of stages (64 values of K) gemm_rows streams through shared memory."""
+
+
+def shared_bytes(bits: int) -> int:
+    """gemm_rows's dynamic shared memory: the ring's x tiles (64 rows of 72 halves) and weight codes (a 16-bit
+    weight's rows padded as x's), and for a quantized weight the ring's scale and zero words and the tile the
+    stage is dequantized into."""
+    x_tiles = GEMM_ROWS_STAGES * 64 * 72 * 2
+    if bits == 16:
+        return 2 * x_tiles
+    return x_tiles + GEMM_ROWS_STAGES * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
+
+
+def _gemm_rows_function(dtype: np.dtype, instance: int) -> Any:
+    """gemm_rows's instance, allowed its dynamic shared memory (over the 48 KB a kernel gets without asking) the
+    first time it is looked up."""
+    function = nvrtc.function("quant", "gemm_rows", dtype, instance)
+    if function not in _GEMM_ROWS_ALLOWED:
+        function.raw.max_dynamic_shared_size_bytes = shared_bytes(instance % 100)
+        _GEMM_ROWS_ALLOWED.add(function)
+    return function
+
+
+_GEMM_ROWS_ALLOWED: set = set()
+
+
+def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,
+              activation: str = "") -> Any:
+    """quant.cu's gemm_rows (and gemm_rows_reduce where K is split): x2 [9..64, K] times w [N, K] (codes of `bits`
+    4 or 8 with their scale and zero, or 16: the weight in x2's type, scale and zero None); with an activation, w
+    stacks gate and up rows and the result is act(gate) * up [rows, N / 2]."""
+    rows, k = x2.shape
+    n = w.shape[0]
+    width = n // 2 if activation else n
+    out = cp.empty((rows, width), dtype=x2.dtype)
+    stages = k // 64
+    per_split = -(-stages // splits_of(n, k))
+    splits = -(-stages // per_split)  # (no split without stages)
+    partial = cp.empty((splits, rows, n), dtype=np.float32) if splits > 1 else out
+    scale = x2 if scale is None else scale
+    zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
+    act = np.int32(GATE_CODES[activation] if activation else 0)
+    packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
+    _gemm_rows_function(x2.dtype, (1000 if packed else 0) + (100 if activation else 0) + bits)(
+        (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
+        (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
+         np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
+        shared_mem=shared_bytes(bits))
+    if splits > 1:
+        nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
+            grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),
+                                         np.int32(bias is not None), act))
+    return out
