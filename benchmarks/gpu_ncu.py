@@ -142,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         text = subprocess.run([args.ncu, "--import", str(path), "--csv", "--page", "details"],
                               capture_output=True, text=True, check=True).stdout
     found = launches(text)
+    if not found:  # (a report in a layout this script does not read: show its head rather than nothing)
+        print("gpu_ncu: no launch read from ncu's CSV; its first lines:\n" + "\n".join(text.splitlines()[:5]),
+              file=sys.stderr)
+        return 1
     print(f"\n{len(found)} launch(es) of {args.kernels!r} (ncu {args.ncu}, clocks as they are):\n")
     print(table(found, args.stalls))
-    return 0 if found else 1
+    return 0
 
 
 if __name__ == "__main__":
