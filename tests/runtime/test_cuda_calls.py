@@ -159,7 +159,9 @@ def _module_names() -> dict[str, set[str]]:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, ast.Assign):
-                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                for target in node.targets:
+                    names.update(t.id for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+                                 if isinstance(t, ast.Name))
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -168,9 +170,9 @@ def _module_names() -> dict[str, set[str]]:
 
 
 def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple[list, int]:
-    """([(line, module, name)] for the source's monkeypatch.setattr(module, "NAME", ...) and `module.NAME = ...` on
-    a kernel module (imported from the kernels package) whose source binds no NAME, number checked): a switch moved
-    to another module, or renamed, fails there only on a GPU otherwise."""
+    """([(line, module, name)] for the source's monkeypatch.setattr(module, "NAME", ...) and `module.NAME` (read,
+    called or assigned) on a kernel module (imported from the kernels package) whose source binds no NAME, number
+    checked): a switch or function moved to another module, or renamed, fails there only on a GPU otherwise."""
     tree = ast.parse(source)
     modules = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and node.module == PACKAGE for alias in node.names
@@ -182,9 +184,8 @@ def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple
                 and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
                 and isinstance(node.args[1], ast.Constant)):
             found = (node.args[0].id, node.args[1].value)
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute) \
-                and isinstance(node.targets[0].value, ast.Name):
-            found = (node.targets[0].value.id, node.targets[0].attr)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):  # read, called or assigned
+            found = (node.value.id, node.attr)
         if found is None or found[0] not in modules:
             continue
         checked += 1
@@ -194,20 +195,22 @@ def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple
 
 
 @pytest.mark.parametrize("path", CALLERS, ids=lambda p: p.name)
-def test_the_switches_the_cuda_tests_set_exist(path: Path) -> None:
+def test_the_names_the_cuda_tests_use_on_kernel_modules_exist(path: Path) -> None:
     bad, _ = switches_that_do_not_exist(path.read_text(), _module_names())
     assert not bad, f"{path.name}: " + "; ".join(f"line {line}: {module}.{name}" for line, module, name in bad)
 
 
 def test_the_switch_check_reads_what_it_is_for() -> None:
-    """It sees the suite's switches, and it fails a switch set on the module it left (DENSE_GEMM_ROWS moved from
-    linalg to gemm_rows)."""
+    """It sees the suite's switches and calls, and it fails a switch set on the module it left (DENSE_GEMM_ROWS moved
+    from linalg to gemm_rows) and a function called there."""
     names = _module_names()
     checked = sum(switches_that_do_not_exist(path.read_text(), names)[1] for path in CALLERS)
-    assert checked >= 20
+    assert checked >= 100
     old = ("def test(monkeypatch):\n    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg\n"
            "    monkeypatch.setattr(linalg, 'DENSE_GEMM_ROWS', True)\n"
            "    monkeypatch.setattr(gemm_rows, 'DENSE_GEMM_ROWS', True)\n"
-           "    linalg.QUANT_DOT = True\n    linalg.QUANT_DOTS = True\n")
+           "    linalg.QUANT_DOT = True\n    linalg.QUANT_DOTS = True\n"
+           "    linalg._gemm_rows_splits(64, 2048)\n    gemm_rows.splits_of(64, 2048)\n")
     bad, checked = switches_that_do_not_exist(old, names)
-    assert checked == 4 and bad == [(3, "linalg", "DENSE_GEMM_ROWS"), (6, "linalg", "QUANT_DOTS")]
+    assert checked == 6 and bad == [(3, "linalg", "DENSE_GEMM_ROWS"), (6, "linalg", "QUANT_DOTS"),
+                                    (7, "linalg", "_gemm_rows_splits")]
