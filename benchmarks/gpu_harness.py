@@ -113,7 +113,7 @@ quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgem
 def quant_kernel_choice(name: str) -> dict[str, object]:
     """The settings a quantized-kernel name asks for (a QUANT_KERNELS name with any of QUANT_VARIANTS after it,
     "dot-interleaved-fusednorm"; "" the defaults): linalg's QGEMV, QUANT_DOT, QGEMV_GATED, QDOT_INTERLEAVED,
-    QDOT_WAVE_ROWS, QGEMM, GEMM_ROWS_PACKED and norm's ADD_RMS_NORM_ROW."""
+    QDOT_WAVE_ROWS, QGEMM, gemm_rows's GEMM_ROWS_PACKED and GEMM_ROWS_STAGES, and norm's ADD_RMS_NORM_ROW."""
     base, variants = name, set()
     while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
         base, variants = base.removesuffix(found), variants | {found}
@@ -124,7 +124,7 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
     return {"QGEMV": qgemv, "QUANT_DOT": dot, "QGEMV_GATED": "-apart" not in variants,
             "QDOT_INTERLEAVED": True if "-interleaved" in variants else False if "-stagefirst" in variants else None,
             "QDOT_WAVE_ROWS": "-onerow" not in variants, "QGEMM": "-dequant" not in variants,
-            "GEMM_ROWS_PACKED": "-packed" in variants,
+            "GEMM_ROWS_PACKED": "-packed" in variants, "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4,
             "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
 
 
@@ -138,7 +138,7 @@ def check_quant_kernels(parser, names: list[str]) -> None:
             parser.error(str(e))
 
 
-SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows"}
+SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows", "GEMM_ROWS_STAGES": "gemm_rows"}
 """The cuda kernels module of each quant_kernel_choice setting outside linalg."""
 
 
@@ -159,5 +159,6 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-onerow": "int4 qgemv_dot at one weight row a warp even where a second wave follows",
                   "-dequant": "9-64 rows by dequantize + cuBLAS, not quant.cu's gemm_rows",
                   "-packed": "gemm_rows's int4 (no zero, no offsets) dequantized two codes an instruction pair",
+                  "-ring3": "gemm_rows with a ring of 3 stages (4 blocks an SM), not 4 (3 blocks)",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

@@ -292,6 +292,33 @@ def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows
     np.testing.assert_array_equal(results[True], results[False])
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, "offset")])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_gemm_rows_ring_of_3_stages_gives_the_bits_of_4(bits, symmetric, gated, monkeypatch) -> None:
+    """gemm_rows.GEMM_ROWS_STAGES = 3 (instance + 10000: a smaller ring for a fourth block an SM) multiplies the same
+    stages in the same order as the ring of 4: the same bits, with K split (one stage a split at the end) and not."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
+
+    args, _ = _case(np.random.default_rng(bits), (24,), 2 * 70 if gated else 70, 640, bits, 32, symmetric,
+                    BFLOAT16, True)
+    arrays = [None if a is None else cp.asarray(a) for a in args]
+    for splits in (1, 4):
+        monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
+        results = {}
+        for stages in (4, 3):
+            monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", stages)
+            launched = _kernels_looked_up(linalg, monkeypatch)
+            if gated:
+                got = linalg.gated_quantized_linear(*arrays, bits, 32, symmetric == "offset", "silu")
+            else:
+                got = linalg.quantized_linear(*arrays, bits, 32, symmetric == "offset")
+            assert [f[2] >= 10000 for f in launched if f[0] == "gemm_rows"] == [stages == 3]
+            results[stages] = cp.asnumpy(got).view(np.uint16)
+        np.testing.assert_array_equal(results[3], results[4])
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, "offset"])
 def test_gemm_rows_reads_the_last_scale_of_an_odd_count_alone(bits, symmetric, monkeypatch) -> None:

@@ -73,17 +73,24 @@ GEMM_ROWS_PACKED: bool = False
 in fewer instructions): an A/B not yet measured (the benchmarks' "-packed" kernels)."""
 
 GEMM_ROWS_STAGES = 4
-"""quant.cu's ROWS_STAGES: the ring of stages (64 values of K) gemm_rows streams through shared memory."""
+"""Slots of the ring of stages (64 values of K) a quantized weight's gemm_rows streams through shared memory: 4
+(quant.cu's ROWS_STAGES: three in flight, 3 blocks an SM for int4) or 3 (instance + 10000: two in flight, 4 blocks
+an SM); an A/B not yet measured (the benchmarks' "-ring3" kernels)."""
 
 
-def shared_bytes(bits: int) -> int:
-    """gemm_rows's dynamic shared memory: the ring's x tiles (64 rows of 72 halves) and weight codes (a 16-bit
-    weight's rows padded as x's), and for a quantized weight the ring's scale and zero words and the tile the
-    stage is dequantized into."""
-    x_tiles = GEMM_ROWS_STAGES * 64 * 72 * 2
+def shared_bytes(bits: int, stages: int = 4) -> int:
+    """gemm_rows's dynamic shared memory for a ring of `stages` slots: the x tiles (64 rows of 72 halves) and weight
+    codes (a 16-bit weight's rows padded as x's), and for a quantized weight the scale and zero words and the tile
+    the stage is dequantized into."""
+    x_tiles = stages * 64 * 72 * 2
     if bits == 16:
         return 2 * x_tiles
-    return x_tiles + GEMM_ROWS_STAGES * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
+    return x_tiles + stages * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
+
+
+def _stages(instance: int) -> int:
+    """The ring's slots of a gemm_rows instance (+ 10000: one fewer than quant.cu's ROWS_STAGES)."""
+    return 3 if instance >= 10000 else 4
 
 
 def _gemm_rows_function(dtype: np.dtype, instance: int) -> Any:
@@ -91,7 +98,7 @@ def _gemm_rows_function(dtype: np.dtype, instance: int) -> Any:
     first time it is looked up."""
     function = nvrtc.function("quant", "gemm_rows", dtype, instance)
     if function not in _GEMM_ROWS_ALLOWED:
-        function.raw.max_dynamic_shared_size_bytes = shared_bytes(instance % 100)
+        function.raw.max_dynamic_shared_size_bytes = shared_bytes(instance % 100, _stages(instance))
         _GEMM_ROWS_ALLOWED.add(function)
     return function
 
@@ -116,11 +123,13 @@ def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, grou
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
     act = np.int32(GATE_CODES[activation] if activation else 0)
     packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
-    _gemm_rows_function(x2.dtype, (1000 if packed else 0) + (100 if activation else 0) + bits)(
+    ring3 = GEMM_ROWS_STAGES == 3 and bits != 16
+    instance = (10000 if ring3 else 0) + (1000 if packed else 0) + (100 if activation else 0) + bits
+    _gemm_rows_function(x2.dtype, instance)(
         (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
-        shared_mem=shared_bytes(bits))
+        shared_mem=shared_bytes(bits, _stages(instance)))
     if splits > 1:
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),

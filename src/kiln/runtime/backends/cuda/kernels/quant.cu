@@ -695,12 +695,12 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 }
 
 // gemm_rows<S>: F16 BF16
-// gemm_rows<N>: 4 8 16 104 108 116 1004 1104
+// gemm_rows<N>: 4 8 16 104 108 116 1004 1104 10004 10008 10104 10108 11004 11104
 // out = x W^T + bias for 9 to 64 input rows (a batched decode step's, gemm_rows.GEMM_ROWS_MAX) on the tensor cores.
 // N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
 // in the storage type itself (gemm_rows.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
 // scale and zero unused). A block takes 64 rows of x (4 warps of 16) and 64 outputs, over its share of K (blockIdx.z
-// of gridDim.z splits, whole stages of 64). The stages stream through a ring of ROWS_STAGES slots in shared memory
+// of gridDim.z splits, whole stages of 64). The stages stream through a ring of STAGES slots in shared memory
 // (x tile, weight codes, and the 4-byte words holding each half row's scale and zero, all by cp.async), three stages
 // in flight while one is multiplied (the first form of this kernel, registers one stage ahead, waited a memory
 // latency a stage). Each stage a thread dequantizes 32 weights of one row (within one group: the group is a multiple
@@ -725,7 +725,8 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 #define ROWS_K 64
 #define ROWS_LD 72      // halves a shared row of x (and of a 16-bit weight): 144 bytes apart, so the mma's fragment
                         // loads (8 rows x 4 words) fall in 32 different banks
-#define ROWS_STAGES 4   // ring slots: three stages in flight while one is multiplied
+#define ROWS_STAGES 4   // ring slots: three stages in flight while one is multiplied (N + 10000: one slot fewer,
+                        // a smaller ring for a fourth block an SM; gemm_rows.py's GEMM_ROWS_STAGES)
 
 template <class S, int N>
 __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict__ x,
@@ -738,17 +739,18 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
                                                  int zero_mode, int has_bias, int stages_a_split, int act) {
     typedef typename S::T T;
     constexpr int BITS = N % 100;
-    constexpr bool GATED = N % 1000 >= 100, QUANTIZED = BITS != 16, PACKED = N >= 1000;
+    constexpr bool GATED = N % 1000 >= 100, QUANTIZED = BITS != 16, PACKED = N % 10000 >= 1000;
+    constexpr int STAGES = N >= 10000 ? ROWS_STAGES - 1 : ROWS_STAGES;
     static_assert(!PACKED || BITS == 4, "the packed dequantization is int4's");
     constexpr int ROW_CODES = ROWS_K * BITS / 8;  // bytes of a weight row a stage
     constexpr int PIECES = ROW_CODES / 16;        // their 16-byte pieces: 2, 4 or 8
     constexpr int SLOT_CODES = QUANTIZED ? ROWS_TILE * ROW_CODES : ROWS_TILE * ROWS_LD * 2;  // (16-bit: padded rows)
     extern __shared__ __align__(16) unsigned char smem[];
     T (*xs)[ROWS_TILE][ROWS_LD] = reinterpret_cast<T (*)[ROWS_TILE][ROWS_LD]>(smem);
-    unsigned char* codes = smem + ROWS_STAGES * ROWS_TILE * ROWS_LD * sizeof(T);
-    T (*sv)[ROWS_TILE][4] = reinterpret_cast<T (*)[ROWS_TILE][4]>(codes + ROWS_STAGES * SLOT_CODES);  // scale words
-    T (*zv)[ROWS_TILE][4] = sv + ROWS_STAGES;                                                         // zero words
-    T (*ws)[ROWS_LD] = reinterpret_cast<T (*)[ROWS_LD]>(zv + ROWS_STAGES);  // the dequantized stage
+    unsigned char* codes = smem + STAGES * ROWS_TILE * ROWS_LD * sizeof(T);
+    T (*sv)[ROWS_TILE][4] = reinterpret_cast<T (*)[ROWS_TILE][4]>(codes + STAGES * SLOT_CODES);  // scale words
+    T (*zv)[ROWS_TILE][4] = sv + STAGES;                                                         // zero words
+    T (*ws)[ROWS_LD] = reinterpret_cast<T (*)[ROWS_LD]>(zv + STAGES);  // the dequantized stage
     grid_dependency_sync();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n0 = blockIdx.x * ROWS_TILE, m_base = blockIdx.y * ROWS_TILE;
@@ -807,8 +809,8 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     } copied, dequantized;
     copied.start(first * ROWS_K + 32 * gh, group);
     dequantized.start(first * ROWS_K + 32 * gh, group);
-    auto issue = [&](int stage) {  // the stage into slot stage % ROWS_STAGES, as one cp.async group
-        const int slot = stage % ROWS_STAGES;
+    auto issue = [&](int stage) {  // the stage into slot stage % STAGES, as one cp.async group
+        const int slot = stage % STAGES;
         const long long k0 = (long long)stage * ROWS_K;
 #pragma unroll
         for (int i = 0; i < X_COPIES; ++i) copy_async16(xdst[i] + slot * X_SLOT, xsrc[i] + k0, xok[i]);
@@ -879,14 +881,14 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     const int g = lane >> 2, t2 = (lane & 3) * 2, m0 = warp * 16;
     const bool busy = m_base + m0 < rows;  // (a warp whose 16 rows are past the last only copies and dequantizes)
 #pragma unroll
-    for (int i = 0; i < ROWS_STAGES - 1; ++i) {  // (an empty group past the last stage keeps the count the wait uses)
+    for (int i = 0; i < STAGES - 1; ++i) {  // (an empty group past the last stage keeps the count the wait uses)
         if (first + i < last) issue(first + i); else cp_async_commit();
     }
     for (int stage = first; stage < last; ++stage) {
-        cp_async_wait<ROWS_STAGES - 2>();  // this thread's copies of `stage` landed
+        cp_async_wait<STAGES - 2>();  // this thread's copies of `stage` landed
         __syncthreads();  // everyone's; and every warp is done with the last stage's slot and tile
-        if (stage + ROWS_STAGES - 1 < last) issue(stage + ROWS_STAGES - 1); else cp_async_commit();
-        const int slot = stage % ROWS_STAGES;
+        if (stage + STAGES - 1 < last) issue(stage + STAGES - 1); else cp_async_commit();
+        const int slot = stage % STAGES;
         if (QUANTIZED) {
             dequantize_stage(slot);
             __syncthreads();
