@@ -92,8 +92,7 @@ def export_llama_shape(path: Path, shape: str, dtype: str, slots: int, max_conte
     options = {"quantize": quantize_spec(quantize)} if quantize else {}
     export_llama(model, max_context, chunk, slots=slots, metadata=metadata, **options).save(path)
     print(f"exported {shape} ({dtype}{', ' + quantize if quantize else ''}, {slots} slots, context {max_context}) to "
-          f"{path} in "
-          f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+          f"{path} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 @dataclass

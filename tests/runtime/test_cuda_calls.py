@@ -128,10 +128,19 @@ def functions() -> dict[tuple[str, str], inspect.Signature]:
     return _kernel_functions()
 
 
+@pytest.fixture(scope="module")
+def names() -> dict[str, set[str]]:
+    return _module_names()
+
+
 @pytest.mark.parametrize("path", CALLERS, ids=lambda p: p.name)
-def test_calls_of_the_cuda_kernels_bind(path: Path, functions) -> None:
-    bad, _ = calls_that_do_not_bind(path.read_text(), functions)
+def test_the_cuda_tests_use_the_kernels_as_they_are(path: Path, functions, names) -> None:
+    """Every call of a kernel function binds, and every name read, called or set on a kernel module exists there."""
+    source = path.read_text()
+    bad, _ = calls_that_do_not_bind(source, functions)
     assert not bad, f"{path.name}: " + "; ".join(f"line {line}: {call}: {error}" for line, call, error in bad)
+    missing, _ = switches_that_do_not_exist(source, names)
+    assert not missing, f"{path.name}: " + "; ".join(f"line {line}: {module}.{name}" for line, module, name in missing)
 
 
 def test_the_check_reads_the_calls_it_is_for(functions) -> None:
@@ -194,16 +203,9 @@ def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple
     return sorted(bad), checked
 
 
-@pytest.mark.parametrize("path", CALLERS, ids=lambda p: p.name)
-def test_the_names_the_cuda_tests_use_on_kernel_modules_exist(path: Path) -> None:
-    bad, _ = switches_that_do_not_exist(path.read_text(), _module_names())
-    assert not bad, f"{path.name}: " + "; ".join(f"line {line}: {module}.{name}" for line, module, name in bad)
-
-
-def test_the_switch_check_reads_what_it_is_for() -> None:
+def test_the_switch_check_reads_what_it_is_for(names) -> None:
     """It sees the suite's switches and calls, and it fails a switch set on the module it left (DENSE_GEMM_ROWS moved
     from linalg to gemm_rows) and a function called there."""
-    names = _module_names()
     checked = sum(switches_that_do_not_exist(path.read_text(), names)[1] for path in CALLERS)
     assert checked >= 100
     old = ("def test(monkeypatch):\n    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg\n"

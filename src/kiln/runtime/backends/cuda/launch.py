@@ -83,16 +83,25 @@ def _param(value: Any) -> Any:
                     f"not {type(value).__name__}")
 
 
+SHARED_WITHOUT_ASKING = 48 * 1024
+"""Dynamic shared memory a kernel may take without raising its limit first."""
+
+
 class Kernel:
     """A compiled kernel of kiln's sources, called as CuPy's are: kernel(grid, block, args, shared_mem=0); launched
-    early where the device takes it. `raw` is CuPy's kernel (its attributes: num_regs, the shared memory limit)."""
+    early where the device takes it. `raw` is CuPy's kernel (its attributes: num_regs, the shared memory limit). A
+    call that asks for more dynamic shared memory than SHARED_WITHOUT_ASKING raises the kernel's limit first, once
+    for each larger size, so its callers pass only the bytes."""
 
     def __init__(self, raw: Any, name: str = ""):
         self.raw, self.name = raw, name
         self._function: int | None = None
+        self._shared_allowed = SHARED_WITHOUT_ASKING
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
                  shared_mem: int = 0) -> None:
+        if shared_mem > self._shared_allowed:
+            self.raw.max_dynamic_shared_size_bytes = self._shared_allowed = shared_mem
         grid3, block3 = _dims(grid), _dims(block)
         if timeline.ENABLED:
             timeline.launched(self.name, grid3, block3)

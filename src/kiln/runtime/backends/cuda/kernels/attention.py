@@ -5,7 +5,6 @@ masked softmax (softmax.cu), and the portable sdpa (products on cuBLAS) for what
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -323,7 +322,7 @@ def _flash_attention(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: flo
     aligned = kind == MASK_BOOL and ms[3] == 1 and mask_b.data.ptr % 16 == 0 and all(m % 16 == 0 for m in ms[:3])
     row_tiles = (groups * queries + FLASH_M - 1) // FLASH_M
     smem = flash_smem_bytes(e, q.itemsize)
-    _flash_function(q.dtype, e)(
+    nvrtc.function("flash", "flash_attention", q.dtype, e)(
         (row_tiles, hkv, b), (FLASH_THREADS,),
         (q, k, v, mask_b, out, *qs[:3], *ks[:3], *vs[:3], kind, np.int32(aligned), *ms, np.int32(groups),
          np.int32(queries), np.int32(keys), np.float32(1 / math.sqrt(e) if scale is None else scale), np.int32(causal),
@@ -388,7 +387,7 @@ def _slot_runs_attention(out: Any, q: Any, keys: Any, values: Any, slots: Any, p
     rows, hq, _, e = q.shape
     hkv = keys.shape[1]
     qs, ks, vs = (elements(a.strides, a.itemsize) for a in (q, keys, values))
-    _flash_function(q.dtype, e)(
+    nvrtc.function("flash", "flash_attention", q.dtype, e)(
         (1, hkv, rows // run), (FLASH_THREADS,),
         (q, keys, values, q, out, qs[0] * run, qs[1], qs[0], *ks[:3], *vs[:3], np.int32(MASK_NONE), np.int32(0),
          *[np.int64(0)] * 4, np.int32(hq // hkv), np.int32(run), np.int32(keys.shape[2]), np.float32(scale),
@@ -401,15 +400,6 @@ def flash_smem_bytes(e: int, itemsize: int) -> int:
     """flash.cu's dynamic shared memory: k and v tiles in two stages ([FLASH_N][e + 8] each) and the mask bytes of
     two tiles ([FLASH_M][FLASH_N + 16] each)."""
     return 4 * FLASH_N * (e + 8) * itemsize + 2 * FLASH_M * (FLASH_N + 16)
-
-
-@functools.cache
-def _flash_function(dtype: np.dtype, e: int) -> Any:
-    """The flash kernel for this type and width, allowed the dynamic shared memory it takes (over the 48 KB a
-    kernel gets without asking from a head width of 80 on)."""
-    function = nvrtc.function("flash", "flash_attention", dtype, e)
-    function.raw.max_dynamic_shared_size_bytes = flash_smem_bytes(e, np.dtype(dtype).itemsize)
-    return function
 
 
 DECODE_CHUNK, DECODE_THREADS, DECODE_GROUPS = 64, 128, (1, 2, 4, 8)  # as decode.cu defines and instantiates them

@@ -102,6 +102,26 @@ struct F32 {
     }
 };
 
+// Two values of a 16-bit storage type in one register (PTX_TYPE "bf16" or "f16"), low half first: pack2 rounds two
+// floats as store rounds them (NaN aside: the hardware's canonical NaN) in one instruction, not ~7 each; sub2 and
+// mul2 round each result once (no contraction): the packed arithmetic of gemm_rows's int4 dequantization.
+#define KILN_PAIR_OPS(PTX_TYPE)                                                                             \
+    static __device__ __forceinline__ unsigned int pack2(float lo, float hi) {                              \
+        unsigned int u;                                                                                     \
+        asm("cvt.rn." PTX_TYPE "x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));                           \
+        return u;                                                                                           \
+    }                                                                                                       \
+    static __device__ __forceinline__ unsigned int sub2(unsigned int a, unsigned int b) {                   \
+        unsigned int d;                                                                                     \
+        asm("sub.rn." PTX_TYPE "x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));                                 \
+        return d;                                                                                           \
+    }                                                                                                       \
+    static __device__ __forceinline__ unsigned int mul2(unsigned int a, unsigned int b) {                   \
+        unsigned int d;                                                                                     \
+        asm("mul.rn." PTX_TYPE "x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));                                 \
+        return d;                                                                                           \
+    }
+
 struct BF16 {
     typedef unsigned short T;
     static constexpr int PER16 = 8;
@@ -118,26 +138,8 @@ struct BF16 {
         u += 0x7fffu + ((u >> 16) & 1u);
         return (unsigned short)(u >> 16);
     }
-    // two values rounded as store rounds them (NaN aside: the hardware's canonical NaN), lo in the low half, in one
-    // instruction: kernels that round many values (gemm_rows's dequantized tiles) spend 1 instruction, not ~7 each
-    static __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-        unsigned int u;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
-        return u;
-    }
-    // Pairs of values in one register, each rounded once (no contraction): the packed arithmetic of gemm_rows's
-    // int4 dequantization. INT_BASE is 128.0: its bits OR a code 0..127 are 128 + code, exactly.
-    static constexpr unsigned int INT_BASE = 0x4300u;
-    static __device__ __forceinline__ unsigned int sub2(unsigned int a, unsigned int b) {
-        unsigned int d;
-        asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    }
-    static __device__ __forceinline__ unsigned int mul2(unsigned int a, unsigned int b) {
-        unsigned int d;
-        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    }
+    KILN_PAIR_OPS("bf16")
+    static constexpr unsigned int INT_BASE = 0x4300u;  // 128.0: its bits OR a code 0..127 are 128 + code, exactly
 };
 
 struct F16 {
@@ -154,22 +156,8 @@ struct F16 {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
         return h;
     }
-    static __device__ __forceinline__ unsigned int pack2(float lo, float hi) {  // (as BF16::pack2)
-        unsigned int u;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
-        return u;
-    }
-    static constexpr unsigned int INT_BASE = 0x6400u;  // (as BF16's: 1024.0, codes 0..1023 exact)
-    static __device__ __forceinline__ unsigned int sub2(unsigned int a, unsigned int b) {
-        unsigned int d;
-        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    }
-    static __device__ __forceinline__ unsigned int mul2(unsigned int a, unsigned int b) {
-        unsigned int d;
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-        return d;
-    }
+    KILN_PAIR_OPS("f16")
+    static constexpr unsigned int INT_BASE = 0x6400u;  // 1024.0: codes 0..1023 exact
     static __device__ __forceinline__ void unpack(const U4& u, float* f) {
         const unsigned int w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll

@@ -44,6 +44,12 @@ def applies(x2: Any, w: Any, *groups: Any) -> bool:
             and all(a.data.ptr % 4 == 0 for a in groups if a is not None))
 
 
+def quantized_applies(x2: Any, q: Any, scale: Any, zero: Any, bits: int, group_size: int) -> bool:
+    """Whether a quantized weight takes gemm_rows: int4 or int8 codes in groups of a multiple of 32 (a half row's 32
+    weights share a scale), and the operands `applies` asks for."""
+    return bits in (4, 8) and group_size % 32 == 0 and applies(x2, q, scale, zero)
+
+
 def dense_applies(x2: Any, weight: Any, bias: Any) -> bool:
     """Whether a 16-bit weight [N, K] (row-major) and bias take gemm_rows<S, 16> (DENSE_GEMM_ROWS)."""
     return (DENSE_GEMM_ROWS and weight.dtype == x2.dtype and weight.flags.c_contiguous
@@ -88,24 +94,6 @@ def shared_bytes(bits: int, stages: int = 4) -> int:
     return x_tiles + stages * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
 
 
-def _stages(instance: int) -> int:
-    """The ring's slots of a gemm_rows instance (+ 10000: one fewer than quant.cu's ROWS_STAGES)."""
-    return 3 if instance >= 10000 else 4
-
-
-def _gemm_rows_function(dtype: np.dtype, instance: int) -> Any:
-    """gemm_rows's instance, allowed its dynamic shared memory (over the 48 KB a kernel gets without asking) the
-    first time it is looked up."""
-    function = nvrtc.function("quant", "gemm_rows", dtype, instance)
-    if function not in _GEMM_ROWS_ALLOWED:
-        function.raw.max_dynamic_shared_size_bytes = shared_bytes(instance % 100, _stages(instance))
-        _GEMM_ROWS_ALLOWED.add(function)
-    return function
-
-
-_GEMM_ROWS_ALLOWED: set = set()
-
-
 def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,
               activation: str = "") -> Any:
     """quant.cu's gemm_rows (and gemm_rows_reduce where K is split): x2 [9..64, K] times w [N, K] (codes of `bits`
@@ -125,11 +113,11 @@ def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, grou
     packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
     ring3 = GEMM_ROWS_STAGES == 3 and bits != 16
     instance = (10000 if ring3 else 0) + (1000 if packed else 0) + (100 if activation else 0) + bits
-    _gemm_rows_function(x2.dtype, instance)(
+    nvrtc.function("quant", "gemm_rows", x2.dtype, instance)(
         (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
-        shared_mem=shared_bytes(bits, _stages(instance)))
+        shared_mem=shared_bytes(bits, 3 if ring3 else 4))
     if splits > 1:
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),

@@ -202,8 +202,7 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
         return _dequantized_linear(x2, q, scale, zero, bias, bits, group_size, offset).reshape(*lead, n)
     x2 = cp.ascontiguousarray(x2)
     zero_mode = quant_zero_mode(zero, offset)
-    if (QGEMM and bits in (4, 8) and group_size % 32 == 0 and scale.dtype == x2.dtype
-            and gemm_rows.applies(x2, q, scale, zero)):
+    if QGEMM and scale.dtype == x2.dtype and gemm_rows.quantized_applies(x2, q, scale, zero, bits, group_size):
         return gemm_rows.gemm_rows(x2, q, scale, zero, bias, bits, group_size, zero_mode).reshape(*lead, n)
     if x2.shape[0] > QUANT_ROWS:
         weight = cp.empty((n, k), dtype=dtype)
@@ -234,6 +233,7 @@ def quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bits: int
 QGEMM: bool = True
 """Whether a quantized weight's 9 to GEMM_ROWS_MAX rows take gemm_rows (False: dequantize + cuBLAS, as before it;
 the benchmarks' "-dequant" variant)."""
+
 
 def quant_zero_mode(zero: Any, offset: bool) -> Any:
     """quant.cu's zero_mode for a quantized weight's zero array (absent, zero points or additive offsets)."""
@@ -286,8 +286,6 @@ def _qgemv_staged(x2: Any, q: Any, scale: Any, zero: Any, bias: Any, out: Any, b
             and _waves(n, shared, function) > 1):
         weight_rows = 2
         function = nvrtc.function("quant", name, out.dtype, 200 + instance)
-    if shared > 48 * 1024:
-        function.raw.max_dynamic_shared_size_bytes = shared
     constant = all(constants.is_constant(a) for a in (q, scale) + ((zero,) if zero is not None else ()))
     outputs_a_warp = weight_rows // 2 if activation else weight_rows
     function((-(-(n // 2 if activation else n) // (QUANT_WARPS * outputs_a_warp)),), (32 * QUANT_WARPS,),
@@ -312,9 +310,8 @@ def gated_quantized_linear(x: Any, q: Any, scale: Any, zero: Any, bias: Any, bit
         _qgemv_staged(x2, q, scale, zero, bias, out, bits, group_size, quant_zero_mode(zero, offset), shared,
                       activation)
         return out.reshape(*lead, n // 2)
-    if (QGEMM and activation in GATE_CODES and n % 2 == 0 and bits in (4, 8) and group_size % 32 == 0
-            and _quant_parts_apply(x2, q, scale, zero, bias)
-            and gemm_rows.applies(x2 := cp.ascontiguousarray(x2), q, scale, zero)):
+    if (QGEMM and activation in GATE_CODES and n % 2 == 0 and _quant_parts_apply(x2, q, scale, zero, bias)
+            and gemm_rows.quantized_applies(x2 := cp.ascontiguousarray(x2), q, scale, zero, bits, group_size)):
         out = gemm_rows.gemm_rows(x2, q, scale, zero, bias, bits, group_size, quant_zero_mode(zero, offset), activation)
         return out.reshape(*lead, n // 2)
     return composite.gated_quantized_linear(CUDA_KERNELS.kernels, x, q, scale, zero, bias, bits, group_size, offset,
@@ -406,8 +403,8 @@ def _staged_weight_rows(n: int, rows: int) -> int:
 
 QDOT_WAVE_ROWS = True
 """Whether int4's qgemv_dot takes 2 weight rows a warp where 1 would need a second wave of blocks (_waves). Measured
-before the interleaved form was the default; the benchmarks' "-onerow" kernels switch it off to measure it again
-beside the interleaved form, which hides the staging latency the rule was made for."""
+before the interleaved form was the default; beside it (the benchmarks' "-onerow" kernels, H200, 8B int4 step) 2.166
+ms with the rule, 2.163 without: the interleaved form hides the staging latency the rule was made for."""
 
 
 def _waves(n: int, shared: int, one_row: Any) -> int:
