@@ -124,7 +124,8 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
     return {"QGEMV": qgemv, "QUANT_DOT": dot, "QGEMV_GATED": "-apart" not in variants,
             "QDOT_INTERLEAVED": True if "-interleaved" in variants else False if "-stagefirst" in variants else None,
             "QDOT_WAVE_ROWS": "-onerow" not in variants, "QGEMM": "-dequant" not in variants,
-            "GEMM_ROWS_PACKED": "-packed" in variants, "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4,
+            "GEMM_ROWS_PACKED": "-unpacked" not in variants,
+            "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4 if "-ring4" in variants else None,
             "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
 
 
@@ -158,7 +159,8 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-stagefirst": "qgemv_dot's plain form (all of x staged before the first product) everywhere",
                   "-onerow": "int4 qgemv_dot at one weight row a warp even where a second wave follows",
                   "-dequant": "9-64 rows by dequantize + cuBLAS, not quant.cu's gemm_rows",
-                  "-packed": "gemm_rows's int4 (no zero, no offsets) dequantized two codes an instruction pair",
-                  "-ring3": "gemm_rows with a ring of 3 stages (4 blocks an SM), not 4 (3 blocks)",
+                  "-unpacked": "gemm_rows's int4 (no zero, no offsets) dequantized one code at a time in float32",
+                  "-ring3": "gemm_rows with a ring of 3 stages (4 blocks an SM) whatever the waves",
+                  "-ring4": "gemm_rows with a ring of 4 stages (3 blocks an SM) whatever the waves",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

@@ -98,8 +98,8 @@ def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
     from gpu_harness import quant_kernel_choice
 
     default = {"QGEMV": "staged", "QUANT_DOT": None, "QGEMV_GATED": True, "QDOT_INTERLEAVED": None,
-               "QDOT_WAVE_ROWS": True, "QGEMM": True, "GEMM_ROWS_PACKED": False,
-               "GEMM_ROWS_STAGES": 4, "ADD_RMS_NORM_ROW": True}
+               "QDOT_WAVE_ROWS": True, "QGEMM": True, "GEMM_ROWS_PACKED": True,
+               "GEMM_ROWS_STAGES": None, "ADD_RMS_NORM_ROW": True}
     assert quant_kernel_choice("") == default
     assert quant_kernel_choice("dot") == {**default, "QUANT_DOT": True}
     both = {**default, "QUANT_DOT": True, "QDOT_INTERLEAVED": True, "ADD_RMS_NORM_ROW": False}
@@ -107,8 +107,9 @@ def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
     assert quant_kernel_choice("dot-stagefirst") == {**default, "QUANT_DOT": True, "QDOT_INTERLEAVED": False}
     assert quant_kernel_choice("dot-onerow")["QDOT_WAVE_ROWS"] is False
     assert quant_kernel_choice("dot-dequant")["QGEMM"] is False
-    assert quant_kernel_choice("dot-packed")["GEMM_ROWS_PACKED"] is True
-    assert quant_kernel_choice("dot-ring3-packed")["GEMM_ROWS_STAGES"] == 3
+    assert quant_kernel_choice("dot-unpacked")["GEMM_ROWS_PACKED"] is False
+    assert quant_kernel_choice("dot-ring3-unpacked")["GEMM_ROWS_STAGES"] == 3
+    assert quant_kernel_choice("dot-ring4")["GEMM_ROWS_STAGES"] == 4
     assert quant_kernel_choice("staged-apart") == {**default, "QUANT_DOT": False, "QGEMV_GATED": False}
     with pytest.raises(ValueError, match="no quantized kernel 'dott'"):
         quant_kernel_choice("dott-apart")

@@ -167,11 +167,12 @@ def test_int4_takes_two_weight_rows_a_warp_where_one_would_need_a_second_wave(bi
     (3 an SM): int4 then takes 2 rows a warp (linalg._waves), int8 keeps 1; both against the integer definition."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import linalg, registry
 
     monkeypatch.setattr(linalg, "QUANT_DOT", True)
     args, _ = _case(np.random.default_rng(bits), (1,), 4096, 256, bits, 32, True, BFLOAT16, False)
-    one_row = linalg._resident_blocks(linalg.nvrtc.function("quant", "qgemv_dot", BFLOAT16, 100 + 10 * bits + 1), 0)
+    one_row = registry.resident_blocks(linalg.nvrtc.function("quant", "qgemv_dot", BFLOAT16, 100 + 10 * bits + 1),
+                                       0, 32 * linalg.QUANT_WARPS)
     if bits == 4:  # (int8 keeps one row whatever the waves; its 181 fits 4 blocks an SM, 528 on an H100)
         assert 4096 // linalg.QUANT_WARPS > one_row, "this GPU holds 512 blocks at once: the case tests no rule"
     launched = _kernels_looked_up(linalg, monkeypatch)
@@ -258,7 +259,8 @@ def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, d
     got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
                                   symmetric == "offset")
     names = [f[0] for f in launched]
-    assert names[:1] == ["gemm_rows"] and launched[0][2] == bits
+    ran = [f[2] for f in launched if f[0] == "gemm_rows"][-1]  # (ring_stages looks up both rings' instances first)
+    assert names[:1] == ["gemm_rows"] and ran % 10000 == bits + (1000 if bits == 4 and symmetric is True else 0)
     assert ("gemm_rows_reduce" in names) == (gemm_rows.splits_of(n, k) > 1)
     assert got.shape == (rows, n) and got.dtype == dtype
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
@@ -277,6 +279,7 @@ def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows
     from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
 
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", 4)  # (one lookup a call: the instance that runs)
     args, _ = _case(np.random.default_rng(rows + n), (rows,), 2 * n if gated else n, 512, 4, 32, True, dtype, True)
     arrays = [None if a is None else cp.asarray(a) for a in args]
     results = {}
@@ -290,6 +293,26 @@ def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows
         assert [f[2] for f in launched if f[0] == "gemm_rows"] == [(1000 if packed else 0) + (104 if gated else 4)]
         results[packed] = cp.asnumpy(got).view(np.uint16)
     np.testing.assert_array_equal(results[True], results[False])
+
+
+@pytest.mark.parametrize("bits,instance", [(4, 1004), (4, 104), (8, 108)])
+def test_the_ring_of_3_stages_is_taken_where_it_saves_a_wave(bits, instance) -> None:
+    """gemm_rows.ring_stages: 4 slots while 3 blocks an SM hold the grid in as few waves as 4 blocks do; 3 slots
+    (a fourth block an SM) once that saves a wave: just past one wave of the deeper ring, and for an LM head's grid."""
+    from kiln.runtime.backends.array_api import BFLOAT16
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, registry
+
+    def resident(stages: int) -> int:
+        function = gemm_rows.nvrtc.function("quant", "gemm_rows", BFLOAT16, instance + (10000 if stages == 3 else 0))
+        return registry.resident_blocks(function, gemm_rows.shared_bytes(bits, stages), 128)
+
+    deep, shallow = resident(4), resident(3)
+    assert shallow > deep, "the ring of 3 fits no more blocks than the ring of 4 on this GPU"
+    assert gemm_rows.ring_stages(deep, bits, BFLOAT16, instance) == 4
+    assert gemm_rows.ring_stages(deep + 1, bits, BFLOAT16, instance) == 3
+    assert gemm_rows.ring_stages(2 * deep, bits, BFLOAT16, instance) == (3 if shallow >= 2 * deep else 4)
+    assert gemm_rows.ring_stages(2004, bits, BFLOAT16, instance) == (
+        3 if -(-2004 // shallow) < -(-2004 // deep) else 4)
 
 
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, "offset")])
@@ -400,6 +423,7 @@ def test_gemm_rows_gated_form_gives_the_bits_of_the_two_kernels(bits, rows, half
     from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, gemm_rows, linalg
 
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", 4)  # (one lookup a call: the instance that runs)
     monkeypatch.setattr(gemm_rows, "DENSE_GEMM_ROWS", True)
     rng = np.random.default_rng(rows + half + bits)
     k = 512
@@ -416,6 +440,6 @@ def test_gemm_rows_gated_form_gives_the_bits_of_the_two_kernels(bits, rows, half
         got = linalg.gated_quantized_linear(*arrays, bits, 32, False, activation)
         sizes = [f[2] for f in launched if f[0] == "gemm_rows"]
         want = composite.gated_quantized_linear(CUDA_KERNELS.kernels, *arrays, bits, 32, False, activation)
-    assert sizes == [100 + bits]
+    assert sizes == [100 + bits + (1000 if bits == 4 else 0)]  # (symmetric int4: the packed dequantization)
     assert got.shape == want.shape == (rows, half) and got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))

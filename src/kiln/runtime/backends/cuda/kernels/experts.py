@@ -41,11 +41,17 @@ from kiln.runtime.backends.cuda.kernels.linalg import (
     _gemv_applies,
     _gemv_split,
     _qgemv_applies,
-    _resident_blocks,
     quant_zero_mode,
 )
 from kiln.runtime.backends.cuda.kernels.norm import NORM_ROW_MAX, fused_rms_norm_applies
-from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
+from kiln.runtime.backends.cuda.kernels.registry import (
+    CUDA_KERNELS,
+    GATE_CODES,
+    contiguous,
+    grid,
+    kernel,
+    resident_blocks,
+)
 from kiln.runtime.backends.cuda.kernels.sort import TOPK_HELD, TOPK_WARPS
 from kiln.runtime.backends.cuda.zeroed import zeroed
 
@@ -173,7 +179,7 @@ def _capped(blocks: int, rows: int, function: Any) -> int:
     """The gathered GEMVs' blocks per input row: all `blocks` where the GPU holds them at once with the other rows',
     else as many as it holds (each warp then loops over outputs, its next loads issued before it finishes one: a
     last partial wave of blocks would start its weight stream only when the wave before it ended)."""
-    return max(1, min(blocks, _resident_blocks(function, 0) // rows))
+    return max(1, min(blocks, resident_blocks(function, 0, 32 * GEMV_WARPS) // rows))
 
 
 def _gathered_gemv(x2: Any, weight: Any, index: Any, bias: Any, activation: str = "") -> Any:

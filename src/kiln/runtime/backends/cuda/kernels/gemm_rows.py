@@ -14,7 +14,7 @@ import numpy as np
 
 from kiln.runtime.backends.array_api import BFLOAT16
 from kiln.runtime.backends.cuda import nvrtc
-from kiln.runtime.backends.cuda.kernels.registry import GATE_CODES, grid
+from kiln.runtime.backends.cuda.kernels.registry import GATE_CODES, grid, resident_blocks
 
 GEMM_ROWS_MIN = 9
 """Fewest input rows gemm_rows takes: one past quant.cu's MAX_ROWS (linalg.QUANT_ROWS), below which the few-row
@@ -73,15 +73,33 @@ def _multiprocessors(device: int) -> int:
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
-GEMM_ROWS_PACKED: bool = False
+GEMM_ROWS_PACKED: bool = True
 """Whether int4 weights with no zero array and no offsets (Q4_0's layout) take gemm_rows's packed dequantization
 (instance + 1000: two codes a packed subtract and multiply in the storage type, the same bits as the float32 path
-in fewer instructions): an A/B not yet measured (the benchmarks' "-packed" kernels)."""
+in fewer instructions; the benchmarks' "-packed" kernels switch it off and on). Faster on every int4 layer measured
+(H200, gpu_quant_linear.py --rows 64, int4 g32 sym, us): 1B q/k/v 17.2 -> 16.0, o 12.0 -> 10.3, gate/up 52.8 ->
+48.5, down 24.9 -> 22.3, LM head 280.7 -> 250.1; 8B q/k/v 40.9 -> 37.4, o 27.4 -> 25.0, gate/up 160.2 -> 137.1,
+down 76.3 -> 67.8, LM head 540.4 -> 479.5."""
 
-GEMM_ROWS_STAGES = 4
+GEMM_ROWS_STAGES: int | None = None
 """Slots of the ring of stages (64 values of K) a quantized weight's gemm_rows streams through shared memory: 4
-(quant.cu's ROWS_STAGES: three in flight, 3 blocks an SM for int4) or 3 (instance + 10000: two in flight, 4 blocks
-an SM); an A/B not yet measured (the benchmarks' "-ring3" kernels)."""
+(quant.cu's ROWS_STAGES: three in flight, 3 blocks an SM for int4 and int8) or 3 (instance + 10000: two in flight, 4
+blocks an SM); None: ring_stages's choice by waves. Forced by the benchmarks' "-ring3" and "-ring4" kernels."""
+
+
+def ring_stages(blocks: int, bits: int, dtype: Any, instance: int) -> int:
+    """The ring for a grid of `blocks`: 3 slots where their fourth block an SM makes fewer waves than 4 slots' three,
+    else 4 (the deeper ring). Measured on the H200 (gpu_quant_linear.py --rows 64, ring of 4 -> 3, us): where the
+    grid took two waves at 3 blocks an SM and one at 4, the smaller ring won (1B gate/up 512 blocks, int4 52.8 ->
+    42.9, int8 58.8 -> 46.5; 8B gate/up 448 blocks, 160.2 -> 128.7 and 209.1 -> 136.9; the LM heads' 2004 blocks,
+    six waves against four, 1B 280.7 -> 253.3 and 336.1 -> 274.8); where one wave held every block either way, it
+    lost or tied (8B o 27.4 -> 32.4, 8B down 76.3 -> 93.3, 1B q/k/v 17.2 -> 19.7; 1B o and down within 2 us)."""
+    if GEMM_ROWS_STAGES is not None or bits == 16:
+        return 4 if bits == 16 else GEMM_ROWS_STAGES
+    waves = {stages: -(-blocks // resident_blocks(
+        nvrtc.function("quant", "gemm_rows", dtype, (10000 if stages == 3 else 0) + instance),
+        shared_bytes(bits, stages), 128)) for stages in (4, 3)}
+    return 3 if waves[3] < waves[4] else 4
 
 
 def shared_bytes(bits: int, stages: int = 4) -> int:
@@ -111,13 +129,15 @@ def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, grou
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
     act = np.int32(GATE_CODES[activation] if activation else 0)
     packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
-    ring3 = GEMM_ROWS_STAGES == 3 and bits != 16
-    instance = (10000 if ring3 else 0) + (1000 if packed else 0) + (100 if activation else 0) + bits
+    tiles = -(-width // (32 if activation else 64))
+    instance = (1000 if packed else 0) + (100 if activation else 0) + bits
+    if ring_stages(tiles * splits, bits, x2.dtype, instance) == 3:
+        instance += 10000
     nvrtc.function("quant", "gemm_rows", x2.dtype, instance)(
-        (-(-width // (32 if activation else 64)), -(-rows // 64), splits), (128,),
+        (tiles, -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
-        shared_mem=shared_bytes(bits, 3 if ring3 else 4))
+        shared_mem=shared_bytes(bits, 3 if instance >= 10000 else 4))
     if splits > 1:
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),

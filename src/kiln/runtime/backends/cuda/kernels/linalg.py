@@ -19,7 +19,14 @@ from kiln.runtime.backends.array_api.quant import dequantize, integer_products_a
 from kiln.runtime.backends.cuda import constants, cublas, nvrtc
 from kiln.runtime.backends.cuda.kernels import gemm_rows
 from kiln.runtime.backends.cuda.kernels.norm import NORM_ROW_MAX, fused_rms_norm_applies
-from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, GATE_CODES, contiguous, grid, kernel
+from kiln.runtime.backends.cuda.kernels.registry import (
+    CUDA_KERNELS,
+    GATE_CODES,
+    contiguous,
+    grid,
+    kernel,
+    resident_blocks,
+)
 
 
 def matmul_cublas(a: Any, b: Any) -> Any:
@@ -87,25 +94,6 @@ GEMV_SHARED_MAX = 48 * 1024
 may take norm.NORM_ROW_MAX."""
 
 
-def _resident_blocks(function: Any, shared: int) -> int:
-    """How many blocks of `function` the GPU holds at once (by registers, threads and shared memory an SM): the
-    norm-prologue GEMV's grid, so each block normalizes its rows once and then loops over outputs, and the gathered
-    GEMVs' cap (experts._capped), and qgemv_dot's weight rows (_waves)."""
-    device = cp.cuda.Device()
-    key = (device.id, function.raw.num_regs, shared)
-    if key not in _RESIDENT:
-        attributes = device.attributes
-        threads = 32 * GEMV_WARPS
-        per_sm = min(attributes["MaxThreadsPerMultiProcessor"] // threads,
-                     attributes["MaxRegistersPerMultiprocessor"] // (-(-key[1] * threads // 256) * 256),
-                     attributes["MaxSharedMemoryPerMultiprocessor"] // (shared + 1024))
-        _RESIDENT[key] = attributes["MultiProcessorCount"] * max(1, per_sm)
-    return _RESIDENT[key]
-
-
-_RESIDENT: dict[tuple[int, int, int], int] = {}
-
-
 def _gemv(x2: Any, weight: Any, bias: Any, activation: str = "", norm: tuple | None = None) -> Any:
     """x2 [M <= GEMV_ROWS, K] @ weight [N, K]^T + bias, the weight streamed once; with an activation, weight stacks
     gate and up rows and the result is act(gate) * up [M, N / 2]; with norm = (residual, norm_weight, eps, total),
@@ -120,7 +108,7 @@ def _gemv(x2: Any, weight: Any, bias: Any, activation: str = "", norm: tuple | N
     function = nvrtc.function("gemv", "gemv", x2.dtype, mode)
     if norm is not None:
         shared = x2.size * x2.itemsize
-        blocks = min(blocks, _resident_blocks(function, shared))
+        blocks = min(blocks, resident_blocks(function, shared, 32 * GEMV_WARPS))
     function(
         (blocks,), (32 * GEMV_WARPS,),
         (x2, np.int64(x2.strides[0] // x2.itemsize), residual, x2 if norm_weight is None else norm_weight, total,
@@ -414,7 +402,7 @@ def _waves(n: int, shared: int, one_row: Any) -> int:
     7.7 -> 6.6 us, down 22.7 -> 18.1; int8 o 8.4 -> 9.2, down 25.6 -> 26.8 (its rows are twice the bytes, and one a
     warp already keeps the loads in flight), so int8 keeps one."""
     blocks = -(-n // QUANT_WARPS)
-    return -(-blocks // _resident_blocks(one_row, shared))
+    return -(-blocks // resident_blocks(one_row, shared, 32 * QUANT_WARPS))
 
 
 def _qgemv_applies(x2: Any, q: Any, bits: int, group_size: int) -> bool:

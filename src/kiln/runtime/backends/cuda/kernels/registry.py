@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cupy as cp
 import numpy as np
 
 from kiln.runtime.backends.base import KernelRegistry
@@ -25,6 +26,24 @@ GATE_CODES = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 ROW_WARP_MAX, ROWS_PER_BLOCK = 2048, 8
 """Row kernels (LayerNorm, softmax) give each row up to ROW_WARP_MAX elements a warp of its own, ROWS_PER_BLOCK
 rows per block: short rows then pay no block-wide barriers. Longer rows get a block each."""
+
+
+def resident_blocks(function: Any, shared: int, threads: int) -> int:
+    """How many blocks of `function` (a launch.Kernel: its registers), `threads` threads and `shared` bytes of
+    shared memory each, the GPU holds at once (by threads, registers and shared memory an SM, the SM's 1 KB a block
+    included): the norm-prologue GEMV's grid, the gathered GEMVs' cap, qgemv_dot's weight rows, gemm_rows's ring."""
+    device = cp.cuda.Device()
+    key = (device.id, function.raw.num_regs, shared, threads)
+    if key not in _RESIDENT:
+        attributes = device.attributes
+        per_sm = min(attributes["MaxThreadsPerMultiProcessor"] // threads,
+                     attributes["MaxRegistersPerMultiprocessor"] // (-(-key[1] * threads // 256) * 256),
+                     attributes["MaxSharedMemoryPerMultiprocessor"] // (shared + 1024))
+        _RESIDENT[key] = attributes["MultiProcessorCount"] * max(1, per_sm)
+    return _RESIDENT[key]
+
+
+_RESIDENT: dict[tuple[int, int, int, int], int] = {}
 
 
 def contiguous(*arrays: Any) -> bool:
