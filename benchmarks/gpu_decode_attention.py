@@ -2,11 +2,13 @@
 against torch's scaled_dot_product_attention on the same cache and mask.
 
     PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--heads 32 --kv-heads 4 --head-dim 128]
-        [--cache 1280] [--contexts 128,1024] [--batch 1] [--markdown]
+        [--cache 1280] [--contexts 128,1024] [--batch 1] [--no-mask] [--markdown]
 
 A configuration sets attention.py's knobs: the most q heads a block serves (DECODE_HEADS: a kv head's group split
-over several blocks) and the fewest keys a block reads (DECODE_CHUNK). The cache is read through a bool mask that
-shows the first `context` slots, as an exported single-sequence decode step has it. GPU time per call with the calls
+over several blocks) and the fewest keys a block reads (DECODE_CHUNK); "mma" the tensor-core kernel (DECODE_MMA).
+The cache is read through a bool mask that shows the first `context` slots, as an exported single-sequence decode
+step has it, or with --no-mask as views of those slots and no mask (the form a serving step's slots take, and the
+only one the mma configuration runs; with a mask it is skipped). GPU time per call with the calls
 queued behind a spinning kernel (gpu_harness.gpu_time): launched early one after another, as a CUDA graph replays a
 step's chain. Every result is checked against torch's.
 """
@@ -21,8 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_harness import device_line, gpu_time, print_table  # noqa: E402
 
-CONFIGS = {f"{heads} heads / {chunk} keys": dict(DECODE_HEADS=heads, DECODE_CHUNK=chunk)
-           for chunk in (64, 32) for heads in (8, 4, 2, 1)}
+CONFIGS = {**{f"{heads} heads / {chunk} keys": dict(DECODE_HEADS=heads, DECODE_CHUNK=chunk)
+              for chunk in (64, 32) for heads in (8, 4, 2, 1)},
+           "mma": dict(DECODE_MMA=True)}
+"""The "mma" configuration (decode.cu's attend_mma on the tensor cores) takes only a decode without a mask: with
+--no-mask; with a mask it runs the split-key kernel."""
+KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="128,1024", help="visible slots (default 128,1024)")
     parser.add_argument("--configs", default=";".join(CONFIGS), help="configurations, semicolon-separated")
     parser.add_argument("--calls", type=int, default=200, help="calls per timed run (default 200)")
+    parser.add_argument("--no-mask", action="store_true",
+                        help="pass the keys a context sees as a view of the cache and no mask (as a serving step reads "
+                             "a slot; the form the mma configuration takes)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
 
@@ -50,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     k = torch.randn(b, hkv, args.cache, e, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, args.cache, e, device="cuda", dtype=torch.bfloat16)
     qc, kc, vc = (cp.from_dlpack(t) for t in (q, k, v))
-    defaults = {name: getattr(attention, name) for name in ("DECODE_HEADS", "DECODE_CHUNK")}
+    defaults = {name: getattr(attention, name) for name in KNOBS}
     rows = []
     for context in contexts:
         mask = torch.arange(args.cache, device="cuda") < context
         mask4 = mask[None, None, None].expand(b, 1, 1, args.cache)
         mc = cp.from_dlpack(mask4.contiguous())
+        kk, vv = kc, vc
+        if args.no_mask:  # the visible keys as views of the cache (its strides), no mask
+            mc, kk, vv = None, kc[:, :, :context], vc[:, :, :context]
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask4, enable_gqa=True)
 
         def torch_call(mask4=mask4) -> None:
@@ -63,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
 
         torch_us = gpu_time(cp, torch_call, calls=args.calls) * 1e6
         for name in args.configs.split(";"):
+            if "DECODE_MMA" in CONFIGS[name] and mc is not None:
+                continue  # (attend_mma takes no mask: --no-mask)
             for knob, value in {**defaults, **CONFIGS[name]}.items():
                 setattr(attention, knob, value)
-            got = attention.sdpa(qc, kc, vc, mc, causal=False, scale=None)
+            got = attention.sdpa(qc, kk, vv, mc, causal=False, scale=None)
             error = float((torch.from_dlpack(got).float() - want.float()).abs().max())
             assert error < 2e-2, (name, context, error)
-            us = gpu_time(cp, lambda mc=mc: attention.sdpa(qc, kc, vc, mc, causal=False, scale=None),
+            us = gpu_time(cp, lambda mc=mc, kk=kk, vv=vv: attention.sdpa(qc, kk, vv, mc, causal=False, scale=None),
                           calls=args.calls) * 1e6
             rows.append([str(context), name, f"{us:.2f}", f"{torch_us:.2f}", f"{torch_us / us:.2f}", f"{error:.1e}"])
         for knob, value in defaults.items():

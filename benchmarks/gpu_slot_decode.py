@@ -40,7 +40,7 @@ def step_inputs(info, rows: int, position: int) -> tuple:
 
 
 SWITCHES = {"slot-runs": ("attention", "SLOT_RUNS", False), "dense-gemm-rows": ("gemm_rows", "DENSE_GEMM_ROWS", True),
-            "slot-flash": ("attention", "SLOT_FLASH_ROWS_ABOVE", 0)}
+            "slot-flash": ("attention", "SLOT_FLASH_ROWS_ABOVE", 0), "decode-mma": ("attention", "DECODE_MMA", True)}
 """--compare-NAME: the cuda kernels module and its switch, set to the value for that session's capture."""
 
 

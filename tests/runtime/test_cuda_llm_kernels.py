@@ -373,7 +373,8 @@ def test_slot_decode_attention_reads_each_slot_in_place(dtype, heads, kv_heads, 
 
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 2)], ids=["g4", "mha", "g3"])
-def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, monkeypatch) -> None:
+@pytest.mark.parametrize("mma", [False, True], ids=["chunk", "mma"])
+def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, mma, monkeypatch) -> None:
     """A serving step's rows: decode rows of distinct slots, then prompt runs (one slot, consecutive positions)
     that fill aligned groups of FLASH_M / group-size rows (flash.cu) or only part of one (the decode kernel), a run
     crossing a group boundary, and padding that repeats the last row; every row against float64."""
@@ -399,6 +400,7 @@ def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, monk
     runs = attention._slot_runs_attention
     monkeypatch.setattr(attention, "_slot_runs_attention", lambda *a: called.append(a[6]) or runs(*a))
     monkeypatch.setattr(attention, "SLOT_RUNS_ABOVE", 0)  # (a step this small takes the decode kernel otherwise)
+    monkeypatch.setattr(attention, "DECODE_MMA", mma)  # (the decode rows by attend_mma, the runs left out as before)
     got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
                                               scale=0.125)).astype(np.float64)
     assert called == [run]
@@ -437,6 +439,79 @@ def test_slot_decode_rows_all_by_flash(dtype, heads, kv_heads, e, window, monkey
     want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
     tol = TOL[np.dtype(dtype)]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _decode_kernels(attention, monkeypatch) -> list[tuple]:
+    """(kernel, instance) of each decode.cu kernel attention.py looks up from now on."""
+    looked_up: list[tuple] = []
+    real = attention.nvrtc.function
+
+    def function(*a):
+        if a[0] == "decode":
+            looked_up.append((a[1], a[3] if len(a) > 3 else None))
+        return real(*a)
+
+    monkeypatch.setattr(attention.nvrtc, "function", function)
+    return looked_up
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads,e", [(4, 4, 64), (8, 2, 64), (32, 8, 64), (16, 2, 128), (12, 1, 128),
+                                              (16, 1, 64), (5, 1, 128)],
+                         ids=["mha", "g4", "llama1b", "g8-e128", "g12-e128", "g16", "g5-e128"])
+@pytest.mark.parametrize("window", [0, 50], ids=["full", "window"])
+def test_slot_decode_on_the_tensor_cores_matches_float64(dtype, heads, kv_heads, e, window, monkeypatch) -> None:
+    """attention.DECODE_MMA: decode.cu's attend_mma (scores and p v as m16n8k16 products, each lane's operands
+    loaded in fragment order) for a batch in shuffled slots (one twice, one outside the cache: NaN), at positions
+    0, inside the first 16-key step, on a step and a chunk boundary, mid-cache and at the cache's end, against
+    float64; groups of 1 to 16 q heads (rows 8-15 of the tile from 9), heads of 64 and 128."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MMA", True)
+    looked_up = _decode_kernels(attention, monkeypatch)
+    rng = np.random.default_rng(heads + e + window)
+    slots_n, length = 7, 300
+    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
+    slots = np.array([4, 0, 2, 5, 2, 6, 1, 3, 9], np.int64)
+    positions = np.array([[0], [9], [15], [63], [64], [200], [299], [130], [20]], np.int64)
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
+                                              scale=0.125, window=window)).astype(np.float64)
+    assert ("attend_mma", e + (1000 if heads // kv_heads > 8 else 0)) in looked_up
+    assert "attend_chunk" not in [name for name, _ in looked_up]
+    assert np.isnan(got[-1]).all()  # slot 9 of 7: a query that sees no key
+    want = _slot_attention64(q, k_cache, v_cache, slots[:-1], positions[:-1], 0.125, window)
+    tol = TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(got[:-1], want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads,e", [(8, 2, 64), (32, 4, 128)], ids=["g4", "qwen3"])
+@pytest.mark.parametrize("seq", [1, 37, 2200])
+def test_decode_without_a_mask_on_the_tensor_cores_matches_float64(heads, kv_heads, e, seq, monkeypatch) -> None:
+    """attention.DECODE_MMA for sdpa's one-query decode with no mask (every key seen), one sequence and three, one
+    key to more than one chunk, against float64; with a mask the split-key kernel as before."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MMA", True)
+    rng = np.random.default_rng(heads + seq)
+    for batch in (1, 3):
+        q = rng.standard_normal((batch, heads, 1, e)).astype(BFLOAT16)
+        k = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
+        v = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
+        looked_up = _decode_kernels(attention, monkeypatch)
+        got = attention.sdpa(*(cp.asarray(a) for a in (q, k, v)), None, causal=False, scale=None)
+        assert [name for name, _ in looked_up][:1] == ["attend_mma"]
+        want = _attention64(q, k, v, None, 1 / np.sqrt(e))
+        np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=TOL[BFLOAT16], atol=TOL[BFLOAT16])
+        mask = cp.ones((1, 1, 1, seq), cp.bool_)
+        looked_up.clear()
+        attention.sdpa(*(cp.asarray(a) for a in (q, k, v)), mask, causal=False, scale=None)
+        assert [name for name, _ in looked_up][:1] == ["attend_chunk"]
 
 
 def test_slot_decode_attention_of_a_slot_outside_the_cache_reads_nothing() -> None:

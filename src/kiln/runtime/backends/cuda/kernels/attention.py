@@ -421,6 +421,22 @@ chunks in the last block of each group (a counter per group, no attend_combine) 
 DECODE_SPLIT_HEADS_BELOW = 64
 
 
+DECODE_MMA = False
+"""Whether the decode kernel's work without a mask (slot_attention's decode step, a decode over exactly the keys it
+sees) in float16 or bfloat16, heads of MMA_HEAD_DIMS and at most 16 q heads a kv head, goes to decode.cu's
+attend_mma (the scores and p v as tensor-core products, ~11 SASS instructions a key a warp) rather than
+attend_chunk (~48). Nsight on the 64-row serving step (H200, 1B shape, position 400) found attend_chunk bound by its
+instructions at a quarter of the bandwidth: 45.8 us a layer for 12.4 us of keys and values. Predicted: ~15-20 us,
+the step 1.91 -> ~1.5 ms. Off until measured (the benchmarks' --compare-decode-mma and "mma" configuration)."""
+MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16 q heads)
+
+
+def _decode_mma_applies(q: Any, mask: Any, groups: int) -> bool:
+    """attend_mma's work: DECODE_MMA, no mask, a 16-bit type, a head of MMA_HEAD_DIMS, at most 16 q heads a kv head."""
+    return (DECODE_MMA and mask is None and q.dtype in (np.dtype(np.float16), BFLOAT16)
+            and q.shape[3] in MMA_HEAD_DIMS and groups <= 16)
+
+
 def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> bool:
     """One query per head over a cache whose rows the decode kernel reads 16 bytes at a time: unit stride along the
     head dim, rows 16-byte aligned, at most 32 such pieces per row, at most 8 q heads per kv head, at most
@@ -460,20 +476,28 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     q = cp.ascontiguousarray(q)
     if q.data.ptr % 16:  # a view at an odd offset: the kernel loads q 16 bytes at a time
         q = q.copy()
-    kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
-    parts = _head_parts(b * hkv, groups)
+    mma = _decode_mma_applies(q, mask, groups)
+    parts = 1 if mma else _head_parts(b * hkv, groups)
     chunk = decode_chunk(b * hkv * parts, seq)
     splits = (seq + chunk - 1) // chunk
     part = cp.empty((b, hq, splits, e + 2), dtype=cp.float32)
     ks, vs = elements(k.strides, k.itemsize), elements(v.strides, v.itemsize)
     scale = 1 / math.sqrt(e) if scale is None else scale
-    bound = next(g for g in DECODE_GROUPS if g >= groups // parts)
-    nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
-        (splits, hkv * parts, b), (DECODE_THREADS,),
-        (q, k, v, mask_b, part, np.int32(groups // parts), np.int32(seq), np.int32(e), np.float32(scale),
-         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits),
-         NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
-         np.int32(window), np.int32(chunk), np.int32(run_rows), np.int32(parts)))
+    rows = (NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
+            np.int32(window), np.int32(chunk), np.int32(run_rows))
+    if mma:
+        nvrtc.function("decode", "attend_mma", q.dtype, e + (1000 if groups > 8 else 0))(
+            (splits, hkv, b), (DECODE_THREADS,),
+            (q, k, v, part, np.int32(groups), np.int32(seq), np.float32(scale), ks[0], ks[1], ks[2], vs[0], vs[1],
+             vs[2], np.int32(splits), *rows))
+    else:
+        kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
+        bound = next(g for g in DECODE_GROUPS if g >= groups // parts)
+        nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
+            (splits, hkv * parts, b), (DECODE_THREADS,),
+            (q, k, v, mask_b, part, np.int32(groups // parts), np.int32(seq), np.int32(e), np.float32(scale),
+             ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits), *rows,
+             np.int32(parts)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),

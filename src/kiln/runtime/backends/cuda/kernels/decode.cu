@@ -60,6 +60,51 @@ __device__ __forceinline__ void prefetch_cache_rows(const typename S::T* rows, l
     }
 }
 
+// The keys [s0, s1) a block of the decode kernels reads for query row b and the cache row it reads them from: its
+// chunk cut at the row's position (and window), none for a slot outside the cache. HINT: before
+// grid_dependency_sync, the positions and slots read through L2 as they stand (for prefetches only).
+template <bool HINT>
+__device__ __forceinline__ void decode_keys(int split, int chunk, int seq, int b, const long long* positions,
+                                            const long long* slots, int slot_count, int window, int& s0, int& s1,
+                                            long long& row) {
+    s0 = split * chunk, s1 = min(seq, s0 + chunk), row = b;
+    if (positions != nullptr) {
+        const long long last = HINT ? __ldcg(positions + b) : positions[b];
+        s1 = (int)max((long long)s0, min((long long)s1, last + 1));
+        if (window > 0) s0 = (int)min((long long)s1, max((long long)s0, last - window + 1));
+    }
+    if (slots != nullptr) {
+        row = HINT ? __ldcg(slots + b) : slots[b];
+        if (row < 0 || row >= slot_count) s1 = s0, row = 0;
+    }
+}
+
+// The block's partial of each of its `groups` q heads from its warps' (max, exp-sum) and unnormalized outputs in
+// shared memory: part row (qh + g, split) = the outputs merged to the warps' largest max, that max, the exp-sum.
+template <int G, int W>
+__device__ __forceinline__ void store_block_partial(const float (&merged)[DECODE_WARPS][G][2],
+                                                    const float (&out_s)[DECODE_WARPS][G][W], float* part,
+                                                    long long qh, int groups, int e, int splits, int split) {
+    for (int i = threadIdx.x; i < groups * e; i += DECODE_WARPS * 32) {
+        const int g = i / e, c = i - g * e;
+        float top = -KILN_INF;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) top = fmaxf(top, merged[w][g][0]);
+        float sum = 0.0f, acc = 0.0f;
+        if (top != -KILN_INF) {
+#pragma unroll
+            for (int w = 0; w < DECODE_WARPS; ++w) {
+                const float a = expf(merged[w][g][0] - top);
+                sum += merged[w][g][1] * a;
+                acc += out_s[w][g][c] * a;
+            }
+        }
+        float* row = part + ((qh + g) * splits + split) * (e + 2);
+        row[c] = acc;
+        if (c == 0) row[e] = top, row[e + 1] = sum;
+    }
+}
+
 // attend_chunk<N>: 1 2 4 8
 // Before its wait, a block asks L2 for its chunk's key and value rows (where the query's row and last position
 // are, read through L2 as they stand: the kernel before writes at most the newest key, and L2 is coherent), so the
@@ -75,17 +120,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              int slot_count, int window, int chunk, int run_rows, int parts) {
     {
         const int b = blockIdx.z, hk = blockIdx.y / parts;
-        int s0 = blockIdx.x * chunk, s1 = min(seq, s0 + chunk);
-        long long row = b;
-        if (positions != nullptr) {
-            const long long last = __ldcg(positions + b);
-            s1 = (int)max((long long)s0, min((long long)s1, last + 1));
-            if (window > 0) s0 = (int)min((long long)s1, max((long long)s0, last - window + 1));
-        }
-        if (slots != nullptr) {
-            row = __ldcg(slots + b);
-            if (row < 0 || row >= slot_count) s1 = s0;
-        }
+        int s0, s1;
+        long long row;
+        decode_keys<true>(blockIdx.x, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
         if (s1 > s0) {
             prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, e, s0, s1);
             prefetch_cache_rows<S>(v + row * vb + hk * vh, vs, e, s0, s1);
@@ -104,16 +141,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
     const bool reads = sub < pieces;
     const int split = blockIdx.x, hk = blockIdx.y / parts, b = blockIdx.z;  // (the block's kv head)
     const int heads = gridDim.y * groups;
-    int s0 = split * chunk, s1 = min(seq, s0 + chunk);
-    long long row = b;  // the cache row this query reads
-    if (positions != nullptr) {
-        const long long last = positions[b];
-        s1 = (int)min((long long)s1, last + 1);
-        if (window > 0) s0 = (int)max((long long)s0, last - window + 1);
-    }
+    int s0, s1;
+    long long row;  // the cache row this query reads
+    decode_keys<false>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
     if (slots != nullptr) {
-        row = slots[b];
-        if (row < 0 || row >= slot_count) s1 = s0, row = 0;
         const long long group = b / max(run_rows, 1) * run_rows;
         if (run_rows > 0 && group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
             s1 = s0;  // flash.cu attends to this row with the rest of its run
@@ -236,24 +267,200 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < groups * e; i += DECODE_WARPS * 32) {
-        const int g = i / e, c = i - g * e;
-        float top = -KILN_INF;
-#pragma unroll
-        for (int w = 0; w < DECODE_WARPS; ++w) top = fmaxf(top, merged[w][g][0]);
-        float sum = 0.0f, acc = 0.0f;
-        if (top != -KILN_INF) {
-#pragma unroll
-            for (int w = 0; w < DECODE_WARPS; ++w) {
-                const float a = expf(merged[w][g][0] - top);
-                sum += merged[w][g][1] * a;
-                acc += out_s[w][g][c] * a;
-            }
+    store_block_partial<G, 256>(merged, out_s, part, qh, groups, e, splits, split);
+}
+
+// attend_mma: the decode kernel's work (one query per sequence, keys split in chunks, a block per chunk, kv head and
+// sequence, the same partials for attend_combine) on the tensor cores, without a mask (slot_attention's decode step,
+// or a decode over exactly the keys it sees). attend_chunk spends ~32 instructions a key a warp where the arithmetic
+// is 16 FMAs (shuffles adding each key's lanes, every lane of a key computing its exp): at a serving step's 64 rows
+// it runs at a quarter of the bandwidth, bound by instructions (Nsight, H200: 4,773 a warp, issue 41%). Here a warp
+// takes 16 keys a step: scores = q k^T as an m16n8k16 product with the group's q heads as the tile's rows (rows 8-15
+// only for groups of 9-16: N + 1000), its 16 x 8 keys by two n-tiles, the online softmax on the score fragments, and
+// o += p v with the scores' fragments as the A operand (rounded to the storage type, as flash.cu's) and v's as B:
+// ~85 instructions a step, ~5 a key.
+//
+// No shared memory is staged: each lane loads its operands from global memory already in fragment order, by two
+// permutations the sums cannot see. Along the head dim of q k^T: lane (g = lane / 4, t = lane % 4) of key g holds
+// 16-byte pieces t, t + 4, .. of the key row, and its k-step s fragment is words 2 s and 2 s + 1 of those pieces;
+// q's A fragment takes the same words of q's row, so a logical column pairs the same physical dims of q and k.
+// Along the output dim of p v: lane g loads pieces g, g + 8, .. of v's rows for keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9
+// (the keys of its A fragment), and n-tile u's column g is dim 8 (g + 8 (u / 8)) + u % 8: one byte permute a
+// register packs a pair of keys' halves. The next step's keys are loaded while this step computes (head dim 64).
+#define MMA_STEP 16  // keys a warp takes per step
+// attend_mma<S>: F16 BF16
+// attend_mma<N>: 64 128 1064 1128
+// (N: the head dim, + 1000 for groups of 9 to 16 q heads)
+template <class S, int N>
+__global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
+    const typename S::T* __restrict__ q, const typename S::T* __restrict__ k, const typename S::T* __restrict__ v,
+    float* __restrict__ part, int groups, int seq, float scale, long long kb, long long kh, long long ks,
+    long long vb, long long vh, long long vs, int splits, const long long* __restrict__ slots,
+    const long long* __restrict__ positions, int slot_count, int window, int chunk, int run_rows) {
+    constexpr int E = N % 1000;
+    constexpr bool WIDE = N >= 1000;    // q heads 8-15 of the group in the tile's rows 8-15
+    constexpr int H = WIDE ? 16 : 8;    // rows of the tile that hold heads
+    constexpr int KP = E / 32;          // pieces of a key row a lane holds (of q k^T)
+    constexpr int VP = E / 64;          // pieces of a value row a lane holds (of p v)
+    constexpr int KSTEPS = E / 16;      // k16 steps of q k^T
+    constexpr int DTILES = E / 8;       // n8 tiles of p v
+    constexpr bool PIPE = E <= 64;      // the next step's loads in flight during this one (registers allow)
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    {
+        int s0, s1;
+        long long row;
+        decode_keys<true>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
+        if (s1 > s0) {
+            prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, E, s0, s1);
+            prefetch_cache_rows<S>(v + row * vb + hk * vh, vs, E, s0, s1);
         }
-        float* row = part + ((qh + g) * splits + split) * (e + 2);
-        row[c] = acc;
-        if (c == 0) row[e] = top, row[e + 1] = sum;
     }
+    grid_dependency_sync();
+    __shared__ float merged[DECODE_WARPS][H][2];
+    __shared__ float out_s[DECODE_WARPS][H][E];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int s0, s1;
+    long long row;
+    decode_keys<false>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
+    if (slots != nullptr && run_rows > 0) {
+        const long long group = b / run_rows * run_rows;
+        if (group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
+            s1 = s0;  // flash.cu attends to this row with the rest of its run
+    }
+    const long long qh = (long long)b * gridDim.y * groups + (long long)hk * groups;  // the group's first q row
+
+    // q's A fragment of each k-step: rows g and g + 8 (heads past the group zero), lane t's pieces t, t + 4, ..
+    unsigned qf[KSTEPS][4];
+#pragma unroll
+    for (int i = 0; i < KP; ++i) {
+        U4 u = {0u, 0u, 0u, 0u}, w = {0u, 0u, 0u, 0u};
+        if (g < groups) u = *reinterpret_cast<const U4*>(q + (qh + g) * E + (t + 4 * i) * 8);
+        if (WIDE && g + 8 < groups) w = *reinterpret_cast<const U4*>(q + (qh + g + 8) * E + (t + 4 * i) * 8);
+        qf[2 * i][0] = u.x, qf[2 * i][1] = w.x, qf[2 * i][2] = u.y, qf[2 * i][3] = w.y;
+        qf[2 * i + 1][0] = u.z, qf[2 * i + 1][1] = w.z, qf[2 * i + 1][2] = u.w, qf[2 * i + 1][3] = w.w;
+    }
+    // A step's operands: keys first + g and first + 8 + g (pieces t + 4 i), values of keys first + 2 t, + 1, + 8,
+    // + 9 (pieces g + 8 i). A key past s1 is not loaded: its registers keep an earlier step's values (or the zeros
+    // they start with), finite, so its value times its zero weight is 0; its score is masked. Each operand's
+    // address is worked out once and moved a step of the warp's keys at a time.
+    constexpr int STRIDE = DECODE_WARPS * MMA_STEP;
+    int next = s0 + warp * MMA_STEP;  // the first key of the next step to load
+    const long long kstep = STRIDE * ks, vstep = STRIDE * vs;
+    const typename S::T* kq[2];
+    const typename S::T* vq[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) kq[j] = k + row * kb + hk * kh + (next + 8 * j + g) * ks + t * 8;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) vq[c] = v + row * vb + hk * vh + (next + 2 * t + (c & 1) + 8 * (c >> 1)) * vs + g * 8;
+    auto load = [&](U4 (&kr)[2][KP], U4 (&vr)[4][VP]) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (next + 8 * j + g < s1) {
+#pragma unroll
+                for (int i = 0; i < KP; ++i) kr[j][i] = *reinterpret_cast<const U4*>(kq[j] + 32 * i);
+            }
+            kq[j] += kstep;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (next + 2 * t + (c & 1) + 8 * (c >> 1) < s1) {
+#pragma unroll
+                for (int i = 0; i < VP; ++i) vr[c][i] = *reinterpret_cast<const U4*>(vq[c] + 64 * i);
+            }
+            vq[c] += vstep;
+        }
+        next += STRIDE;
+    };
+    float m[2] = {-KILN_INF, -KILN_INF}, l[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 units; l this lane's keys
+    float o[DTILES][4];
+#pragma unroll
+    for (int u = 0; u < DTILES; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
+    const float scale2 = scale * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
+    // one step: the scores of keys first .. first + 15, the online softmax, o += p v
+    auto attend = [&](const U4 (&kr)[2][KP], const U4 (&vr)[4][VP], int first) {
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const unsigned* kw = reinterpret_cast<const unsigned*>(kr[j]);
+#pragma unroll
+            for (int st = 0; st < KSTEPS; ++st) mma16816<S>(sc[j], qf[st], kw[2 * st], kw[2 * st + 1]);
+        }
+        // rows g (values 0, 1 of each n-tile) and g + 8 (2, 3); value i of a row is key first + 8 (i / 2) + 2 t + i % 2
+        unsigned pa[4] = {0u, 0u, 0u, 0u};  // the A fragment of p v: rows g, g + 8 at keys 2 t .., then 2 t + 8 ..
+#pragma unroll
+        for (int r = 0; r < (WIDE ? 2 : 1); ++r) {
+            float x[4], top = -KILN_INF;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                x[i] = first + 8 * (i >> 1) + 2 * t + (i & 1) < s1 ? sc[i >> 1][2 * r + (i & 1)] * scale2 : -KILN_INF;
+                top = fmaxf(top, x[i]);
+            }
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            top = fmaxf(top, m[r]);
+            const float base = top == -KILN_INF ? 0.0f : top;  // nothing seen yet: every p and the rescale are 0
+            const float alpha = exp2f(m[r] - base);
+            float p[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p[i] = exp2f(x[i] - base);
+            l[r] = l[r] * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+            m[r] = top;
+#pragma unroll
+            for (int u = 0; u < DTILES; ++u) o[u][2 * r] *= alpha, o[u][2 * r + 1] *= alpha;
+            pa[r] = S::pack2(p[0], p[1]);
+            pa[2 + r] = S::pack2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int u = 0; u < DTILES; ++u) {
+            const int i = u / 8, word = (u % 8) / 2;
+            const unsigned sel = (u & 1) ? 0x7632u : 0x5410u;  // the high halves or the low halves of two words
+            const unsigned* w0 = reinterpret_cast<const unsigned*>(&vr[0][i]);
+            const unsigned* w1 = reinterpret_cast<const unsigned*>(&vr[1][i]);
+            const unsigned* w2 = reinterpret_cast<const unsigned*>(&vr[2][i]);
+            const unsigned* w3 = reinterpret_cast<const unsigned*>(&vr[3][i]);
+            mma16816<S>(o[u], pa, __byte_perm(w0[word], w1[word], sel), __byte_perm(w2[word], w3[word], sel));
+        }
+    };
+    U4 ka[2][KP], va[4][VP], kb2[2][KP], vb2[4][VP];  // two steps' operands (PIPE: one loads while one computes)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < KP; ++i) ka[j][i] = kb2[j][i] = U4{0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int i = 0; i < VP; ++i) va[c][i] = vb2[c][i] = U4{0u, 0u, 0u, 0u};
+    // the loop bounds are the warp's: every lane reaches the shuffles
+    if (PIPE) {
+        if (next < s1) load(ka, va);
+        for (int first = s0 + warp * MMA_STEP; first < s1; first += 2 * STRIDE) {
+            if (next < s1) load(kb2, vb2);
+            attend(ka, va, first);
+            if (first + STRIDE >= s1) break;
+            if (next < s1) load(ka, va);
+            attend(kb2, vb2, first + STRIDE);
+        }
+    } else {
+        for (int first = s0 + warp * MMA_STEP; first < s1; first += STRIDE) {
+            load(ka, va);
+            attend(ka, va, first);
+        }
+    }
+    // this warp's rows to shared memory: (max, exp-sum) in natural units, outputs at their dims
+#pragma unroll
+    for (int r = 0; r < (WIDE ? 2 : 1); ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int h = g + 8 * r;
+        if (t == 0) merged[warp][h][0] = m[r] * 0.6931471805599453f, merged[warp][h][1] = l[r];
+#pragma unroll
+        for (int u = 0; u < DTILES; ++u) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) out_s[warp][h][8 * (2 * t + i + 8 * (u / 8)) + u % 8] = o[u][2 * r + i];
+        }
+    }
+    __syncthreads();
+    store_block_partial<H, E>(merged, out_s, part, qh, groups, E, splits, split);
 }
 
 // Combines the chunks: out [B, Hq, 1, E] = sum_i w_i o_i / sum_i w_i l_i with w_i = exp(m_i - M), a block per
