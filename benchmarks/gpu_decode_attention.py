@@ -25,10 +25,10 @@ from gpu_harness import device_line, gpu_time, print_table  # noqa: E402
 
 CONFIGS = {**{f"{heads} heads / {chunk} keys": dict(DECODE_HEADS=heads, DECODE_CHUNK=chunk)
               for chunk in (64, 32) for heads in (8, 4, 2, 1)},
-           "mma": dict(DECODE_MMA=True)}
-"""The "mma" configuration (decode.cu's attend_mma on the tensor cores) takes only a decode without a mask: with
---no-mask; with a mask it runs the split-key kernel."""
-KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA")
+           "mma": dict(DECODE_MMA=True), "mma / 4096 blocks": dict(DECODE_MMA=True, DECODE_BLOCKS=4096)}
+"""The "mma" configurations (decode.cu's attend_mma on the tensor cores; the second with chunks for 4096 blocks, not
+1024) take only a decode without a mask: with --no-mask (with a mask they are skipped)."""
+KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA", "DECODE_BLOCKS")
 
 
 def main(argv: list[str] | None = None) -> int:

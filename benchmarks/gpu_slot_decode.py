@@ -39,28 +39,42 @@ def step_inputs(info, rows: int, position: int) -> tuple:
     return (np.full((rows, 1), 42, np.int64), np.asarray(positions, np.int64), *slot_inputs(info, slot_of))
 
 
-SWITCHES = {"slot-runs": ("attention", "SLOT_RUNS", False), "dense-gemm-rows": ("gemm_rows", "DENSE_GEMM_ROWS", True),
-            "slot-flash": ("attention", "SLOT_FLASH_ROWS_ABOVE", 0), "decode-mma": ("attention", "DECODE_MMA", True)}
-"""--compare-NAME: the cuda kernels module and its switch, set to the value for that session's capture."""
+SWITCHES = {
+    "slot-runs": ("attention", {"SLOT_RUNS": False},
+                  "every row on the decode kernel (prompt runs not by flash)"),
+    "dense-gemm-rows": ("gemm_rows", {"DENSE_GEMM_ROWS": True},
+                        "the 16-bit linears at 9-64 rows on quant.cu's gemm_rows (gemm_rows.DENSE_GEMM_ROWS), not "
+                        "cuBLAS"),
+    "slot-flash": ("attention", {"SLOT_FLASH_ROWS_ABOVE": 0},
+                   "every row's attention by flash.cu, a block per row and kv head (attention.SLOT_FLASH_ROWS_ABOVE), "
+                   "not decode.cu"),
+    "decode-mma": ("attention", {"DECODE_MMA": True},
+                   "the decode rows' attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"),
+    "decode-mma-4096": ("attention", {"DECODE_MMA": True, "DECODE_BLOCKS": 4096},
+                        "attend_mma with the keys in chunks for 4096 blocks, not 1024 (attention.DECODE_BLOCKS)"),
+}
+"""--compare-NAME: the cuda kernels module, its settings for that session's capture, and what they do."""
 
 
-def captured_session(program, info, args, module: str, switch: str, value: bool):
-    """A session whose CUDA graphs for every batch were captured with `module.switch = value` (set back after):
-    a graph replays the kernels chosen at capture, so the two sessions run their own choices interleaved."""
+def captured_session(program, info, args, module: str, settings: dict):
+    """A session whose CUDA graphs for every batch were captured with the module's `settings` (set back after): a
+    graph replays the kernels chosen at capture, so the sessions run their own choices interleaved."""
     import importlib
 
     from kiln.runtime.graphs import WARMUP_RUNS
 
     kernels = importlib.import_module(f"kiln.runtime.backends.cuda.kernels.{module}")
-    before = getattr(kernels, switch)
-    setattr(kernels, switch, value)
+    before = {switch: getattr(kernels, switch) for switch in settings}
+    for switch, value in settings.items():
+        setattr(kernels, switch, value)
     try:
         session = program.session("cuda")
-        for batch in (int(b) for b in args.batches.split(",")):  # run until captured, with the switch set
+        for batch in (int(b) for b in args.batches.split(",")):  # run until captured, with the settings
             for _ in range(WARMUP_RUNS + 1):
                 session.run("decode", *step_inputs(info, batch, args.position))
     finally:
-        setattr(kernels, switch, before)
+        for switch, value in before.items():
+            setattr(kernels, switch, value)
     return session
 
 
@@ -74,14 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op-times", type=int, default=12, metavar="N", help="top N ops at the largest batch")
     parser.add_argument("--slot-runs-above", type=int, metavar="ROWS",
                         help="steps of more rows than this give prompt runs to flash.cu (default: attention.py's)")
-    parser.add_argument("--compare-slot-runs", action="store_true",
-                        help="also time each batch with every row on the decode kernel (prompt runs not by flash)")
-    parser.add_argument("--compare-dense-gemm-rows", action="store_true",
-                        help="also time each batch with the 16-bit linears at 9-64 rows on quant.cu's gemm_rows "
-                             "(gemm_rows.DENSE_GEMM_ROWS), not cuBLAS")
-    parser.add_argument("--compare-slot-flash", action="store_true",
-                        help="also time each batch with every row's attention by flash.cu, a block per row and kv "
-                             "head (attention.SLOT_FLASH_ROWS_ABOVE), not decode.cu")
+    for name, (_, _, what) in SWITCHES.items():
+        parser.add_argument(f"--compare-{name}", action="store_true", help=f"also time each batch with {what}")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -103,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB; KV bytes per token "
           f"{kv_per_token}", flush=True)
     sessions = {"": session}
-    for name, (module, switch, value) in SWITCHES.items():  # a session of its own (its own graphs) a switch
+    for name, (module, settings, _) in SWITCHES.items():  # a session of its own (its own graphs) a comparison
         if getattr(args, "compare_" + name.replace("-", "_")):
-            sessions[name] = captured_session(program, info, args, module, switch, value)
+            sessions[name] = captured_session(program, info, args, module, settings)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         inputs = step_inputs(info, batch, args.position)

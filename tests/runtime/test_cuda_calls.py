@@ -216,3 +216,20 @@ def test_the_switch_check_reads_what_it_is_for(names) -> None:
     bad, checked = switches_that_do_not_exist(old, names)
     assert checked == 6 and bad == [(3, "linalg", "DENSE_GEMM_ROWS"), (6, "linalg", "QUANT_DOTS"),
                                     (7, "linalg", "_gemm_rows_splits")]
+
+
+def test_the_benchmarks_settings_exist_on_their_modules(names, monkeypatch) -> None:
+    """The GPU benchmarks' tables of settings (gpu_slot_decode's comparisons, gpu_decode_attention's configurations,
+    gpu_harness's quantized-kernel choices) name switches their kernel modules bind: set by name with setattr, a
+    moved or renamed switch would otherwise change nothing and measure the default twice."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode_attention
+    import gpu_harness
+    import gpu_slot_decode
+
+    wanted = [(module, switch) for module, settings, _ in gpu_slot_decode.SWITCHES.values() for switch in settings]
+    wanted += [("attention", knob) for config in gpu_decode_attention.CONFIGS.values() for knob in config]
+    wanted += [("attention", knob) for knob in gpu_decode_attention.KNOBS]
+    wanted += [(gpu_harness.SETTING_MODULES.get(s, "linalg"), s) for s in gpu_harness.quant_kernel_choice("")]
+    assert len(wanted) > 20
+    assert [w for w in wanted if w[1] not in names[w[0]]] == []
