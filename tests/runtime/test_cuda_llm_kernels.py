@@ -488,29 +488,36 @@ def test_slot_decode_on_the_tensor_cores_matches_float64(dtype, heads, kv_heads,
     np.testing.assert_allclose(got[:-1], want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("heads,kv_heads,e", [(8, 2, 64), (32, 4, 128)], ids=["g4", "qwen3"])
-@pytest.mark.parametrize("seq", [1, 37, 2200])
-def test_decode_without_a_mask_on_the_tensor_cores_matches_float64(heads, kv_heads, e, seq, monkeypatch) -> None:
-    """attention.DECODE_MMA for sdpa's one-query decode with no mask (every key seen), one sequence and three, one
-    key to more than one chunk, against float64; with a mask the split-key kernel as before."""
+@pytest.mark.parametrize("heads,kv_heads,e", [(8, 2, 64), (32, 4, 128), (32, 8, 128)], ids=["g4", "qwen3", "llama8b"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("seq,visible", [(1, 1), (37, 37), (300, 129), (2200, 2113)])
+def test_decode_on_the_tensor_cores_matches_float64(heads, kv_heads, e, mask_kind, seq, visible, monkeypatch) -> None:
+    """attention.DECODE_MMA for sdpa's one-query decode, one sequence and three, from one key to more than one chunk:
+    with no mask, or a static cache's mask that every head shares (bool, or float with -inf past the written slots;
+    a hidden key's k and v not read), against float64; a mask that differs by head takes the split-key kernel."""
     import cupy as cp
 
     from kiln.runtime.backends.cuda.kernels import attention
 
     monkeypatch.setattr(attention, "DECODE_MMA", True)
     rng = np.random.default_rng(heads + seq)
+    keep = np.arange(seq) < visible
+    mask = {"bool": keep[None, None, None], "none": None,
+            "float": np.where(keep, rng.uniform(-1, 0, seq), -np.inf).astype(np.float32)[None, None, None]}[mask_kind]
     for batch in (1, 3):
         q = rng.standard_normal((batch, heads, 1, e)).astype(BFLOAT16)
         k = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
         v = rng.standard_normal((batch, kv_heads, seq, e)).astype(BFLOAT16)
         looked_up = _decode_kernels(attention, monkeypatch)
-        got = attention.sdpa(*(cp.asarray(a) for a in (q, k, v)), None, causal=False, scale=None)
+        md = None if mask is None else cp.asarray(mask)
+        got = attention.sdpa(*(cp.asarray(a) for a in (q, k, v)), md, causal=False, scale=None)
         assert [name for name, _ in looked_up][:1] == ["attend_mma"]
-        want = _attention64(q, k, v, None, 1 / np.sqrt(e))
+        want = _attention64(q, k, v, mask, 1 / np.sqrt(e))
         np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=TOL[BFLOAT16], atol=TOL[BFLOAT16])
-        mask = cp.ones((1, 1, 1, seq), cp.bool_)
+    if mask is not None:
+        by_head = cp.asarray(np.broadcast_to(mask, (1, heads, 1, seq)).copy())
         looked_up.clear()
-        attention.sdpa(*(cp.asarray(a) for a in (q, k, v)), mask, causal=False, scale=None)
+        attention.sdpa(*(cp.asarray(a) for a in (q, k, v)), by_head, causal=False, scale=None)
         assert [name for name, _ in looked_up][:1] == ["attend_chunk"]
 
 

@@ -422,18 +422,20 @@ DECODE_SPLIT_HEADS_BELOW = 64
 
 
 DECODE_MMA = False
-"""Whether the decode kernel's work without a mask (slot_attention's decode step, a decode over exactly the keys it
-sees) in float16 or bfloat16, heads of MMA_HEAD_DIMS and at most 16 q heads a kv head, goes to decode.cu's
+"""Whether the decode kernel's work with no mask (slot_attention's decode step) or one all heads share (a single
+sequence's decode over its static cache) in float16 or bfloat16, heads of MMA_HEAD_DIMS and at most 16 q heads a kv
+head, goes to decode.cu's
 attend_mma (the scores and p v as tensor-core products, ~11 SASS instructions a key a warp) rather than
 attend_chunk (~48). Nsight on the 64-row serving step (H200, 1B shape, position 400) found attend_chunk bound by its
 instructions at a quarter of the bandwidth: 45.8 us a layer for 12.4 us of keys and values. Predicted: ~15-20 us,
 the step 1.91 -> ~1.5 ms. Off until measured (the benchmarks' --compare-decode-mma and "mma" configuration)."""
-MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16 q heads)
+MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16; + 2000 x the mask's kind)
 
 
-def _decode_mma_applies(q: Any, mask: Any, groups: int) -> bool:
-    """attend_mma's work: DECODE_MMA, no mask, a 16-bit type, a head of MMA_HEAD_DIMS, at most 16 q heads a kv head."""
-    return (DECODE_MMA and mask is None and q.dtype in (np.dtype(np.float16), BFLOAT16)
+def _decode_mma_applies(q: Any, mask_strides: list[Any], groups: int) -> bool:
+    """attend_mma's work: DECODE_MMA, a mask (if any) the heads share (its head stride 0), a 16-bit type, a head of
+    MMA_HEAD_DIMS, at most 16 q heads a kv head."""
+    return (DECODE_MMA and mask_strides[1] == 0 and q.dtype in (np.dtype(np.float16), BFLOAT16)
             and q.shape[3] in MMA_HEAD_DIMS and groups <= 16)
 
 
@@ -476,7 +478,8 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     q = cp.ascontiguousarray(q)
     if q.data.ptr % 16:  # a view at an odd offset: the kernel loads q 16 bytes at a time
         q = q.copy()
-    mma = _decode_mma_applies(q, mask, groups)
+    kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
+    mma = _decode_mma_applies(q, ms, groups)
     parts = 1 if mma else _head_parts(b * hkv, groups)
     chunk = decode_chunk(b * hkv * parts, seq)
     splits = (seq + chunk - 1) // chunk
@@ -486,12 +489,11 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     rows = (NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
             np.int32(window), np.int32(chunk), np.int32(run_rows))
     if mma:
-        nvrtc.function("decode", "attend_mma", q.dtype, e + (1000 if groups > 8 else 0))(
+        nvrtc.function("decode", "attend_mma", q.dtype, e + (1000 if groups > 8 else 0) + 2000 * int(kind))(
             (splits, hkv, b), (DECODE_THREADS,),
             (q, k, v, part, np.int32(groups), np.int32(seq), np.float32(scale), ks[0], ks[1], ks[2], vs[0], vs[1],
-             vs[2], np.int32(splits), *rows))
+             vs[2], mask_b, ms[0], ms[3], np.int32(splits), *rows))
     else:
-        kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
         bound = next(g for g in DECODE_GROUPS if g >= groups // parts)
         nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
             (splits, hkv * parts, b), (DECODE_THREADS,),

@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 }
 
 // attend_mma: the decode kernel's work (one query per sequence, keys split in chunks, a block per chunk, kv head and
-// sequence, the same partials for attend_combine) on the tensor cores, without a mask (slot_attention's decode step,
-// or a decode over exactly the keys it sees). attend_chunk spends ~32 instructions a key a warp where the arithmetic
+// sequence, the same partials for attend_combine) on the tensor cores, with no mask (slot_attention's decode step)
+// or one every head shares (a single sequence's decode over its static cache). attend_chunk spends ~32 instructions a key a warp where the arithmetic
 // is 16 FMAs (shuffles adding each key's lanes, every lane of a key computing its exp): at a serving step's 64 rows
 // it runs at a quarter of the bandwidth, bound by instructions (Nsight, H200: 4,773 a warp, issue 41%). Here a warp
 // takes 16 keys a step: scores = q k^T as an m16n8k16 product with the group's q heads as the tile's rows (rows 8-15
@@ -289,16 +289,18 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 // register packs a pair of keys' halves. The next step's keys are loaded while this step computes (head dim 64).
 #define MMA_STEP 16  // keys a warp takes per step
 // attend_mma<S>: F16 BF16
-// attend_mma<N>: 64 128 1064 1128
-// (N: the head dim, + 1000 for groups of 9 to 16 q heads)
+// attend_mma<N>: 64 128 1064 1128 2064 2128 3064 3128 4064 4128 5064 5128
+// (N: the head dim, + 1000 for groups of 9 to 16 q heads, + 2000 a bool mask, + 4000 a float mask: no mask's steps
+// pay nothing for it)
 template <class S, int N>
 __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const typename S::T* __restrict__ q, const typename S::T* __restrict__ k, const typename S::T* __restrict__ v,
     float* __restrict__ part, int groups, int seq, float scale, long long kb, long long kh, long long ks,
-    long long vb, long long vh, long long vs, int splits, const long long* __restrict__ slots,
-    const long long* __restrict__ positions, int slot_count, int window, int chunk, int run_rows) {
+    long long vb, long long vh, long long vs, const void* __restrict__ mask, long long mb, long long ms, int splits, const long long* __restrict__ slots, const long long* __restrict__ positions,
+    int slot_count, int window, int chunk, int run_rows) {
     constexpr int E = N % 1000;
-    constexpr bool WIDE = N >= 1000;    // q heads 8-15 of the group in the tile's rows 8-15
+    constexpr bool WIDE = (N / 1000) % 2 == 1;  // q heads 8-15 of the group in the tile's rows 8-15
+    constexpr int MASK = N / 2000;              // MASK_NONE, MASK_BOOL or MASK_FLOAT
     constexpr int H = WIDE ? 16 : 8;    // rows of the tile that hold heads
     constexpr int KP = E / 32;          // pieces of a key row a lane holds (of q k^T)
     constexpr int VP = E / 64;          // pieces of a value row a lane holds (of p v)
@@ -340,9 +342,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         qf[2 * i + 1][0] = u.z, qf[2 * i + 1][1] = w.z, qf[2 * i + 1][2] = u.w, qf[2 * i + 1][3] = w.w;
     }
     // A step's operands: keys first + g and first + 8 + g (pieces t + 4 i), values of keys first + 2 t, + 1, + 8,
-    // + 9 (pieces g + 8 i). A key past s1 is not loaded: its registers keep an earlier step's values (or the zeros
-    // they start with), finite, so its value times its zero weight is 0; its score is masked. Each operand's
-    // address is worked out once and moved a step of the warp's keys at a time.
+    // + 9 (pieces g + 8 i), and those four keys' mask terms (-inf past s1), which are this lane's scores' keys. A
+    // key past s1 or hidden by the mask (one for every head: its head stride is 0) is not loaded: its registers
+    // keep an earlier step's values (or the zeros they start with), finite, so its value times its zero weight is
+    // 0; its score is -inf. Each operand's address is worked out once and moved a step of the warp's keys at a time.
     constexpr int STRIDE = DECODE_WARPS * MMA_STEP;
     int next = s0 + warp * MMA_STEP;  // the first key of the next step to load
     const long long kstep = STRIDE * ks, vstep = STRIDE * vs;
@@ -352,10 +355,14 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     for (int j = 0; j < 2; ++j) kq[j] = k + row * kb + hk * kh + (next + 8 * j + g) * ks + t * 8;
 #pragma unroll
     for (int c = 0; c < 4; ++c) vq[c] = v + row * vb + hk * vh + (next + 2 * t + (c & 1) + 8 * (c >> 1)) * vs + g * 8;
-    auto load = [&](U4 (&kr)[2][KP], U4 (&vr)[4][VP]) {
+    const long long mrow = (long long)b * mb;
+    auto term = [&](int s) { return s < s1 ? (MASK ? mask_term(mask, MASK, mrow + s * ms) : 0.0f) : -KILN_INF; };
+    auto load = [&](U4 (&kr)[2][KP], U4 (&vr)[4][VP], float (&tv)[4]) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tv[c] = term(next + 2 * t + (c & 1) + 8 * (c >> 1));
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            if (next + 8 * j + g < s1) {
+            if (term(next + 8 * j + g) != -KILN_INF) {
 #pragma unroll
                 for (int i = 0; i < KP; ++i) kr[j][i] = *reinterpret_cast<const U4*>(kq[j] + 32 * i);
             }
@@ -363,7 +370,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            if (next + 2 * t + (c & 1) + 8 * (c >> 1) < s1) {
+            if (tv[c] != -KILN_INF) {
 #pragma unroll
                 for (int i = 0; i < VP; ++i) vr[c][i] = *reinterpret_cast<const U4*>(vq[c] + 64 * i);
             }
@@ -377,7 +384,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     for (int u = 0; u < DTILES; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
     const float scale2 = scale * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
     // one step: the scores of keys first .. first + 15, the online softmax, o += p v
-    auto attend = [&](const U4 (&kr)[2][KP], const U4 (&vr)[4][VP], int first) {
+    const float mask2 = 1.4426950408889634f;  // a float mask's terms in log2 units
+    auto attend = [&](const U4 (&kr)[2][KP], const U4 (&vr)[4][VP], const float (&tv)[4]) {
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -392,7 +400,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
             float x[4], top = -KILN_INF;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                x[i] = first + 8 * (i >> 1) + 2 * t + (i & 1) < s1 ? sc[i >> 1][2 * r + (i & 1)] * scale2 : -KILN_INF;
+                x[i] = tv[i] == -KILN_INF ? -KILN_INF : sc[i >> 1][2 * r + (i & 1)] * scale2 + tv[i] * mask2;
                 top = fmaxf(top, x[i]);
             }
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
@@ -422,6 +430,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         }
     };
     U4 ka[2][KP], va[4][VP], kb2[2][KP], vb2[4][VP];  // two steps' operands (PIPE: one loads while one computes)
+    float ta[4], tb[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -432,18 +441,18 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         for (int i = 0; i < VP; ++i) va[c][i] = vb2[c][i] = U4{0u, 0u, 0u, 0u};
     // the loop bounds are the warp's: every lane reaches the shuffles
     if (PIPE) {
-        if (next < s1) load(ka, va);
+        if (next < s1) load(ka, va, ta);
         for (int first = s0 + warp * MMA_STEP; first < s1; first += 2 * STRIDE) {
-            if (next < s1) load(kb2, vb2);
-            attend(ka, va, first);
+            if (next < s1) load(kb2, vb2, tb);
+            attend(ka, va, ta);
             if (first + STRIDE >= s1) break;
-            if (next < s1) load(ka, va);
-            attend(kb2, vb2, first + STRIDE);
+            if (next < s1) load(ka, va, ta);
+            attend(kb2, vb2, tb);
         }
     } else {
         for (int first = s0 + warp * MMA_STEP; first < s1; first += STRIDE) {
-            load(ka, va);
-            attend(ka, va, first);
+            load(ka, va, ta);
+            attend(ka, va, ta);
         }
     }
     // this warp's rows to shared memory: (max, exp-sum) in natural units, outputs at their dims
