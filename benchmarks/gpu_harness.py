@@ -110,10 +110,20 @@ QUANT_KERNELS = {"dot": ("staged", True), "staged": ("staged", False), "direct":
 quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgemv_staged's float products."""
 
 
+def variant_suffixes(name: str) -> str:
+    """The QUANT_VARIANTS suffixes of a kernel name as they stand ("dot-interleaved-mma" -> "-interleaved-mma"): what
+    applies to a bfloat16 program, which has no quantized kernel."""
+    base = name
+    while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
+        base = base.removesuffix(found)
+    return name[len(base):]
+
+
 def quant_kernel_choice(name: str) -> dict[str, object]:
     """The settings a quantized-kernel name asks for (a QUANT_KERNELS name with any of QUANT_VARIANTS after it,
     "dot-interleaved-fusednorm"; "" the defaults): linalg's QGEMV, QUANT_DOT, QGEMV_GATED, QDOT_INTERLEAVED,
-    QDOT_WAVE_ROWS, QGEMM, gemm_rows's GEMM_ROWS_PACKED and GEMM_ROWS_STAGES, and norm's ADD_RMS_NORM_ROW."""
+    QDOT_WAVE_ROWS, QGEMM, gemm_rows's GEMM_ROWS_PACKED and GEMM_ROWS_STAGES, norm's ADD_RMS_NORM_ROW and
+    attention's DECODE_MMA."""
     base, variants = name, set()
     while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
         base, variants = base.removesuffix(found), variants | {found}
@@ -126,7 +136,7 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
             "QDOT_WAVE_ROWS": "-onerow" not in variants, "QGEMM": "-dequant" not in variants,
             "GEMM_ROWS_PACKED": "-unpacked" not in variants,
             "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4 if "-ring4" in variants else None,
-            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants}
+            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants, "DECODE_MMA": "-mma" in variants}
 
 
 def check_quant_kernels(parser, names: list[str]) -> None:
@@ -139,7 +149,8 @@ def check_quant_kernels(parser, names: list[str]) -> None:
             parser.error(str(e))
 
 
-SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows", "GEMM_ROWS_STAGES": "gemm_rows"}
+SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows", "GEMM_ROWS_STAGES": "gemm_rows",
+                   "DECODE_MMA": "attention"}
 """The cuda kernels module of each quant_kernel_choice setting outside linalg."""
 
 
@@ -162,5 +173,6 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-unpacked": "gemm_rows's int4 (no zero, no offsets) dequantized one code at a time in float32",
                   "-ring3": "gemm_rows with a ring of 3 stages (4 blocks an SM) whatever the waves",
                   "-ring4": "gemm_rows with a ring of 4 stages (3 blocks an SM) whatever the waves",
-                  "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row"}
+                  "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row",
+                  "-mma": "decode attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 exported.save(path)
             program = exported.load()
         stderr_log(f"{mode}: ready in {time.perf_counter() - t0:.0f} s, {program.constant_bytes / 1e9:.3f} GB")
-        kernels = [""] if mode == "bf16" else [k for k in args.kernels.split(",") if k]
+        kernels = [k for k in args.kernels.split(",") if k]
+        if mode == "bf16":  # (no quantized kernel: only the variants that apply to any program)
+            kernels = list(dict.fromkeys(gpu_harness.variant_suffixes(k) for k in kernels))
         if args.op_times:
             gpu_harness.select_quant_kernel(linalg, kernels[0])
             print(f"{mode} {kernels[0]}: " + gpu_op_times(program, cp, "decode", (token, position), args.op_times))

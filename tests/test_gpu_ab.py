@@ -95,11 +95,11 @@ def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
     """gpu_harness.quant_kernel_choice: a kernel name with variant suffixes in any order, the defaults for "", and a
     clear error for a name it does not know."""
     monkeypatch.syspath_prepend(str(AB.parent))
-    from gpu_harness import quant_kernel_choice
+    from gpu_harness import quant_kernel_choice, variant_suffixes
 
     default = {"QGEMV": "staged", "QUANT_DOT": None, "QGEMV_GATED": True, "QDOT_INTERLEAVED": None,
                "QDOT_WAVE_ROWS": True, "QGEMM": True, "GEMM_ROWS_PACKED": True,
-               "GEMM_ROWS_STAGES": None, "ADD_RMS_NORM_ROW": True}
+               "GEMM_ROWS_STAGES": None, "ADD_RMS_NORM_ROW": True, "DECODE_MMA": False}
     assert quant_kernel_choice("") == default
     assert quant_kernel_choice("dot") == {**default, "QUANT_DOT": True}
     both = {**default, "QUANT_DOT": True, "QDOT_INTERLEAVED": True, "ADD_RMS_NORM_ROW": False}
@@ -110,6 +110,8 @@ def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
     assert quant_kernel_choice("dot-unpacked")["GEMM_ROWS_PACKED"] is False
     assert quant_kernel_choice("dot-ring3-unpacked")["GEMM_ROWS_STAGES"] == 3
     assert quant_kernel_choice("dot-ring4")["GEMM_ROWS_STAGES"] == 4
+    assert quant_kernel_choice("dot-mma")["DECODE_MMA"] is True and quant_kernel_choice("-mma")["DECODE_MMA"] is True
     assert quant_kernel_choice("staged-apart") == {**default, "QUANT_DOT": False, "QGEMV_GATED": False}
+    assert [variant_suffixes(n) for n in ("dot", "dot-mma", "staged-apart-mma", "")] == ["", "-mma", "-apart-mma", ""]
     with pytest.raises(ValueError, match="no quantized kernel 'dott'"):
         quant_kernel_choice("dott-apart")
