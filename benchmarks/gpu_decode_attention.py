@@ -7,8 +7,8 @@ against torch's scaled_dot_product_attention on the same cache and mask.
 A configuration sets attention.py's knobs: the most q heads a block serves (DECODE_HEADS: a kv head's group split
 over several blocks) and the fewest keys a block reads (DECODE_CHUNK); "mma" the tensor-core kernel (DECODE_MMA).
 The cache is read through a bool mask that shows the first `context` slots, as an exported single-sequence decode
-step has it, or with --no-mask as views of those slots and no mask (the form a serving step's slots take, and the
-only one the mma configuration runs; with a mask it is skipped). GPU time per call with the calls
+step has it, or with --no-mask as views of those slots and no mask (the form a serving step's slots take). GPU time
+per call with the calls
 queued behind a spinning kernel (gpu_harness.gpu_time): launched early one after another, as a CUDA graph replays a
 step's chain. Every result is checked against torch's.
 """
@@ -25,10 +25,11 @@ from gpu_harness import device_line, gpu_time, print_table  # noqa: E402
 
 CONFIGS = {**{f"{heads} heads / {chunk} keys": dict(DECODE_HEADS=heads, DECODE_CHUNK=chunk)
               for chunk in (64, 32) for heads in (8, 4, 2, 1)},
-           "mma": dict(DECODE_MMA=True), "mma / 4096 blocks": dict(DECODE_MMA=True, DECODE_BLOCKS=4096)}
-"""The "mma" configurations (decode.cu's attend_mma on the tensor cores; the second with chunks for 4096 blocks, not
-1024) take only a decode without a mask: with --no-mask (with a mask they are skipped)."""
-KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA", "DECODE_BLOCKS")
+           "mma": dict(DECODE_MMA=True), "mma / 4096 blocks": dict(DECODE_MMA=True, DECODE_BLOCKS=4096),
+           "mma-unpipelined": dict(DECODE_MMA=True, DECODE_MMA_PIPELINED=False)}
+"""The "mma" configurations: decode.cu's attend_mma on the tensor cores (with chunks for 4096 blocks, not 1024; with
+a warp's next keys loaded only after its step, for fewer registers)."""
+KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA", "DECODE_BLOCKS", "DECODE_MMA_PIPELINED")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
         torch_us = gpu_time(cp, torch_call, calls=args.calls) * 1e6
         for name in args.configs.split(";"):
-            if "DECODE_MMA" in CONFIGS[name] and mc is not None:
-                continue  # (attend_mma takes no mask: --no-mask)
             for knob, value in {**defaults, **CONFIGS[name]}.items():
                 setattr(attention, knob, value)
             got = attention.sdpa(qc, kk, vv, mc, causal=False, scale=None)

@@ -50,6 +50,8 @@ SWITCHES = {
                    "not decode.cu"),
     "decode-mma": ("attention", {"DECODE_MMA": True},
                    "the decode rows' attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"),
+    "decode-mma-unpipelined": ("attention", {"DECODE_MMA": True, "DECODE_MMA_PIPELINED": False},
+                               "attend_mma loading a warp's next keys only after this step's (fewer registers)"),
     "decode-mma-4096": ("attention", {"DECODE_MMA": True, "DECODE_BLOCKS": 4096},
                         "attend_mma with the keys in chunks for 4096 blocks, not 1024 (attention.DECODE_BLOCKS)"),
 }

@@ -488,6 +488,32 @@ def test_slot_decode_on_the_tensor_cores_matches_float64(dtype, heads, kv_heads,
     np.testing.assert_allclose(got[:-1], want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,mask_kind", [(32, 8, "none"), (20, 2, "bool"), (4, 4, "float")])
+def test_attend_mma_without_the_next_step_in_flight_gives_the_same_bits(heads, kv_heads, mask_kind,
+                                                                        monkeypatch) -> None:
+    """attention.DECODE_MMA_PIPELINED = False (heads of 64: instance + 8000, a warp's next keys loaded after its
+    step) computes the same steps in the same order: the same bits, for each mask kind and both tile heights."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MMA", True)
+    rng = np.random.default_rng(heads)
+    seq, e = 700, 64
+    q, k, v = (cp.asarray(rng.standard_normal(shape).astype(BFLOAT16))
+               for shape in ((3, heads, 1, e), (3, kv_heads, seq, e), (3, kv_heads, seq, e)))
+    keep = np.arange(seq) < 531
+    mask = {"none": None, "bool": cp.asarray(keep[None, None, None]),
+            "float": cp.asarray(np.where(keep, -0.5, -np.inf).astype(np.float32)[None, None, None])}[mask_kind]
+    results = []
+    for pipelined in (True, False):
+        monkeypatch.setattr(attention, "DECODE_MMA_PIPELINED", pipelined)
+        looked_up = _decode_kernels(attention, monkeypatch)
+        results.append(cp.asnumpy(attention.sdpa(q, k, v, mask, causal=False, scale=None)).view(np.uint16))
+        assert looked_up[0][0] == "attend_mma" and (looked_up[0][1] >= 8000) == (not pipelined)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("heads,kv_heads,e", [(8, 2, 64), (32, 4, 128), (32, 8, 128)], ids=["g4", "qwen3", "llama8b"])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
 @pytest.mark.parametrize("seq,visible", [(1, 1), (37, 37), (300, 129), (2200, 2113)])

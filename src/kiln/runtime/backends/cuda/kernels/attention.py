@@ -430,6 +430,10 @@ attend_chunk (~48). Nsight on the 64-row serving step (H200, 1B shape, position 
 instructions at a quarter of the bandwidth: 45.8 us a layer for 12.4 us of keys and values. Predicted: ~15-20 us,
 the step 1.91 -> ~1.5 ms. Off until measured (the benchmarks' --compare-decode-mma and "mma" configuration)."""
 MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16; + 2000 x the mask's kind)
+DECODE_MMA_PIPELINED = True
+"""Whether attend_mma at heads of 64 loads a warp's next 16 keys while it computes this step's (157 registers: 3
+blocks an SM) or only after (+ 8000: fewer registers, more warps to hide the loads); an A/B for its first
+measurement (the benchmarks' "mma-unpipelined" configuration and --compare-decode-mma-unpipelined)."""
 
 
 def _decode_mma_applies(q: Any, mask_strides: list[Any], groups: int) -> bool:
@@ -489,7 +493,9 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     rows = (NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
             np.int32(window), np.int32(chunk), np.int32(run_rows))
     if mma:
-        nvrtc.function("decode", "attend_mma", q.dtype, e + (1000 if groups > 8 else 0) + 2000 * int(kind))(
+        unpipelined = 8000 if e == 64 and not DECODE_MMA_PIPELINED else 0
+        instance = e + (1000 if groups > 8 else 0) + 2000 * int(kind) + unpipelined
+        nvrtc.function("decode", "attend_mma", q.dtype, instance)(
             (splits, hkv, b), (DECODE_THREADS,),
             (q, k, v, part, np.int32(groups), np.int32(seq), np.float32(scale), ks[0], ks[1], ks[2], vs[0], vs[1],
              vs[2], mask_b, ms[0], ms[3], np.int32(splits), *rows))
