@@ -272,13 +272,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 
 // attend_mma: the decode kernel's work (one query per sequence, keys split in chunks, a block per chunk, kv head and
 // sequence, the same partials for attend_combine) on the tensor cores, with no mask (slot_attention's decode step)
-// or one every head shares (a single sequence's decode over its static cache). attend_chunk spends ~32 instructions a key a warp where the arithmetic
-// is 16 FMAs (shuffles adding each key's lanes, every lane of a key computing its exp): at a serving step's 64 rows
-// it runs at a quarter of the bandwidth, bound by instructions (Nsight, H200: 4,773 a warp, issue 41%). Here a warp
-// takes 16 keys a step: scores = q k^T as an m16n8k16 product with the group's q heads as the tile's rows (rows 8-15
-// only for groups of 9-16: N + 1000), its 16 x 8 keys by two n-tiles, the online softmax on the score fragments, and
-// o += p v with the scores' fragments as the A operand (rounded to the storage type, as flash.cu's) and v's as B:
-// ~85 instructions a step, ~5 a key.
+// or one every head shares (a single sequence's decode over its static cache). attend_chunk spends ~48
+// instructions a key a warp where the arithmetic is 16 FMAs (each key's lanes add their sums in shuffle rounds per
+// head, every lane of a key computes its exp): at a serving step's 64 rows it runs at a quarter of the bandwidth,
+// bound by instructions (Nsight, H200: 4,773 a warp, issue 41%). Here a warp takes 16 keys a step: scores = q k^T
+// as an m16n8k16 product with the group's q heads as the tile's rows (rows 8-15 only for groups of 9-16: N + 1000),
+// its 16 keys as two n-tiles, the online softmax on the score fragments, and o += p v with the scores' fragments as
+// the A operand (rounded to the storage type, as flash.cu's) and v's as B: ~200 SASS instructions a step, ~12 a key.
 //
 // No shared memory is staged: each lane loads its operands from global memory already in fragment order, by two
 // permutations the sums cannot see. Along the head dim of q k^T: lane (g = lane / 4, t = lane % 4) of key g holds
@@ -296,8 +296,9 @@ template <class S, int N>
 __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const typename S::T* __restrict__ q, const typename S::T* __restrict__ k, const typename S::T* __restrict__ v,
     float* __restrict__ part, int groups, int seq, float scale, long long kb, long long kh, long long ks,
-    long long vb, long long vh, long long vs, const void* __restrict__ mask, long long mb, long long ms, int splits, const long long* __restrict__ slots, const long long* __restrict__ positions,
-    int slot_count, int window, int chunk, int run_rows) {
+    long long vb, long long vh, long long vs, const void* __restrict__ mask, long long mb, long long ms, int splits,
+    const long long* __restrict__ slots, const long long* __restrict__ positions, int slot_count, int window,
+    int chunk, int run_rows) {
     constexpr int E = N % 1000;
     constexpr bool WIDE = (N / 1000) % 2 == 1;  // q heads 8-15 of the group in the tile's rows 8-15
     constexpr int MASK = (N / 2000) % 4;        // MASK_NONE, MASK_BOOL or MASK_FLOAT
