@@ -589,7 +589,7 @@ def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> 
     written in place; against the rope op's float64 formula."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import attention
+    from kiln.runtime.backends.cuda.kernels import rope
 
     rng = np.random.default_rng(3)
     b, hq, hkv, d, size = 2, 8, 2, 64, 40
@@ -601,7 +601,7 @@ def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> 
     caches = [cp.asarray(rng.standard_normal((b, hkv, size, d)).astype(dtype)) for _ in range(2)]
     before = [cp.asnumpy(c).astype(np.float64) for c in caches]
     index = cp.asarray(np.array([-3], np.int64))
-    assert attention._one_position_cos_sin(q, k, v, cos, sin, *caches, (index,), [2]) is not None
+    assert rope._one_position_cos_sin(q, k, v, cos, sin, *caches, (index,), [2]) is not None
 
     def rope64(x):
         x, c, s = (cp.asnumpy(a).astype(np.float64) for a in (x, cos, sin))
@@ -611,7 +611,7 @@ def test_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved) -> 
             turned = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
         return x * c + turned * s
 
-    q_out, k_out, v_out = attention.rope_cache_update(q, k, v, cos, sin, *caches, index, dims=[2],
+    q_out, k_out, v_out = rope.rope_cache_update(q, k, v, cos, sin, *caches, index, dims=[2],
                                                       interleaved=interleaved, in_place=True)
     assert k_out is caches[0] and v_out is caches[1]
     tol = TOL[np.dtype(dtype)]
@@ -631,7 +631,7 @@ def test_norm_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved
     the sums' order; half types: the same bits or one ulp), and that fused kernel is the one that runs."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import attention
+    from kiln.runtime.backends.cuda.kernels import rope
     from kiln.runtime.backends.cuda.kernels.norm import rms_norm
 
     rng = np.random.default_rng(d)
@@ -644,12 +644,12 @@ def test_norm_rope_cache_update_of_one_position_in_one_kernel(dtype, interleaved
     qw, kw = (cp.asarray(rng.uniform(0.5, 1.5, d).astype(dtype)) for _ in range(2))
     start = [cp.asarray(rng.standard_normal((b, hkv, size, d)).astype(dtype)) for _ in range(2)]
     index = cp.asarray(np.array([-3], np.int64))
-    want = attention.rope_cache_update(rms_norm(q, qw, 1, 1e-6), rms_norm(k, kw, 1, 1e-6), v, cos, sin,
+    want = rope.rope_cache_update(rms_norm(q, qw, 1, 1e-6), rms_norm(k, kw, 1, 1e-6), v, cos, sin,
                                        *(c.copy() for c in start), index, dims=[2], interleaved=interleaved,
                                        in_place=True)
-    monkeypatch.setattr(attention.composite, "norm_rope_cache_update", None)  # the unfused path would fail
+    monkeypatch.setattr(rope.composite, "norm_rope_cache_update", None)  # the unfused path would fail
     caches = [c.copy() for c in start]
-    got = attention.norm_rope_cache_update(q, k, v, cos, sin, *caches, qw, kw, index, dims=[2],
+    got = rope.norm_rope_cache_update(q, k, v, cos, sin, *caches, qw, kw, index, dims=[2],
                                            interleaved=interleaved, eps=1e-6, in_place=True)
     assert got[1] is caches[0] and got[2] is caches[1]
     tol = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3, BFLOAT16: 1.6e-2}[np.dtype(dtype)]
@@ -680,7 +680,7 @@ def test_rope_cache_update_of_a_slotted_decode_step_in_one_kernel(dtype, interle
     float64. The fused kernel is the one that runs (the per-op path is made to fail)."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import attention
+    from kiln.runtime.backends.cuda.kernels import rope
 
     rng = np.random.default_rng(5)
     b, hq, hkv, d, slot_count, size = 5, 8, 2, 64, 4, 40
@@ -694,9 +694,9 @@ def test_rope_cache_update_of_a_slotted_decode_step_in_one_kernel(dtype, interle
     before = [cp.asnumpy(c).astype(np.float64) for c in caches]
     slots_host, positions_host = np.array([2, 0, -1, 1, 2], np.int64), np.array([7, 0, 39, -2, 7], np.int64)
     slots, positions = cp.asarray(slots_host[:, None]), cp.asarray(positions_host[:, None])
-    assert attention._slot_step_cos_sin(q, k, v, cos, sin, *caches, (slots, positions), [0, 1]) is not None
-    monkeypatch.setattr(attention, "index_put", None)  # the unfused path would fail
-    q_out, k_out, v_out = attention.rope_cache_update(q, k, v, cos, sin, *caches, slots, positions, dims=[0, 1],
+    assert rope._slot_step_cos_sin(q, k, v, cos, sin, *caches, (slots, positions), [0, 1]) is not None
+    monkeypatch.setattr(rope, "index_put", None)  # the unfused path would fail
+    q_out, k_out, v_out = rope.rope_cache_update(q, k, v, cos, sin, *caches, slots, positions, dims=[0, 1],
                                                       interleaved=interleaved, in_place=True)
     assert k_out is caches[0] and v_out is caches[1]
     tol = TOL[np.dtype(dtype)]

@@ -19,6 +19,7 @@ import kiln.runtime.backends.cuda.kernels.index
 import kiln.runtime.backends.cuda.kernels.linalg
 import kiln.runtime.backends.cuda.kernels.norm
 import kiln.runtime.backends.cuda.kernels.reduce
+import kiln.runtime.backends.cuda.kernels.rope
 import kiln.runtime.backends.cuda.kernels.sort  # noqa: F401 - importing the kernel families registers them
 from kiln.runtime.backends.array_api import PORTABLE
 from kiln.runtime.backends.cuda.kernels.registry import CUDA_KERNELS, OnHost
