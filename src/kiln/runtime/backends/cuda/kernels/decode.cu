@@ -414,8 +414,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
             for (int i = 0; i < 4; ++i) p[i] = exp2f(x[i] - base);
             l[r] = l[r] * alpha + (p[0] + p[1]) + (p[2] + p[3]);
             m[r] = top;
+            if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // (once the maxima settle, most steps rescale nothing)
 #pragma unroll
-            for (int u = 0; u < DTILES; ++u) o[u][2 * r] *= alpha, o[u][2 * r + 1] *= alpha;
+                for (int u = 0; u < DTILES; ++u) o[u][2 * r] *= alpha, o[u][2 * r + 1] *= alpha;
+            }
             pa[r] = S::pack2(p[0], p[1]);
             pa[2 + r] = S::pack2(p[2], p[3]);
         }
