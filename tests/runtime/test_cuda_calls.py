@@ -141,6 +141,9 @@ def test_the_cuda_tests_use_the_kernels_as_they_are(path: Path, functions, names
     assert not bad, f"{path.name}: " + "; ".join(f"line {line}: {call}: {error}" for line, call, error in bad)
     missing, _ = switches_that_do_not_exist(source, names)
     assert not missing, f"{path.name}: " + "; ".join(f"line {line}: {module}.{name}" for line, module, name in missing)
+    copies, _ = switches_set_where_they_are_not_read(source, _module_names(imported=False))
+    assert not copies, f"{path.name}: set on a module that only imports it: " + "; ".join(
+        f"line {line}: {module}.{name}" for line, module, name in copies)
 
 
 def test_the_check_reads_the_calls_it_is_for(functions) -> None:
@@ -159,8 +162,9 @@ def test_the_check_reads_the_calls_it_is_for(functions) -> None:
     assert checked == 5 and [line for line, _, _ in bad] == [4, 5, 6, 9]
 
 
-def _module_names() -> dict[str, set[str]]:
-    """Kernel module -> the names its source binds at top level (assignments, defs, classes, imports)."""
+def _module_names(imported: bool = True) -> dict[str, set[str]]:
+    """Kernel module -> the names its source binds at top level (assignments, defs, classes, and with `imported`
+    its imports)."""
     found: dict[str, set[str]] = {}
     for path in KERNELS.glob("*.py"):
         names = found.setdefault(path.stem, set())
@@ -173,9 +177,28 @@ def _module_names() -> dict[str, set[str]]:
                                  if isinstance(t, ast.Name))
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            elif imported and isinstance(node, (ast.Import, ast.ImportFrom)):
                 names.update((a.asname or a.name).split(".")[0] for a in node.names)
     return found
+
+
+def switches_set_where_they_are_not_read(source: str, defined: dict[str, set[str]]) -> tuple[list, int]:
+    """([(line, module, NAME)] for the source's monkeypatch.setattr(module, "NAME", ...) of an upper-case name (a
+    switch or constant) that the kernel module only imports, number checked): the code that reads a switch reads it
+    in the module that defines it, so setting the imported copy changes nothing and the test measures the default."""
+    tree = ast.parse(source)
+    modules = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module == PACKAGE for alias in node.names
+               if alias.name in defined}
+    bad, checked = [], 0
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("monkeypatch.setattr")
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in modules
+                and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).isupper()):
+            checked += 1
+            if node.args[1].value not in defined[modules[node.args[0].id]]:
+                bad.append((node.lineno, modules[node.args[0].id], node.args[1].value))
+    return sorted(bad), checked
 
 
 def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple[list, int]:
@@ -218,10 +241,12 @@ def test_the_switch_check_reads_what_it_is_for(names) -> None:
                                     (7, "linalg", "_gemm_rows_splits")]
 
 
-def test_the_benchmarks_settings_exist_on_their_modules(names, monkeypatch) -> None:
+def test_the_benchmarks_settings_exist_on_their_modules(monkeypatch) -> None:
     """The GPU benchmarks' tables of settings (gpu_slot_decode's comparisons, gpu_decode_attention's configurations,
-    gpu_harness's quantized-kernel choices) name switches their kernel modules bind: set by name with setattr, a
-    moved or renamed switch would otherwise change nothing and measure the default twice."""
+    gpu_harness's quantized-kernel choices) name switches their kernel modules define: set by name with setattr, a
+    moved or renamed switch (or one the module only imports) would otherwise change nothing and measure the default
+    twice."""
+    names = _module_names(imported=False)
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_decode_attention
     import gpu_harness
@@ -233,3 +258,12 @@ def test_the_benchmarks_settings_exist_on_their_modules(names, monkeypatch) -> N
     wanted += [(gpu_harness.SETTING_MODULES.get(s, "linalg"), s) for s in gpu_harness.quant_kernel_choice("")]
     assert len(wanted) > 20
     assert [w for w in wanted if w[1] not in names[w[0]]] == []
+
+
+def test_the_switch_check_fails_a_switch_set_on_a_module_that_imports_it() -> None:
+    """experts.py imports GEMV_WARPS from linalg: setting it on experts would change nothing linalg reads."""
+    source = ("def test(monkeypatch):\n    from kiln.runtime.backends.cuda.kernels import experts, linalg\n"
+              "    monkeypatch.setattr(linalg, 'GEMV_WARPS', 4)\n    monkeypatch.setattr(experts, 'GEMV_WARPS', 4)\n"
+              "    monkeypatch.setattr(experts, 'nvrtc', None)\n")
+    bad, checked = switches_set_where_they_are_not_read(source, _module_names(imported=False))
+    assert checked == 2 and bad == [(4, "experts", "GEMV_WARPS")]
