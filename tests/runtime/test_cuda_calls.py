@@ -192,12 +192,19 @@ def switches_set_where_they_are_not_read(source: str, defined: dict[str, set[str
                if alias.name in defined}
     bad, checked = [], 0
     for node in ast.walk(tree):
+        found = None
         if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("monkeypatch.setattr")
-                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in modules
-                and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).isupper()):
-            checked += 1
-            if node.args[1].value not in defined[modules[node.args[0].id]]:
-                bad.append((node.lineno, modules[node.args[0].id], node.args[1].value))
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+                and isinstance(node.args[1], ast.Constant)):
+            found = (node.args[0].id, str(node.args[1].value))
+        elif isinstance(node, ast.Assign):  # module.NAME = value
+            found = next(((t.value.id, t.attr) for t in node.targets
+                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)), None)
+        if found is None or found[0] not in modules or not found[1].isupper():
+            continue
+        checked += 1
+        if found[1] not in defined[modules[found[0]]]:
+            bad.append((node.lineno, modules[found[0]], found[1]))
     return sorted(bad), checked
 
 
@@ -261,9 +268,10 @@ def test_the_benchmarks_settings_exist_on_their_modules(monkeypatch) -> None:
 
 
 def test_the_switch_check_fails_a_switch_set_on_a_module_that_imports_it() -> None:
-    """experts.py imports GEMV_WARPS from linalg: setting it on experts would change nothing linalg reads."""
+    """experts.py imports GEMV_WARPS and GEMV_ROWS from linalg: setting them on experts (by monkeypatch or by
+    assignment) would change nothing linalg reads."""
     source = ("def test(monkeypatch):\n    from kiln.runtime.backends.cuda.kernels import experts, linalg\n"
               "    monkeypatch.setattr(linalg, 'GEMV_WARPS', 4)\n    monkeypatch.setattr(experts, 'GEMV_WARPS', 4)\n"
-              "    monkeypatch.setattr(experts, 'nvrtc', None)\n")
+              "    monkeypatch.setattr(experts, 'nvrtc', None)\n    experts.GEMV_ROWS = 2\n    linalg.GEMV_ROWS = 2\n")
     bad, checked = switches_set_where_they_are_not_read(source, _module_names(imported=False))
-    assert checked == 2 and bad == [(4, "experts", "GEMV_WARPS")]
+    assert checked == 4 and bad == [(4, "experts", "GEMV_WARPS"), (6, "experts", "GEMV_ROWS")]
