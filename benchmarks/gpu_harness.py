@@ -106,7 +106,7 @@ def device_line(cp, torch) -> str:
 
 QUANT_KERNELS = {"dot": ("staged", True), "staged": ("staged", False), "direct": ("direct", False),
                  "rows": ("rows", False)}
-"""The few-row quantized linear's kernels by a benchmark's names: (linalg.QGEMV, linalg.QUANT_DOT). "dot" is
+"""The few-row quantized linear's kernels by a benchmark's names: (quant_linear.QGEMV, quant_linear.QUANT_DOT). "dot" is
 quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgemv_staged's float products."""
 
 
@@ -121,7 +121,7 @@ def variant_suffixes(name: str) -> str:
 
 def quant_kernel_choice(name: str) -> dict[str, object]:
     """The settings a quantized-kernel name asks for (a QUANT_KERNELS name with any of QUANT_VARIANTS after it,
-    "dot-interleaved-fusednorm"; "" the defaults): linalg's QGEMV, QUANT_DOT, QGEMV_GATED, QDOT_INTERLEAVED,
+    "dot-interleaved-fusednorm"; "" the defaults): quant_linear's QGEMV, QUANT_DOT, QGEMV_GATED, QDOT_INTERLEAVED,
     QDOT_WAVE_ROWS, QGEMM, gemm_rows's GEMM_ROWS_PACKED and GEMM_ROWS_STAGES, norm's ADD_RMS_NORM_ROW and
     attention's DECODE_MMA."""
     base, variants = name, set()
@@ -151,18 +151,17 @@ def check_quant_kernels(parser, names: list[str]) -> None:
 
 SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows", "GEMM_ROWS_STAGES": "gemm_rows",
                    "DECODE_MMA": "attention"}
-"""The cuda kernels module of each quant_kernel_choice setting outside linalg."""
+"""The cuda kernels module of each quant_kernel_choice setting outside quant_linear."""
 
 
-def select_quant_kernel(linalg, name: str) -> None:
-    """Set kiln's CUDA quantized linear (and the norm before it) as quant_kernel_choice(name) says: linalg's
-    switches on `linalg`, the others on their modules (SETTING_MODULES)."""
+def select_quant_kernel(name: str) -> None:
+    """Set kiln's CUDA quantized linear (and the norm before it, and the decode attention) as
+    quant_kernel_choice(name) says: each switch on its kernels module (SETTING_MODULES, else quant_linear)."""
     import importlib
 
     for setting, value in quant_kernel_choice(name).items():
-        module = SETTING_MODULES.get(setting)
-        setattr(importlib.import_module(f"kiln.runtime.backends.cuda.kernels.{module}") if module else linalg,
-                setting, value)
+        module = SETTING_MODULES.get(setting, "quant_linear")
+        setattr(importlib.import_module(f"kiln.runtime.backends.cuda.kernels.{module}"), setting, value)
 
 
 QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two kernels",

@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kiln.models.llm import export_llama
-    from kiln.runtime.backends.cuda.kernels import linalg
     from kiln.runtime.program import load
 
     torch.manual_seed(0)
@@ -140,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "bf16":  # (no quantized kernel: only the variants that apply to any program)
             kernels = list(dict.fromkeys(gpu_harness.variant_suffixes(k) for k in kernels))
         if args.op_times:
-            gpu_harness.select_quant_kernel(linalg, kernels[0])
+            gpu_harness.select_quant_kernel(kernels[0])
             print(f"{mode} {kernels[0]}: " + gpu_op_times(program, cp, "decode", (token, position), args.op_times))
         for kernel in kernels:
             label = f" {kernel}" if kernel else ""
-            gpu_harness.select_quant_kernel(linalg, kernel)
+            gpu_harness.select_quant_kernel(kernel)
             session = program.session("cuda")
             for _ in range(3):  # the first runs capture the graph, with the kernel chosen now
                 session.run("decode", token, position)
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     session.run("prefill", *prompt)
                     cp.cuda.Device().synchronize()
                 prefills[mode] = prefill
-        gpu_harness.select_quant_kernel(linalg, "")
+        gpu_harness.select_quant_kernel("")
     medians = {k: v / args.steps for k, v in time_round_robin(cases, args.repeat).items()}
     print(f"{args.shape} decode at context {args.context}, bfloat16 activations, on {device_line(cp, torch)} (copy "
           f"bandwidth {bandwidth / 1e12:.2f} TB/s); CUDA graphs, median of {args.repeat} rounds of {args.steps} steps")

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"weight formats (default all: {', '.join(FORMATS)})")
     parser.add_argument("--layers", default="q/k/v,o,gate/up,down,lm head", help="layers (default all)")
     parser.add_argument("--weight-rows", type=int, choices=(1, 2, 4), help="qgemv_staged's rows a warp (default: "
-                        "by the layer, linalg._staged_weight_rows)")
+                        "by the layer, quant_linear._staged_weight_rows)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
     check_quant_kernels(parser, args.kernels.split(","))
@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.export.quantize import quantize_rows
     from kiln.runtime.backends.array_api import BFLOAT16
     from kiln.runtime.backends.array_api.quant import dequantize
-    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, linalg
+    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, quant_linear
 
     kernels = [k for k in args.kernels.split(",") if k]
-    linalg.QGEMV_WEIGHT_ROWS = args.weight_rows
+    quant_linear.QGEMV_WEIGHT_ROWS = args.weight_rows
     size = LLAMA_SIZES[args.shape]
     d, inter, heads = size["hidden_size"], size["intermediate_size"], size["num_attention_heads"]
     kv_heads, vocab = size["num_key_value_heads"], size["vocab_size"]
@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                    for c in [copies[0]] * -(-2 * l2 // nbytes)]
         times, errors = {}, {}
         for kernel_name in kernels:
-            select_quant_kernel(linalg, kernel_name)
+            select_quant_kernel(kernel_name)
             got = cp.asnumpy(qlinear(x_d, *copies[0], None, bits, group, offset)).astype(np.float64)
             errors[kernel_name] = np.abs(got - want).max() / np.abs(want).max()
             turns = itertools.cycle(copies)
             call = (x_d, bits, group, offset)
             times[kernel_name] = gpu_time(
                 cp, lambda t=turns, c=call: qlinear(c[0], *next(t), None, c[1], c[2], c[3]), args.calls)
-        select_quant_kernel(linalg, "")
+        select_quant_kernel("")
         if label == next(iter(formats)):  # the bf16 GEMV once per layer
             w_bf = cp.asarray(w.astype(BFLOAT16))
             bf_copies = itertools.cycle([w_bf] + [w_bf.copy() for _ in range(-(-2 * l2 // w_bf.nbytes))])

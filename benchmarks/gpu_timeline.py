@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kiln.runtime.backends.cuda import timeline
-    from kiln.runtime.backends.cuda.kernels import linalg
 
-    select_quant_kernel(linalg, args.kernel)
+    select_quant_kernel(args.kernel)
 
     model, _, program = llama_program(args.shape, torch.bfloat16, args.max_context, args.prefill, args.program,
                                      layers=args.layers, distinct_layers=args.distinct_layers,

@@ -235,17 +235,18 @@ def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple
 
 def test_the_switch_check_reads_what_it_is_for(names) -> None:
     """It sees the suite's switches and calls, and it fails a switch set on the module it left (DENSE_GEMM_ROWS moved
-    from linalg to gemm_rows) and a function called there."""
+    from linalg to gemm_rows, QUANT_DOT to quant_linear) and a function called there."""
     checked = sum(switches_that_do_not_exist(path.read_text(), names)[1] for path in CALLERS)
     assert checked >= 100
-    old = ("def test(monkeypatch):\n    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg\n"
+    old = ("def test(monkeypatch):\n"
+           "    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg, quant_linear\n"
            "    monkeypatch.setattr(linalg, 'DENSE_GEMM_ROWS', True)\n"
            "    monkeypatch.setattr(gemm_rows, 'DENSE_GEMM_ROWS', True)\n"
-           "    linalg.QUANT_DOT = True\n    linalg.QUANT_DOTS = True\n"
-           "    linalg._gemm_rows_splits(64, 2048)\n    gemm_rows.splits_of(64, 2048)\n")
+           "    quant_linear.QUANT_DOT = True\n    quant_linear.QUANT_DOTS = True\n"
+           "    linalg._gemm_rows_splits(64, 2048)\n    gemm_rows.splits_of(64, 2048)\n    linalg.QUANT_DOT = True\n")
     bad, checked = switches_that_do_not_exist(old, names)
-    assert checked == 6 and bad == [(3, "linalg", "DENSE_GEMM_ROWS"), (6, "linalg", "QUANT_DOTS"),
-                                    (7, "linalg", "_gemm_rows_splits")]
+    assert checked == 7 and bad == [(3, "linalg", "DENSE_GEMM_ROWS"), (6, "quant_linear", "QUANT_DOTS"),
+                                    (7, "linalg", "_gemm_rows_splits"), (9, "linalg", "QUANT_DOT")]
 
 
 def test_the_benchmarks_settings_exist_on_their_modules(monkeypatch) -> None:
@@ -262,7 +263,7 @@ def test_the_benchmarks_settings_exist_on_their_modules(monkeypatch) -> None:
     wanted = [(module, switch) for module, settings, _ in gpu_slot_decode.SWITCHES.values() for switch in settings]
     wanted += [("attention", knob) for config in gpu_decode_attention.CONFIGS.values() for knob in config]
     wanted += [("attention", knob) for knob in gpu_decode_attention.KNOBS]
-    wanted += [(gpu_harness.SETTING_MODULES.get(s, "linalg"), s) for s in gpu_harness.quant_kernel_choice("")]
+    wanted += [(gpu_harness.SETTING_MODULES.get(s, "quant_linear"), s) for s in gpu_harness.quant_kernel_choice("")]
     assert len(wanted) > 20
     assert [w for w in wanted if w[1] not in names[w[0]]] == []
 

@@ -45,10 +45,10 @@ def _case(rng, lead: tuple[int, ...], n: int, k: int, bits: int, group: int, sym
 def test_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype, with_bias, monkeypatch) -> None:
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
-    from kiln.runtime.backends.cuda.kernels.linalg import quantized_linear
+    from kiln.runtime.backends.cuda.kernels import quant_linear
+    from kiln.runtime.backends.cuda.kernels.quant_linear import quantized_linear
 
-    monkeypatch.setattr(linalg, "QUANT_DOT", False)  # (the float products; qgemv_dot: the integer-product test)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", False)  # (the float products; qgemv_dot: the integer-product test)
     k = 3 * group
     args, want = _case(np.random.default_rng(rows * 7 + bits), (2, rows), 45, k, bits, group, symmetric, dtype,
                        with_bias)
@@ -58,12 +58,12 @@ def test_quantized_linear_matches_definition(bits, group, symmetric, rows, dtype
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
 
 
-def _kernels_looked_up(linalg, monkeypatch) -> list[tuple]:
-    """The (kernel, dtype[, size]) of each quant.cu kernel linalg looks up from now on (nvrtc.function's arguments
+def _kernels_looked_up(quant_linear, monkeypatch) -> list[tuple]:
+    """The (kernel, dtype[, size]) of each quant.cu kernel quant_linear looks up from now on (nvrtc.function's arguments
     after the source's name)."""
     launched: list[tuple] = []
-    real = linalg.nvrtc.function
-    monkeypatch.setattr(linalg.nvrtc, "function", lambda *a: launched.append(a[1:]) or real(*a))
+    real = quant_linear.nvrtc.function
+    monkeypatch.setattr(quant_linear.nvrtc, "function", lambda *a: launched.append(a[1:]) or real(*a))
     return launched
 
 
@@ -86,14 +86,14 @@ def test_staged_quantized_linear_matches_definition(bits, group, symmetric, k, w
     import cupy as cp
 
     from kiln.runtime.backends.cuda import constants
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
-    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
-    monkeypatch.setattr(linalg, "QUANT_DOT", False)  # (the float products: qgemv_dot has a test of its own)
+    monkeypatch.setattr(quant_linear, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", False)  # (the float products: qgemv_dot has a test of its own)
     monkeypatch.setattr(constants, "is_constant", lambda array: constant)
     args, want = _case(np.random.default_rng(k + rows), (rows,), 77, k, bits, group, symmetric, dtype, True)
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    got = quant_linear.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
                                   symmetric == "offset")
     assert [f[0] for f in launched] == ["qgemv_staged"]
     tol = 1e-4 if dtype == np.float32 else 2e-2
@@ -114,18 +114,18 @@ def test_gated_staged_form_gives_the_bits_of_the_two_kernels(bits, group, symmet
     warp is taken as 2 (a gate row and its up row); 3 input rows are not the kernel's (the two kernels run)."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
-    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
-    monkeypatch.setattr(linalg, "QUANT_DOT", dot)
+    monkeypatch.setattr(quant_linear, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", dot)
     args, _ = _case(np.random.default_rng(k + rows), (1, rows), 2 * 77, k, bits, group, symmetric, dtype, True)
     arrays = [None if a is None else cp.asarray(a) for a in args]
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    got = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    got = quant_linear.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
     gated = [f for f in launched if f[0] in ("qgemv_staged", "qgemv_dot") and len(f) > 2 and f[2] % 4000 >= 1000]
     assert len(gated) == (1 if rows <= 2 else 0)
-    monkeypatch.setattr(linalg, "QGEMV_GATED", False)
-    want = linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
+    monkeypatch.setattr(quant_linear, "QGEMV_GATED", False)
+    want = quant_linear.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
     assert got.shape == want.shape == (1, rows, 77) and got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
 
@@ -141,14 +141,14 @@ def test_integer_products_match_their_definition(bits, group, symmetric, k, weig
     of the outputs' scale)."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
-    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
-    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    monkeypatch.setattr(quant_linear, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", True)
     args, want_float = _case(np.random.default_rng(k * 3 + rows), (rows,), 77, k, bits, group, symmetric, dtype,
                              True)
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    got = quant_linear.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
                                   symmetric == "offset")
     assert [f[0] for f in launched] == ["qgemv_dot"]
     got = cp.asnumpy(got).astype(np.float64)
@@ -164,19 +164,20 @@ def test_integer_products_match_their_definition(bits, group, symmetric, k, weig
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int4_takes_two_weight_rows_a_warp_where_one_would_need_a_second_wave(bits, monkeypatch) -> None:
     """qgemv_dot at 1 weight row a warp over 4096 outputs needs 512 blocks, more than an H100 or H200 holds at once
-    (3 an SM): int4 then takes 2 rows a warp (linalg._waves), int8 keeps 1; both against the integer definition."""
+    (3 an SM): int4 then takes 2 rows a warp (quant_linear._waves), int8 keeps 1; both against the integer
+    definition."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg, registry
+    from kiln.runtime.backends.cuda.kernels import quant_linear, registry
 
-    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", True)
     args, _ = _case(np.random.default_rng(bits), (1,), 4096, 256, bits, 32, True, BFLOAT16, False)
-    one_row = registry.resident_blocks(linalg.nvrtc.function("quant", "qgemv_dot", BFLOAT16, 100 + 10 * bits + 1),
-                                       0, 32 * linalg.QUANT_WARPS)
+    one_row = registry.resident_blocks(quant_linear.nvrtc.function("quant", "qgemv_dot", BFLOAT16, 100 + 10 * bits + 1),
+                                       0, 32 * quant_linear.QUANT_WARPS)
     if bits == 4:  # (int8 keeps one row whatever the waves; its 181 fits 4 blocks an SM, 528 on an H100)
-        assert 4096 // linalg.QUANT_WARPS > one_row, "this GPU holds 512 blocks at once: the case tests no rule"
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, 32, False)
+        assert 4096 // quant_linear.QUANT_WARPS > one_row, "this GPU holds 512 blocks at once: the case tests no rule"
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    got = quant_linear.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, 32, False)
     assert launched[-1][2] == (241 if bits == 4 else 181)
     x, q, scale, zero, bias = args
     f32 = [None if a is None else a.astype(np.float32) for a in (x, scale, zero, bias)]
@@ -191,30 +192,30 @@ def test_int4_takes_two_weight_rows_a_warp_where_one_would_need_a_second_wave(bi
 @pytest.mark.parametrize("activation", ["", "silu"], ids=["plain", "gated"])
 def test_interleaved_staging_gives_the_bits_of_staging_first(bits, group, symmetric, k, weight_rows, rows, dtype,
                                                               activation, monkeypatch) -> None:
-    """qgemv_dot's interleaved form (linalg.QDOT_INTERLEAVED: x staged a turn at a time beside the rounds of
+    """qgemv_dot's interleaved form (quant_linear.QDOT_INTERLEAVED: x staged a turn at a time beside the rounds of
     products that read it, the turns walking x block by block across the rows) against the plain form (all of x
     staged first): the same codes, so the same bits, for one to several turns and rounds (k up to the 8B shape's
     down layer, 14336) and 1 to 3 input rows."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
-    monkeypatch.setattr(linalg, "QGEMV_WEIGHT_ROWS", weight_rows)
-    monkeypatch.setattr(linalg, "QUANT_DOT", True)
+    monkeypatch.setattr(quant_linear, "QGEMV_WEIGHT_ROWS", weight_rows)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", True)
     n = 2 * 77 if activation else 77
     args, _ = _case(np.random.default_rng(k * 7 + rows), (rows,), n, k, bits, group, symmetric, dtype, True)
     arrays = [None if a is None else cp.asarray(a) for a in args]
 
     def product():
         if activation:
-            return linalg.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
-        return linalg.quantized_linear(*arrays, bits, group, symmetric == "offset")
+            return quant_linear.gated_quantized_linear(*arrays, bits, group, symmetric == "offset", activation)
+        return quant_linear.quantized_linear(*arrays, bits, group, symmetric == "offset")
 
-    monkeypatch.setattr(linalg, "QDOT_INTERLEAVED", True)
-    launched = _kernels_looked_up(linalg, monkeypatch)
+    monkeypatch.setattr(quant_linear, "QDOT_INTERLEAVED", True)
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
     got = product()
     assert [f[2] // 4000 for f in launched if f[0] == "qgemv_dot"] == [1]
-    monkeypatch.setattr(linalg, "QDOT_INTERLEAVED", False)
+    monkeypatch.setattr(quant_linear, "QDOT_INTERLEAVED", False)
     want = product()
     assert got.shape == want.shape and got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
@@ -223,19 +224,19 @@ def test_interleaved_staging_gives_the_bits_of_staging_first(bits, group, symmet
 @pytest.mark.parametrize("rows,k,n,interleaved", [(1, 2048, 64, False), (1, 4096, 64, True), (1, 14336, 64, True),
                                                    (2, 2048, 64, True), (1, 8192, 48, False)])
 def test_interleaved_form_is_taken_where_x_takes_more_than_one_turn(rows, k, n, interleaved, monkeypatch) -> None:
-    """linalg.QDOT_INTERLEAVED's default (None): the interleaved form only where staging x takes more than one turn
-    of 2048 values (the 8B shape's products; the 1B shape's K = 2048 products at one row stage x first) and the
+    """quant_linear.QDOT_INTERLEAVED's default (None): the interleaved form only where staging x takes more than one
+    turn of 2048 values (the 8B shape's products; the 1B shape's K = 2048 products at one row stage x first) and the
     layer has QDOT_INTERLEAVE_ROWS rows (here 64; the 1B shape's down layer, 2048 of 4096, stages first)."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
-    monkeypatch.setattr(linalg, "QUANT_DOT", True)
-    monkeypatch.setattr(linalg, "QDOT_INTERLEAVED", None)
-    monkeypatch.setattr(linalg, "QDOT_INTERLEAVE_ROWS", 64)
+    monkeypatch.setattr(quant_linear, "QUANT_DOT", True)
+    monkeypatch.setattr(quant_linear, "QDOT_INTERLEAVED", None)
+    monkeypatch.setattr(quant_linear, "QDOT_INTERLEAVE_ROWS", 64)
     args, _ = _case(np.random.default_rng(k + rows), (rows,), n, k, 4, 32, True, BFLOAT16, False)
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), 4, 32, False)
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    quant_linear.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), 4, 32, False)
     assert [f[2] >= 4000 for f in launched if f[0] == "qgemv_dot"] == [interleaved]
 
 
@@ -249,14 +250,14 @@ def test_gemm_rows_matches_definition(bits, group, symmetric, rows, n, splits, d
     outputs not a multiple of the 64-output tile, each zero form, with and without bias."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, quant_linear
 
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
     k = 1024
     args, want = _case(np.random.default_rng(rows + n + bits), (rows,), n, k, bits, group, symmetric, dtype,
                        rows % 2 == 0)
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    got = linalg.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    got = quant_linear.quantized_linear(*(None if a is None else cp.asarray(a) for a in args), bits, group,
                                   symmetric == "offset")
     names = [f[0] for f in launched]
     ran = [f[2] for f in launched if f[0] == "gemm_rows"][-1]  # (ring_stages looks up both rings' instances first)
@@ -276,7 +277,7 @@ def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows
     one split and several."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, quant_linear
 
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", 4)  # (one lookup a call: the instance that runs)
@@ -285,11 +286,11 @@ def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows
     results = {}
     for packed in (False, True):
         monkeypatch.setattr(gemm_rows, "GEMM_ROWS_PACKED", packed)
-        launched = _kernels_looked_up(linalg, monkeypatch)
+        launched = _kernels_looked_up(quant_linear, monkeypatch)
         if gated:
-            got = linalg.gated_quantized_linear(*arrays, 4, 32, False, "silu")
+            got = quant_linear.gated_quantized_linear(*arrays, 4, 32, False, "silu")
         else:
-            got = linalg.quantized_linear(*arrays, 4, 32, False)
+            got = quant_linear.quantized_linear(*arrays, 4, 32, False)
         assert [f[2] for f in launched if f[0] == "gemm_rows"] == [(1000 if packed else 0) + (104 if gated else 4)]
         results[packed] = cp.asnumpy(got).view(np.uint16)
     np.testing.assert_array_equal(results[True], results[False])
@@ -322,7 +323,7 @@ def test_gemm_rows_ring_of_3_stages_gives_the_bits_of_4(bits, symmetric, gated, 
     stages in the same order as the ring of 4: the same bits, with K split (one stage a split at the end) and not."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import gemm_rows, linalg
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, quant_linear
 
     args, _ = _case(np.random.default_rng(bits), (24,), 2 * 70 if gated else 70, 640, bits, 32, symmetric,
                     BFLOAT16, True)
@@ -332,11 +333,11 @@ def test_gemm_rows_ring_of_3_stages_gives_the_bits_of_4(bits, symmetric, gated, 
         results = {}
         for stages in (4, 3):
             monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", stages)
-            launched = _kernels_looked_up(linalg, monkeypatch)
+            launched = _kernels_looked_up(quant_linear, monkeypatch)
             if gated:
-                got = linalg.gated_quantized_linear(*arrays, bits, 32, symmetric == "offset", "silu")
+                got = quant_linear.gated_quantized_linear(*arrays, bits, 32, symmetric == "offset", "silu")
             else:
-                got = linalg.quantized_linear(*arrays, bits, 32, symmetric == "offset")
+                got = quant_linear.quantized_linear(*arrays, bits, 32, symmetric == "offset")
             assert [f[2] >= 10000 for f in launched if f[0] == "gemm_rows"] == [stages == 3]
             results[stages] = cp.asnumpy(got).view(np.uint16)
         np.testing.assert_array_equal(results[3], results[4])
@@ -351,19 +352,19 @@ def test_gemm_rows_reads_the_last_scale_of_an_odd_count_alone(bits, symmetric, m
     result within rounding."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
     k, n = 192, 77
     args, want = _case(np.random.default_rng(bits), (12,), n, k, bits, 64, symmetric, BFLOAT16, True)
     x, q, scale, zero, bias = (None if a is None else cp.asarray(a) for a in args)
-    launched = _kernels_looked_up(linalg, monkeypatch)
-    got = linalg.quantized_linear(x, q, scale, zero, bias, bits, 64, symmetric == "offset")
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    got = quant_linear.quantized_linear(x, q, scale, zero, bias, bits, 64, symmetric == "offset")
     assert [f[0] for f in launched][:1] == ["gemm_rows"] and scale.size % 2 == 1
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(k))
     shifted = cp.empty(scale.size + 1, scale.dtype)[1:].reshape(scale.shape)
     shifted[...] = scale
     launched.clear()
-    moved = linalg.quantized_linear(x, q, shifted, zero, bias, bits, 64, symmetric == "offset")
+    moved = quant_linear.quantized_linear(x, q, shifted, zero, bias, bits, 64, symmetric == "offset")
     assert "gemm_rows" not in [f[0] for f in launched]
     np.testing.assert_allclose(cp.asnumpy(moved).astype(np.float32), cp.asnumpy(got).astype(np.float32),
                                rtol=2e-2, atol=2e-2)
@@ -395,15 +396,15 @@ def test_gemm_rows_row_does_not_depend_on_the_other_rows(monkeypatch) -> None:
     rounding."""
     import cupy as cp
 
-    from kiln.runtime.backends.cuda.kernels import linalg
+    from kiln.runtime.backends.cuda.kernels import quant_linear
 
     args, _ = _case(np.random.default_rng(5), (64,), 3072, 2048, 4, 32, True, BFLOAT16, False)
     x, q, scale, zero, bias = (None if a is None else cp.asarray(a) for a in args)
-    full = linalg.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
-    part = linalg.quantized_linear(x[:9].copy(), q, scale, zero, bias, 4, 32, False)
+    full = quant_linear.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
+    part = quant_linear.quantized_linear(x[:9].copy(), q, scale, zero, bias, 4, 32, False)
     np.testing.assert_array_equal(cp.asnumpy(full[:9]).view(np.uint16), cp.asnumpy(part).view(np.uint16))
-    monkeypatch.setattr(linalg, "QGEMM", False)
-    dense = linalg.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
+    monkeypatch.setattr(quant_linear, "QGEMM", False)
+    dense = quant_linear.quantized_linear(x, q, scale, zero, bias, 4, 32, False)
     np.testing.assert_allclose(cp.asnumpy(full).astype(np.float32), cp.asnumpy(dense).astype(np.float32),
                                rtol=2e-2, atol=2e-2)
 
@@ -420,14 +421,14 @@ def test_gemm_rows_gated_form_gives_the_bits_of_the_two_kernels(bits, rows, half
     import cupy as cp
 
     from kiln.runtime.backends import composite
-    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, gemm_rows, linalg
+    from kiln.runtime.backends.cuda.kernels import CUDA_KERNELS, gemm_rows, linalg, quant_linear
 
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
     monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", 4)  # (one lookup a call: the instance that runs)
     monkeypatch.setattr(gemm_rows, "DENSE_GEMM_ROWS", True)
     rng = np.random.default_rng(rows + half + bits)
     k = 512
-    launched = _kernels_looked_up(linalg, monkeypatch)
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
     if bits == 16:
         x, w, bias = (cp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((rows, k), (2 * half, k),
                                                                                          (2 * half,)))
@@ -437,7 +438,7 @@ def test_gemm_rows_gated_form_gives_the_bits_of_the_two_kernels(bits, rows, half
     else:
         args, _ = _case(rng, (rows,), 2 * half, k, bits, 32, True, dtype, True)
         arrays = [None if a is None else cp.asarray(a) for a in args]
-        got = linalg.gated_quantized_linear(*arrays, bits, 32, False, activation)
+        got = quant_linear.gated_quantized_linear(*arrays, bits, 32, False, activation)
         sizes = [f[2] for f in launched if f[0] == "gemm_rows"]
         want = composite.gated_quantized_linear(CUDA_KERNELS.kernels, *arrays, bits, 32, False, activation)
     assert sizes == [100 + bits + (1000 if bits == 4 else 0)]  # (symmetric int4: the packed dequantization)

@@ -18,6 +18,7 @@ import kiln.runtime.backends.cuda.kernels.experts
 import kiln.runtime.backends.cuda.kernels.index
 import kiln.runtime.backends.cuda.kernels.linalg
 import kiln.runtime.backends.cuda.kernels.norm
+import kiln.runtime.backends.cuda.kernels.quant_linear
 import kiln.runtime.backends.cuda.kernels.reduce
 import kiln.runtime.backends.cuda.kernels.rope
 import kiln.runtime.backends.cuda.kernels.sort  # noqa: F401 - importing the kernel families registers them

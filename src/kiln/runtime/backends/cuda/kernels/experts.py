@@ -33,17 +33,9 @@ from kiln.runtime.backends.array_api.experts import gathered_linear as portable_
 from kiln.runtime.backends.array_api.experts import gathered_quantized_linear as portable_gathered_quantized
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
 from kiln.runtime.backends.cuda import nvrtc
-from kiln.runtime.backends.cuda.kernels.linalg import (
-    GEMV_ROWS,
-    GEMV_SHARED_MAX,
-    GEMV_WARPS,
-    QUANT_WARPS,
-    _gemv_applies,
-    _gemv_split,
-    _qgemv_applies,
-    quant_zero_mode,
-)
+from kiln.runtime.backends.cuda.kernels.linalg import GEMV_ROWS, GEMV_SHARED_MAX, GEMV_WARPS, _gemv_applies, _gemv_split
 from kiln.runtime.backends.cuda.kernels.norm import NORM_ROW_MAX, fused_rms_norm_applies
+from kiln.runtime.backends.cuda.kernels.quant_linear import QUANT_WARPS, _qgemv_applies, quant_zero_mode
 from kiln.runtime.backends.cuda.kernels.registry import (
     CUDA_KERNELS,
     GATE_CODES,

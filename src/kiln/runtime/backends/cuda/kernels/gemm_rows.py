@@ -1,8 +1,8 @@
 """The host side of quant.cu's gemm_rows: a linear layer's 9 to 64 input rows (a serving program's batched decode
 step) on the tensor cores, a quantized weight dequantized a tile at a time in shared memory (a 16-bit weight taken as
 it is, an A/B against cuBLAS), K split where the tiles alone leave SMs idle and the splits summed in order. Which
-operands it takes, how K is split, the shared memory it asks for, and the launch; linalg.py decides when a layer
-goes here."""
+operands it takes, how K is split, the shared memory it asks for, and the launch; quant_linear.py (and linalg.py for
+a 16-bit weight) decides when a layer goes here."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kiln.runtime.backends.cuda import nvrtc
 from kiln.runtime.backends.cuda.kernels.registry import GATE_CODES, grid, resident_blocks
 
 GEMM_ROWS_MIN = 9
-"""Fewest input rows gemm_rows takes: one past quant.cu's MAX_ROWS (linalg.QUANT_ROWS), below which the few-row
+"""Fewest input rows gemm_rows takes: one past quant.cu's MAX_ROWS (quant_linear.QUANT_ROWS), below which the few-row
 kernels stream the weight once for all the rows."""
 
 GEMM_ROWS_MAX = 64

@@ -16,8 +16,8 @@ __device__ __forceinline__ float group_term(const float s, const float z, int ze
     return -s * (zero_mode == ZERO_POINTS ? z : (bits == 4 ? 8.0f : 0.0f));
 }
 
-#define MAX_ROWS 8   // input rows qlinear_rows takes (linalg.py's QUANT_ROWS)
-#define WARPS 8      // warps per block of qlinear_rows (linalg.py's QUANT_WARPS)
+#define MAX_ROWS 8   // input rows qlinear_rows takes (quant_linear.py's QUANT_ROWS)
+#define WARPS 8      // warps per block of qlinear_rows (quant_linear.py's QUANT_WARPS)
 
 __device__ __forceinline__ float weight_at(const unsigned char* __restrict__ qrow, int j, int bits) {
     if (bits == 8) return (float)(signed char)qrow[j];
@@ -122,7 +122,8 @@ __global__ void dequantize(const unsigned char* __restrict__ q, const typename S
 // byte permute, f = 1 + code / 128, and sum(code x) = 128 (sum(f x) - sum(x)), so a weight costs the permute and
 // one FMA. Per piece (one group, or a part of one): scale * (codes . x) plus the group's additive term times
 // sum(x) (the zero point's -z * scale, or the offset), sums in float32.
-// Needs k a multiple of the piece (32 / 16 weights), the group a multiple of it, and q, x 16-byte aligned (linalg.py).
+// Needs k a multiple of the piece (32 / 16 weights), the group a multiple of it, and q, x 16-byte aligned
+// (quant_linear.py).
 #define QGEMV_LOADS 4
 
 // The lane's QGEMV_LOADS pieces of one round of a row, from piece p0 (zeros past the row's end).
@@ -289,7 +290,7 @@ __global__ void __launch_bounds__(32 * WARPS, 3) gathered_qgemv(const typename S
 // up rows that pair with them, and writes act(gate) * up [rows, n / 2] (`act`: common.cuh's gate_activation), each
 // half rounded to the storage type first, as the linear's output and the gated_activation kernel after it would
 // be: the same bits as the two kernels, one kernel and hand-over fewer a layer.
-// Needs what qgemv needs, and ROWS * K * 4 (+ the sums) bytes of shared memory (linalg.py's QGEMV_STAGED_SMEM).
+// Needs what qgemv needs, and ROWS * K * 4 (+ the sums) bytes of shared memory (quant_linear.py's QGEMV_STAGED_SMEM).
 // QS_LOADS: 16-byte weight loads per lane and round (WR rows x UP pieces). 8 with 2 blocks an SM (128 registers)
 // against 4 with 3 (80), H100, 1 row, us: int4 g64 q/k/v 6.4 -> 4.1, gate/up 12.7 -> 11.9, LM head 73.8 -> 67.6,
 // down 9.0 -> 10.1 (two rounds of its K = 8192 where 8 took one); int8 q/k/v 7.1 -> 4.6, LM head 97.2 -> 93.7.
@@ -511,11 +512,11 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_staged(
 // a dp4a for four) where qgemv_staged spends ~2.5 (a byte permute and an FMA each, and x read as float4s), which
 // bounds qgemv_staged at 64-77% of the bandwidth on the wide layers (int8 reaches 86-96% there). The result
 // differs from the float kernels by x's rounding to 8 bits, as the CPU's does (qdot.c: ~0.3% of a typical output);
-// linalg.QUANT_DOT (KILN_QUANT_DOT=float) keeps the float kernel. Per piece: s * d * (sum q xq) plus the group's
+// quant_linear.QUANT_DOT (KILN_QUANT_DOT=float) keeps the float kernel. Per piece: s * d * (sum q xq) plus the group's
 // additive term times d * (sum xq) (the zero point's -z * s or the offset; int4's implicit 8 as -8 sum xq in the
 // integers). N and the rest as qgemv_staged (int4 with 4 weight rows a warp takes 1 input row: 2 would spill);
 // shared memory: ROWS x K bytes of codes and 8 bytes a piece; K a multiple of 32.
-// + 4000: the interleaved form (linalg._interleaves: where x takes more than one turn): x is staged a turn at a
+// + 4000: the interleaved form (quant_linear._interleaves: where x takes more than one turn): x is staged a turn at a
 // time just before the first round of products that reads it, its loads in flight beside that round's weights,
 // where the plain form stages all of x first (a K = 14336 row: 7 turns, each an L2 round trip, before the first
 // product; the 8B int4 down layer took 18.1 us for 10.5 us of bytes, H100). The same codes, so the same bits as
@@ -756,7 +757,7 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     const int n0 = blockIdx.x * ROWS_TILE, m_base = blockIdx.y * ROWS_TILE;
     const int o0 = blockIdx.x * (ROWS_TILE / 2);  // (gated: the block's first output)
     const int first = blockIdx.z * stages_a_split, last = min(k / ROWS_K, first + stages_a_split);
-    if (first >= last) return;  // (never: linalg sizes the splits so each has stages; kept for safety)
+    if (first >= last) return;  // (never: gemm_rows.py sizes the splits so each has stages; kept for safety)
     const int half = n / 2, ngroups = k / group;
     const long long row_bytes = (long long)k * BITS / 8, values = (long long)n * ngroups;
     const bool has_zero = zero_mode == ZERO_POINTS || zero_mode == ZERO_OFFSETS;
