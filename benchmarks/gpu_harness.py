@@ -136,6 +136,7 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
             "QDOT_WAVE_ROWS": "-onerow" not in variants, "QGEMM": "-dequant" not in variants,
             "GEMM_ROWS_PACKED": "-unpacked" not in variants,
             "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4 if "-ring4" in variants else None,
+            "GEMM_ROWS_TWO_TILES": "-twotiles" in variants,
             "ADD_RMS_NORM_ROW": "-fusednorm" not in variants, "DECODE_MMA": "-mma" in variants}
 
 
@@ -150,7 +151,7 @@ def check_quant_kernels(parser, names: list[str]) -> None:
 
 
 SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows", "GEMM_ROWS_STAGES": "gemm_rows",
-                   "DECODE_MMA": "attention"}
+                   "GEMM_ROWS_TWO_TILES": "gemm_rows", "DECODE_MMA": "attention"}
 """The cuda kernels module of each quant_kernel_choice setting outside quant_linear."""
 
 
@@ -172,6 +173,7 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-unpacked": "gemm_rows's int4 (no zero, no offsets) dequantized one code at a time in float32",
                   "-ring3": "gemm_rows with a ring of 3 stages (4 blocks an SM) whatever the waves",
                   "-ring4": "gemm_rows with a ring of 4 stages (3 blocks an SM) whatever the waves",
+                  "-twotiles": "gemm_rows dequantizing into two tiles, one barrier a stage (GEMM_ROWS_TWO_TILES)",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row",
                   "-mma": "decode attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

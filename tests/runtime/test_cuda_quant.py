@@ -316,6 +316,36 @@ def test_the_ring_of_3_stages_is_taken_where_it_saves_a_wave(bits, instance) -> 
         3 if -(-2004 // shallow) < -(-2004 // deep) else 4)
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, "offset"), (8, True)])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("stages", [4, 3])
+def test_gemm_rows_with_two_dequantized_tiles_gives_the_same_bits(bits, symmetric, gated, stages, monkeypatch) -> None:
+    """gemm_rows.GEMM_ROWS_TWO_TILES (instance + 20000: the next stage dequantized into a second tile beside this
+    stage's products, one barrier a stage) multiplies the same stages in the same order: the same bits, for both
+    rings, with K split (down to one stage a split) and not, and 24 rows (a warp's 16 rows past the last)."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import gemm_rows, quant_linear
+
+    args, _ = _case(np.random.default_rng(bits + stages), (24,), 2 * 70 if gated else 70, 640, bits, 32, symmetric,
+                    BFLOAT16, True)
+    arrays = [None if a is None else cp.asarray(a) for a in args]
+    monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", stages)
+    for splits in (1, 4, 10):
+        monkeypatch.setattr(gemm_rows, "GEMM_ROWS_SPLITS", splits)
+        results = {}
+        for two in (False, True):
+            monkeypatch.setattr(gemm_rows, "GEMM_ROWS_TWO_TILES", two)
+            launched = _kernels_looked_up(quant_linear, monkeypatch)
+            if gated:
+                got = quant_linear.gated_quantized_linear(*arrays, bits, 32, symmetric == "offset", "silu")
+            else:
+                got = quant_linear.quantized_linear(*arrays, bits, 32, symmetric == "offset")
+            assert [f[2] >= 20000 for f in launched if f[0] == "gemm_rows"] == [two]
+            results[two] = cp.asnumpy(got).view(np.uint16)
+        np.testing.assert_array_equal(results[True], results[False])
+
+
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, "offset")])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_gemm_rows_ring_of_3_stages_gives_the_bits_of_4(bits, symmetric, gated, monkeypatch) -> None:

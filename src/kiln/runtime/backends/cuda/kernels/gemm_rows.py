@@ -87,6 +87,13 @@ GEMM_ROWS_STAGES: int | None = None
 blocks an SM); None: ring_stages's choice by waves. Forced by the benchmarks' "-ring3" and "-ring4" kernels."""
 
 
+GEMM_ROWS_TWO_TILES = False
+"""Whether a quantized weight's gemm_rows dequantizes into two tiles (instance + 20000: one barrier a stage, the next
+stage dequantized beside this one's products, 9 KB more shared memory), not one (two barriers a stage). Nsight
+(H200, 1B gate/up int4 at 64 rows) found the third form bound by latency with issue slots 31% busy at 12 warps an SM;
+predicted ~15-25% off the quantized layers at 64 rows. Off until measured (the benchmarks' "-twotiles" kernels)."""
+
+
 def ring_stages(blocks: int, bits: int, dtype: Any, instance: int) -> int:
     """The ring for a grid of `blocks`: 3 slots where their fourth block an SM makes fewer waves than 4 slots' three,
     else 4 (the deeper ring). Measured on the H200 (gpu_quant_linear.py --rows 64, ring of 4 -> 3, us): where the
@@ -96,20 +103,21 @@ def ring_stages(blocks: int, bits: int, dtype: Any, instance: int) -> int:
     lost or tied (8B o 27.4 -> 32.4, 8B down 76.3 -> 93.3, 1B q/k/v 17.2 -> 19.7; 1B o and down within 2 us)."""
     if GEMM_ROWS_STAGES is not None or bits == 16:
         return 4 if bits == 16 else GEMM_ROWS_STAGES
+    tiles = 2 if instance >= 20000 else 1
     waves = {stages: -(-blocks // resident_blocks(
         nvrtc.function("quant", "gemm_rows", dtype, (10000 if stages == 3 else 0) + instance),
-        shared_bytes(bits, stages), 128)) for stages in (4, 3)}
+        shared_bytes(bits, stages, tiles), 128)) for stages in (4, 3)}
     return 3 if waves[3] < waves[4] else 4
 
 
-def shared_bytes(bits: int, stages: int = 4) -> int:
+def shared_bytes(bits: int, stages: int = 4, tiles: int = 1) -> int:
     """gemm_rows's dynamic shared memory for a ring of `stages` slots: the x tiles (64 rows of 72 halves) and weight
-    codes (a 16-bit weight's rows padded as x's), and for a quantized weight the scale and zero words and the tile
-    the stage is dequantized into."""
+    codes (a 16-bit weight's rows padded as x's), and for a quantized weight the scale and zero words and the `tiles`
+    tiles stages are dequantized into."""
     x_tiles = stages * 64 * 72 * 2
     if bits == 16:
         return 2 * x_tiles
-    return x_tiles + stages * (64 * 64 * bits // 8 + 2 * 64 * 8) + 64 * 72 * 2
+    return x_tiles + stages * (64 * 64 * bits // 8 + 2 * 64 * 8) + tiles * 64 * 72 * 2
 
 
 def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, group_size: int, zero_mode: Any,
@@ -130,14 +138,15 @@ def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, grou
     act = np.int32(GATE_CODES[activation] if activation else 0)
     packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
     tiles = -(-width // (32 if activation else 64))
-    instance = (1000 if packed else 0) + (100 if activation else 0) + bits
+    instance = (20000 if GEMM_ROWS_TWO_TILES and bits != 16 else 0) + (1000 if packed else 0) + (
+        100 if activation else 0) + bits
     if ring_stages(tiles * splits, bits, x2.dtype, instance) == 3:
         instance += 10000
     nvrtc.function("quant", "gemm_rows", x2.dtype, instance)(
         (tiles, -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
-        shared_mem=shared_bytes(bits, 3 if instance >= 10000 else 4))
+        shared_mem=shared_bytes(bits, 3 if (instance // 10000) % 2 else 4, 2 if instance >= 20000 else 1))
     if splits > 1:
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),

@@ -697,6 +697,7 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 
 // gemm_rows<S>: F16 BF16
 // gemm_rows<N>: 4 8 16 104 108 116 1004 1104 10004 10008 10104 10108 11004 11104
+// gemm_rows<N>: 20004 20008 20104 20108 21004 21104 30004 30008 30104 30108 31004 31104
 // out = x W^T + bias for 9 to 64 input rows (a batched decode step's, gemm_rows.GEMM_ROWS_MAX) on the tensor cores.
 // N: the weight's bits, 4 or 8 for a quantized weight (dequantized a tile at a time into shared memory), 16 for W
 // in the storage type itself (gemm_rows.DENSE_GEMM_ROWS, an A/B against cuBLAS on the decode step's small-N shapes;
@@ -721,7 +722,10 @@ __global__ void __launch_bounds__(32 * WARPS, N % 10 <= 2 ? 3 : 2) qgemv_dot(con
 // subtract of 2^m + 8 exact, one packed multiply by the scale rounded once: the same bits as (c - 8) s in float32
 // rounded once, in ~2.5 instructions a weight rather than ~5.5; gemm_rows.GEMM_ROWS_PACKED). Needs K a multiple of
 // 64, the group of 32, x and W 16-byte aligned, scale and zero 4-byte aligned (gemm_rows.py checks). Dynamic shared
-// memory: gemm_rows.shared_bytes.
+// memory: gemm_rows.shared_bytes. N + 20000 (a quantized weight; gemm_rows.GEMM_ROWS_TWO_TILES): two dequantized
+// tiles, so a stage takes one barrier, not two: after it every warp dequantizes the next stage into one tile and
+// multiplies this stage from the other, the ALU work of one beside the tensor work of the other across the warps
+// (one stage fewer in flight in the ring); the same stages in the same order, so the same bits.
 #define ROWS_TILE 64
 #define ROWS_K 64
 #define ROWS_LD 72      // halves a shared row of x (and of a 16-bit weight): 144 bytes apart, so the mma's fragment
@@ -741,7 +745,8 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     typedef typename S::T T;
     constexpr int BITS = N % 100;
     constexpr bool GATED = N % 1000 >= 100, QUANTIZED = BITS != 16, PACKED = N % 10000 >= 1000;
-    constexpr int STAGES = N >= 10000 ? ROWS_STAGES - 1 : ROWS_STAGES;
+    constexpr int STAGES = (N / 10000) % 2 == 1 ? ROWS_STAGES - 1 : ROWS_STAGES;
+    constexpr bool TWO_TILES = QUANTIZED && N >= 20000;
     static_assert(!PACKED || BITS == 4, "the packed dequantization is int4's");
     constexpr int ROW_CODES = ROWS_K * BITS / 8;  // bytes of a weight row a stage
     constexpr int PIECES = ROW_CODES / 16;        // their 16-byte pieces: 2, 4 or 8
@@ -751,7 +756,8 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     unsigned char* codes = smem + STAGES * ROWS_TILE * ROWS_LD * sizeof(T);
     T (*sv)[ROWS_TILE][4] = reinterpret_cast<T (*)[ROWS_TILE][4]>(codes + STAGES * SLOT_CODES);  // scale words
     T (*zv)[ROWS_TILE][4] = sv + STAGES;                                                         // zero words
-    T (*ws)[ROWS_LD] = reinterpret_cast<T (*)[ROWS_LD]>(zv + STAGES);  // the dequantized stage
+    T (*wt)[ROWS_TILE][ROWS_LD] = reinterpret_cast<T (*)[ROWS_TILE][ROWS_LD]>(zv + STAGES);  // dequantized stages
+    T (*ws)[ROWS_LD] = wt[0];  // (one tile unless TWO_TILES)
     grid_dependency_sync();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n0 = blockIdx.x * ROWS_TILE, m_base = blockIdx.y * ROWS_TILE;
@@ -826,9 +832,9 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
         }
         cp_async_commit();
     };
-    // 32 weights of row tid / 2 into ws, as `dequantize` rounds them (a row past the last has zero codes, scale and
-    // zero from its copies, so its weights are zeros)
-    auto dequantize_stage = [&](int slot) {
+    // 32 weights of row tid / 2 into tile ws, as `dequantize` rounds them (a row past the last has zero codes, scale
+    // and zero from its copies, so its weights are zeros)
+    auto dequantize_stage = [&](int slot, T (*ws)[ROWS_LD]) {
         const int parity = (int)((gbase + dequantized.index) & 1);
         dequantized.step(group);
         const float s = S::load(sv[slot][gr][2 * gh + parity]);
@@ -885,13 +891,25 @@ __global__ void __launch_bounds__(128) gemm_rows(const typename S::T* __restrict
     for (int i = 0; i < STAGES - 1; ++i) {  // (an empty group past the last stage keeps the count the wait uses)
         if (first + i < last) issue(first + i); else cp_async_commit();
     }
-    for (int stage = first; stage < last; ++stage) {
+    if (TWO_TILES) {  // the first stage dequantized before the loop; then one barrier a stage
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        dequantize_stage(first % STAGES, wt[first & 1]);
+        for (int stage = first; stage < last; ++stage) {
+            cp_async_wait<STAGES - 3>();  // this thread's copies of stage + 1 landed
+            __syncthreads();  // everyone's, and this stage's tile; every warp is done with the last stage's slots
+            if (stage + STAGES - 1 < last) issue(stage + STAGES - 1); else cp_async_commit();
+            if (stage + 1 < last) dequantize_stage((stage + 1) % STAGES, wt[(stage + 1) & 1]);
+            if (busy) mma_stage<S, ROWS_K>(acc, xs[stage % STAGES], wt[stage & 1], m0, lane);
+        }
+    }
+    for (int stage = TWO_TILES ? last : first; stage < last; ++stage) {
         cp_async_wait<STAGES - 2>();  // this thread's copies of `stage` landed
         __syncthreads();  // everyone's; and every warp is done with the last stage's slot and tile
         if (stage + STAGES - 1 < last) issue(stage + STAGES - 1); else cp_async_commit();
         const int slot = stage % STAGES;
         if (QUANTIZED) {
-            dequantize_stage(slot);
+            dequantize_stage(slot, ws);
             __syncthreads();
         }
         if (busy)
