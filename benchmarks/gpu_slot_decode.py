@@ -49,7 +49,8 @@ SWITCHES = {
                    "every row's attention by flash.cu, a block per row and kv head (attention.SLOT_FLASH_ROWS_ABOVE), "
                    "not decode.cu"),
     "gemm-rows-two-tiles": ("gemm_rows", {"GEMM_ROWS_TWO_TILES": True},
-                            "a quantized program's 9-64-row products dequantizing into two tiles (one barrier a stage)"),
+                            "a quantized program's 9-64-row products dequantizing into two tiles (one barrier a "
+                            "stage)"),
     "decode-mma": ("attention", {"DECODE_MMA": True},
                    "the decode rows' attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"),
     "decode-mma-unpipelined": ("attention", {"DECODE_MMA": True, "DECODE_MMA_PIPELINED": False},
