@@ -26,10 +26,13 @@ from gpu_harness import device_line, gpu_time, print_table  # noqa: E402
 CONFIGS = {**{f"{heads} heads / {chunk} keys": dict(DECODE_HEADS=heads, DECODE_CHUNK=chunk)
               for chunk in (64, 32) for heads in (8, 4, 2, 1)},
            "mma": dict(DECODE_MMA=True), "mma / 4096 blocks": dict(DECODE_MMA=True, DECODE_BLOCKS=4096),
-           "mma-unpipelined": dict(DECODE_MMA=True, DECODE_MMA_PIPELINED=False)}
+           "mma-unpipelined": dict(DECODE_MMA=True, DECODE_MMA_PIPELINED=False),
+           "prefetch-all": dict(DECODE_PREFETCH_VISIBLE=False)}
 """The "mma" configurations: decode.cu's attend_mma on the tensor cores (with chunks for 4096 blocks, not 1024; with
-a warp's next keys loaded only after its step, for fewer registers)."""
-KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA", "DECODE_BLOCKS", "DECODE_MMA_PIPELINED")
+a warp's next keys loaded only after its step, for fewer registers). "prefetch-all": the split-key kernel asking L2
+for every slot of its chunk before its wait, the keys the mask hides too (DECODE_PREFETCH_VISIBLE off)."""
+KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA", "DECODE_BLOCKS", "DECODE_MMA_PIPELINED",
+         "DECODE_PREFETCH_VISIBLE")
 
 
 def main(argv: list[str] | None = None) -> int:

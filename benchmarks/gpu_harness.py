@@ -137,7 +137,8 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
             "GEMM_ROWS_PACKED": "-unpacked" not in variants,
             "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4 if "-ring4" in variants else None,
             "GEMM_ROWS_TWO_TILES": "-twotiles" in variants,
-            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants, "DECODE_MMA": "-mma" in variants}
+            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants, "DECODE_MMA": "-mma" in variants,
+            "DECODE_PREFETCH_VISIBLE": "-prefetchall" not in variants}
 
 
 def check_quant_kernels(parser, names: list[str]) -> None:
@@ -151,7 +152,8 @@ def check_quant_kernels(parser, names: list[str]) -> None:
 
 
 SETTING_MODULES = {"ADD_RMS_NORM_ROW": "norm", "GEMM_ROWS_PACKED": "gemm_rows", "GEMM_ROWS_STAGES": "gemm_rows",
-                   "GEMM_ROWS_TWO_TILES": "gemm_rows", "DECODE_MMA": "attention"}
+                   "GEMM_ROWS_TWO_TILES": "gemm_rows", "DECODE_MMA": "attention",
+                   "DECODE_PREFETCH_VISIBLE": "attention"}
 """The cuda kernels module of each quant_kernel_choice setting outside quant_linear."""
 
 
@@ -175,5 +177,7 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-ring4": "gemm_rows with a ring of 4 stages (3 blocks an SM) whatever the waves",
                   "-twotiles": "gemm_rows dequantizing into two tiles, one barrier a stage (GEMM_ROWS_TWO_TILES)",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row",
-                  "-mma": "decode attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"}
+                  "-mma": "decode attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)",
+                  "-prefetchall": "decode attention asking L2 for its chunk's hidden slots too "
+                                  "(attention.DECODE_PREFETCH_VISIBLE off)"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

@@ -270,6 +270,13 @@ chunks in the last block of each group (a counter per group, no attend_combine) 
 (10.26 us with 2 heads: the 16 last blocks' combine is less parallel than attend_combine's 32 blocks)."""
 DECODE_SPLIT_HEADS_BELOW = 64
 
+DECODE_PREFETCH_VISIBLE = True
+"""Whether the decode kernels, asking L2 for their chunk's key and value rows before they wait, skip the keys the mask
+hides (a single sequence's static cache: slots not yet written), as they skip reading them after. Before, every
+step asked DRAM for the whole cache: 16 layers x 8 kv heads x 4096 slots x 64 x 4 bytes = 134 MB for the 1B shape at
+a 4096-slot cache, ~30 us of an H200's bandwidth a step whatever the context. Not yet measured (the benchmarks'
+"prefetch-all" configuration sets it False)."""
+
 
 DECODE_MMA = False
 """Whether the decode kernel's work with no mask (slot_attention's decode step) or one all heads share (a single
@@ -348,14 +355,14 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
         nvrtc.function("decode", "attend_mma", q.dtype, instance)(
             (splits, hkv, b), (DECODE_THREADS,),
             (q, k, v, part, np.int32(groups), np.int32(seq), np.float32(scale), ks[0], ks[1], ks[2], vs[0], vs[1],
-             vs[2], mask_b, ms[0], ms[3], np.int32(splits), *rows))
+             vs[2], mask_b, ms[0], ms[3], np.int32(splits), *rows, np.int32(DECODE_PREFETCH_VISIBLE)))
     else:
         bound = next(g for g in DECODE_GROUPS if g >= groups // parts)
         nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
             (splits, hkv * parts, b), (DECODE_THREADS,),
             (q, k, v, mask_b, part, np.int32(groups // parts), np.int32(seq), np.int32(e), np.float32(scale),
              ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits), *rows,
-             np.int32(parts)))
+             np.int32(parts), np.int32(DECODE_PREFETCH_VISIBLE)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),

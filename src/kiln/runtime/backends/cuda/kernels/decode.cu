@@ -47,16 +47,24 @@ __device__ __forceinline__ void merge_partial(float& m, float& l, float* o, floa
     m = top;
 }
 
-// Asks L2 for key (or value) rows [s0, s1) of one head, rows `stride` elements apart, e elements each: the block's
-// share of a layer's cache, which the weights streamed since the last step have pushed out to DRAM.
+// Asks L2 for the key and value rows [s0, s1) of one head (rows ks and vs elements apart, e elements each): the
+// block's share of a layer's cache, which the weights streamed since the last step have pushed out to DRAM. With a
+// mask (`kind`; key s's term at at + s * ms, the block's first q head), only the keys it shows: most of a single
+// sequence's static cache is slots not yet written, and asking for them streamed the whole cache every step (an 8B
+// shape's 4096-slot cache: ~0.5 GB a step; attention.DECODE_PREFETCH_VISIBLE). Read before the wait, the mask is a
+// hint here, as the prefetch is.
 template <class S>
-__device__ __forceinline__ void prefetch_cache_rows(const typename S::T* rows, long long stride, int e, int s0,
-                                                    int s1) {
+__device__ __forceinline__ void prefetch_cache_rows(const typename S::T* keys, long long ks,
+                                                    const typename S::T* values, long long vs, int e, int s0, int s1,
+                                                    const void* mask, int kind, long long at, long long ms) {
     const int lines = (int)((e * sizeof(typename S::T) + 127) / 128);
-    const char* base = reinterpret_cast<const char*>(rows);
+    const char* kbase = reinterpret_cast<const char*>(keys);
+    const char* vbase = reinterpret_cast<const char*>(values);
     for (int i = threadIdx.x; i < (s1 - s0) * lines; i += blockDim.x) {
         const long long s = s0 + i / lines;
-        prefetch_line(base + s * stride * (long long)sizeof(typename S::T) + (i % lines) * 128);
+        if (kind != MASK_NONE && mask_term(mask, kind, at + s * ms) == -KILN_INF) continue;
+        prefetch_line(kbase + s * ks * (long long)sizeof(typename S::T) + (i % lines) * 128);
+        prefetch_line(vbase + s * vs * (long long)sizeof(typename S::T) + (i % lines) * 128);
     }
 }
 
@@ -117,16 +125,16 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
                              long long mb, long long mh, long long ms, int splits,
                              const long long* __restrict__ slots, const long long* __restrict__ positions,
-                             int slot_count, int window, int chunk, int run_rows, int parts) {
+                             int slot_count, int window, int chunk, int run_rows, int parts, int visible_only) {
     {
         const int b = blockIdx.z, hk = blockIdx.y / parts;
         int s0, s1;
         long long row;
         decode_keys<true>(blockIdx.x, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
-        if (s1 > s0) {
-            prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, e, s0, s1);
-            prefetch_cache_rows<S>(v + row * vb + hk * vh, vs, e, s0, s1);
-        }
+        if (s1 > s0)
+            prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, v + row * vb + hk * vh, vs, e, s0, s1, mask,
+                                   visible_only ? mask_kind : MASK_NONE, b * mb + (long long)blockIdx.y * groups * mh,
+                                   ms);
     }
     grid_dependency_sync();
     constexpr int V = S::PER16;
@@ -298,7 +306,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     float* __restrict__ part, int groups, int seq, float scale, long long kb, long long kh, long long ks,
     long long vb, long long vh, long long vs, const void* __restrict__ mask, long long mb, long long ms, int splits,
     const long long* __restrict__ slots, const long long* __restrict__ positions, int slot_count, int window,
-    int chunk, int run_rows) {
+    int chunk, int run_rows, int visible_only) {
     constexpr int E = N % 1000;
     constexpr bool WIDE = (N / 1000) % 2 == 1;  // q heads 8-15 of the group in the tile's rows 8-15
     constexpr int MASK = (N / 2000) % 4;        // MASK_NONE, MASK_BOOL or MASK_FLOAT
@@ -313,10 +321,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         int s0, s1;
         long long row;
         decode_keys<true>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
-        if (s1 > s0) {
-            prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, E, s0, s1);
-            prefetch_cache_rows<S>(v + row * vb + hk * vh, vs, E, s0, s1);
-        }
+        if (s1 > s0)
+            prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, v + row * vb + hk * vh, vs, E, s0, s1, mask,
+                                   visible_only ? MASK : MASK_NONE, b * mb, ms);
     }
     grid_dependency_sync();
     __shared__ float merged[DECODE_WARPS][H][2];
