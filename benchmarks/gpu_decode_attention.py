@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                              "a slot; the form the mma configuration takes)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.configs.split(";") if name not in CONFIGS]
+    if unknown:
+        parser.error(f"no configuration {', '.join(map(repr, unknown))} (there are: {'; '.join(CONFIGS)})")
 
     import cupy as cp
     import torch
