@@ -182,55 +182,40 @@ def _module_names(imported: bool = True) -> dict[str, set[str]]:
     return found
 
 
-def switches_set_where_they_are_not_read(source: str, defined: dict[str, set[str]]) -> tuple[list, int]:
-    """([(line, module, NAME)] for the source's monkeypatch.setattr(module, "NAME", ...) of an upper-case name (a
-    switch or constant) that the kernel module only imports, number checked): the code that reads a switch reads it
-    in the module that defines it, so setting the imported copy changes nothing and the test measures the default."""
+def _module_uses(source: str, modules_known: dict[str, set[str]]) -> list[tuple[int, str, str, bool]]:
+    """(line, kernel module, name, set) for each monkeypatch.setattr(module, "NAME", ...) (set) and `module.NAME`
+    (read or called; set when assigned) in the source, on a kernel module it imports from the kernels package."""
     tree = ast.parse(source)
     modules = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and node.module == PACKAGE for alias in node.names
-               if alias.name in defined}
-    bad, checked = [], 0
+               if alias.name in modules_known}
+    uses = []
     for node in ast.walk(tree):
-        found = None
         if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("monkeypatch.setattr")
-                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in modules
                 and isinstance(node.args[1], ast.Constant)):
-            found = (node.args[0].id, str(node.args[1].value))
-        elif isinstance(node, ast.Assign):  # module.NAME = value
-            found = next(((t.value.id, t.attr) for t in node.targets
-                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)), None)
-        if found is None or found[0] not in modules or not found[1].isupper():
-            continue
-        checked += 1
-        if found[1] not in defined[modules[found[0]]]:
-            bad.append((node.lineno, modules[found[0]], found[1]))
-    return sorted(bad), checked
+            uses.append((node.lineno, modules[node.args[0].id], str(node.args[1].value), True))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            uses.append((node.lineno, modules[node.value.id], node.attr, isinstance(node.ctx, ast.Store)))
+    return uses
+
+
+def switches_set_where_they_are_not_read(source: str, defined: dict[str, set[str]]) -> tuple[list, int]:
+    """([(line, module, NAME)] for the source's monkeypatch.setattr(module, "NAME", ...) or `module.NAME = value` of
+    an upper-case name (a switch or constant) that the kernel module only imports, number checked): the code that
+    reads a switch reads it in the module that defines it, so setting the imported copy changes nothing and the test
+    measures the default."""
+    checked = [(line, module, name) for line, module, name, is_set in _module_uses(source, defined)
+               if is_set and name.isupper()]
+    return sorted(use for use in checked if use[2] not in defined[use[1]]), len(checked)
 
 
 def switches_that_do_not_exist(source: str, names: dict[str, set[str]]) -> tuple[list, int]:
     """([(line, module, name)] for the source's monkeypatch.setattr(module, "NAME", ...) and `module.NAME` (read,
     called or assigned) on a kernel module (imported from the kernels package) whose source binds no NAME, number
     checked): a switch or function moved to another module, or renamed, fails there only on a GPU otherwise."""
-    tree = ast.parse(source)
-    modules = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
-               if isinstance(node, ast.ImportFrom) and node.module == PACKAGE for alias in node.names
-               if alias.name in names}
-    bad, checked = [], 0
-    for node in ast.walk(tree):
-        found = None
-        if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("monkeypatch.setattr")
-                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
-                and isinstance(node.args[1], ast.Constant)):
-            found = (node.args[0].id, node.args[1].value)
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):  # read, called or assigned
-            found = (node.value.id, node.attr)
-        if found is None or found[0] not in modules:
-            continue
-        checked += 1
-        if found[1] not in names[modules[found[0]]]:
-            bad.append((node.lineno, modules[found[0]], found[1]))
-    return sorted(bad), checked
+    checked = [(line, module, name) for line, module, name, _ in _module_uses(source, names)]
+    return sorted(use for use in checked if use[2] not in names[use[1]]), len(checked)
 
 
 def test_the_switch_check_reads_what_it_is_for(names) -> None:

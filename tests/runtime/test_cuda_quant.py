@@ -67,6 +67,19 @@ def _kernels_looked_up(quant_linear, monkeypatch) -> list[tuple]:
     return launched
 
 
+def _gemm_rows_bits(quant_linear, monkeypatch, arrays, bits: int, offset: bool, gated: bool) -> tuple:
+    """(the result's 16-bit patterns, the gemm_rows instances looked up) of quantized_linear, or with `gated` of
+    gated_quantized_linear with SiLU, over `arrays` (x, q, scale, zero, bias on the GPU) in groups of 32."""
+    import cupy as cp
+
+    launched = _kernels_looked_up(quant_linear, monkeypatch)
+    if gated:
+        got = quant_linear.gated_quantized_linear(*arrays, bits, 32, offset, "silu")
+    else:
+        got = quant_linear.quantized_linear(*arrays, bits, 32, offset)
+    return cp.asnumpy(got).view(np.uint16), [f[2] for f in launched if f[0] == "gemm_rows"]
+
+
 STAGED_CASES = [(4, 32, "offset", 3072), (4, 64, False, 4160), (4, 128, True, 2048), (8, 32, True, 2400),
                 (8, 16, "offset", 1024), (8, 64, False, 4096)]
 """(bits, group, symmetric, k) for qgemv_staged: k from one partial round of loads to several (an int4 round of a
@@ -286,13 +299,8 @@ def test_gemm_rows_packed_int4_gives_the_bits_of_the_float32_dequantization(rows
     results = {}
     for packed in (False, True):
         monkeypatch.setattr(gemm_rows, "GEMM_ROWS_PACKED", packed)
-        launched = _kernels_looked_up(quant_linear, monkeypatch)
-        if gated:
-            got = quant_linear.gated_quantized_linear(*arrays, 4, 32, False, "silu")
-        else:
-            got = quant_linear.quantized_linear(*arrays, 4, 32, False)
-        assert [f[2] for f in launched if f[0] == "gemm_rows"] == [(1000 if packed else 0) + (104 if gated else 4)]
-        results[packed] = cp.asnumpy(got).view(np.uint16)
+        results[packed], instances = _gemm_rows_bits(quant_linear, monkeypatch, arrays, 4, False, gated)
+        assert instances == [(1000 if packed else 0) + (104 if gated else 4)]
     np.testing.assert_array_equal(results[True], results[False])
 
 
@@ -336,13 +344,9 @@ def test_gemm_rows_with_two_dequantized_tiles_gives_the_same_bits(bits, symmetri
         results = {}
         for two in (False, True):
             monkeypatch.setattr(gemm_rows, "GEMM_ROWS_TWO_TILES", two)
-            launched = _kernels_looked_up(quant_linear, monkeypatch)
-            if gated:
-                got = quant_linear.gated_quantized_linear(*arrays, bits, 32, symmetric == "offset", "silu")
-            else:
-                got = quant_linear.quantized_linear(*arrays, bits, 32, symmetric == "offset")
-            assert [f[2] >= 20000 for f in launched if f[0] == "gemm_rows"] == [two]
-            results[two] = cp.asnumpy(got).view(np.uint16)
+            results[two], instances = _gemm_rows_bits(quant_linear, monkeypatch, arrays, bits, symmetric == "offset",
+                                                      gated)
+            assert [i >= 20000 for i in instances] == [two]
         np.testing.assert_array_equal(results[True], results[False])
 
 
@@ -363,13 +367,9 @@ def test_gemm_rows_ring_of_3_stages_gives_the_bits_of_4(bits, symmetric, gated, 
         results = {}
         for stages in (4, 3):
             monkeypatch.setattr(gemm_rows, "GEMM_ROWS_STAGES", stages)
-            launched = _kernels_looked_up(quant_linear, monkeypatch)
-            if gated:
-                got = quant_linear.gated_quantized_linear(*arrays, bits, 32, symmetric == "offset", "silu")
-            else:
-                got = quant_linear.quantized_linear(*arrays, bits, 32, symmetric == "offset")
-            assert [f[2] >= 10000 for f in launched if f[0] == "gemm_rows"] == [stages == 3]
-            results[stages] = cp.asnumpy(got).view(np.uint16)
+            results[stages], instances = _gemm_rows_bits(quant_linear, monkeypatch, arrays, bits,
+                                                         symmetric == "offset", gated)
+            assert [i >= 10000 for i in instances] == [stages == 3]
         np.testing.assert_array_equal(results[3], results[4])
 
 

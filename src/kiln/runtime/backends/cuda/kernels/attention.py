@@ -281,11 +281,11 @@ a 4096-slot cache, ~30 us of an H200's bandwidth a step whatever the context. No
 DECODE_MMA = False
 """Whether the decode kernel's work with no mask (slot_attention's decode step) or one all heads share (a single
 sequence's decode over its static cache) in float16 or bfloat16, heads of MMA_HEAD_DIMS and at most 16 q heads a kv
-head, goes to decode.cu's
-attend_mma (the scores and p v as tensor-core products, ~11 SASS instructions a key a warp) rather than
-attend_chunk (~48). Nsight on the 64-row serving step (H200, 1B shape, position 400) found attend_chunk bound by its
-instructions at a quarter of the bandwidth: 45.8 us a layer for 12.4 us of keys and values. Predicted: ~15-20 us,
-the step 1.91 -> ~1.5 ms. Off until measured (the benchmarks' --compare-decode-mma and "mma" configuration)."""
+head, goes to decode.cu's attend_mma (the scores and p v as tensor-core products, ~12 SASS instructions a key a warp)
+rather than attend_chunk (~48). Nsight on the 64-row serving step (H200, 1B shape, position 400) found attend_chunk
+bound by its instructions at a quarter of the bandwidth: 45.8 us a layer for 12.4 us of keys and values. Predicted:
+~15-20 us, the step 1.91 -> ~1.5 ms. Off until measured (the benchmarks' --compare-decode-mma and "mma"
+configuration)."""
 MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16; + 2000 x the mask's kind)
 DECODE_MMA_PIPELINED = True
 """Whether attend_mma at heads of 64 loads a warp's next 16 keys while it computes this step's (157 registers: 3

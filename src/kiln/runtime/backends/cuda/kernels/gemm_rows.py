@@ -103,10 +103,10 @@ def ring_stages(blocks: int, bits: int, dtype: Any, instance: int) -> int:
     lost or tied (8B o 27.4 -> 32.4, 8B down 76.3 -> 93.3, 1B q/k/v 17.2 -> 19.7; 1B o and down within 2 us)."""
     if GEMM_ROWS_STAGES is not None or bits == 16:
         return 4 if bits == 16 else GEMM_ROWS_STAGES
-    tiles = 2 if instance >= 20000 else 1
+    dequantized_tiles = 2 if instance >= 20000 else 1
     waves = {stages: -(-blocks // resident_blocks(
         nvrtc.function("quant", "gemm_rows", dtype, (10000 if stages == 3 else 0) + instance),
-        shared_bytes(bits, stages, tiles), 128)) for stages in (4, 3)}
+        shared_bytes(bits, stages, dequantized_tiles), 128)) for stages in (4, 3)}
     return 3 if waves[3] < waves[4] else 4
 
 
@@ -137,16 +137,16 @@ def gemm_rows(x2: Any, w: Any, scale: Any, zero: Any, bias: Any, bits: int, grou
     zero_arg, bias_arg = zero if zero is not None else scale, bias if bias is not None else scale
     act = np.int32(GATE_CODES[activation] if activation else 0)
     packed = GEMM_ROWS_PACKED and bits == 4 and int(zero_mode) == 0
-    tiles = -(-width // (32 if activation else 64))
-    instance = (20000 if GEMM_ROWS_TWO_TILES and bits != 16 else 0) + (1000 if packed else 0) + (
-        100 if activation else 0) + bits
-    if ring_stages(tiles * splits, bits, x2.dtype, instance) == 3:
-        instance += 10000
+    output_tiles = -(-width // (32 if activation else 64))
+    two_tiles = GEMM_ROWS_TWO_TILES and bits != 16
+    instance = (20000 if two_tiles else 0) + (1000 if packed else 0) + (100 if activation else 0) + bits
+    ring = ring_stages(output_tiles * splits, bits, x2.dtype, instance)
+    instance += 10000 if ring == 3 else 0
     nvrtc.function("quant", "gemm_rows", x2.dtype, instance)(
-        (tiles, -(-rows // 64), splits), (128,),
+        (output_tiles, -(-rows // 64), splits), (128,),
         (x2, w, scale, zero_arg, bias_arg, out, partial, np.int32(rows), np.int32(n), np.int32(k),
          np.int32(group_size), zero_mode, np.int32(bias is not None), np.int32(per_split), act),
-        shared_mem=shared_bytes(bits, 3 if (instance // 10000) % 2 else 4, 2 if instance >= 20000 else 1))
+        shared_mem=shared_bytes(bits, ring, 2 if two_tiles else 1))
     if splits > 1:
         nvrtc.function("quant", "gemm_rows_reduce", x2.dtype)(
             grid(rows * width), (256,), (partial, bias_arg, out, np.int32(rows), np.int32(n), np.int32(splits),
