@@ -23,14 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_harness import device_line, gpu_time, print_table  # noqa: E402
 
-CONFIGS = {**{f"{heads} heads / {chunk} keys": dict(DECODE_HEADS=heads, DECODE_CHUNK=chunk)
+CONFIGS = {**{f"{heads} heads / {chunk} keys": dict(DECODE_MMA=False, DECODE_HEADS=heads, DECODE_CHUNK=chunk)
               for chunk in (64, 32) for heads in (8, 4, 2, 1)},
            "mma": dict(DECODE_MMA=True), "mma / 4096 blocks": dict(DECODE_MMA=True, DECODE_BLOCKS=4096),
            "mma-unpipelined": dict(DECODE_MMA=True, DECODE_MMA_PIPELINED=False),
            "prefetch-all": dict(DECODE_PREFETCH_VISIBLE=False)}
-"""The "mma" configurations: decode.cu's attend_mma on the tensor cores (with chunks for 4096 blocks, not 1024; with
-a warp's next keys loaded only after its step, for fewer registers). "prefetch-all": the split-key kernel asking L2
-for every slot of its chunk before its wait, the keys the mask hides too (DECODE_PREFETCH_VISIBLE off)."""
+"""The "N heads / K keys" configurations: decode.cu's split-key attend_chunk. The "mma" configurations: decode.cu's
+attend_mma on the tensor cores (the default; with chunks for 4096 blocks, not 1024; with a warp's next keys loaded
+only after its step, for fewer registers). "prefetch-all": the default kernel asking L2 for every slot of its chunk
+before its wait, the keys the mask hides too (DECODE_PREFETCH_VISIBLE off)."""
 KNOBS = ("DECODE_HEADS", "DECODE_CHUNK", "DECODE_MMA", "DECODE_BLOCKS", "DECODE_MMA_PIPELINED",
          "DECODE_PREFETCH_VISIBLE")
 

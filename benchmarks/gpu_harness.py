@@ -111,8 +111,8 @@ quant.cu's qgemv_dot (x rounded to int8 per 32, integer products), "staged" qgem
 
 
 def variant_suffixes(name: str) -> str:
-    """The QUANT_VARIANTS suffixes of a kernel name as they stand ("dot-interleaved-mma" -> "-interleaved-mma"): what
-    applies to a bfloat16 program, which has no quantized kernel."""
+    """The QUANT_VARIANTS suffixes of a kernel name as they stand ("dot-interleaved-chunk" ->
+    "-interleaved-chunk"): what applies to a bfloat16 program, which has no quantized kernel."""
     base = name
     while (found := next((v for v in QUANT_VARIANTS if base.endswith(v)), None)) is not None:
         base = base.removesuffix(found)
@@ -137,7 +137,7 @@ def quant_kernel_choice(name: str) -> dict[str, object]:
             "GEMM_ROWS_PACKED": "-unpacked" not in variants,
             "GEMM_ROWS_STAGES": 3 if "-ring3" in variants else 4 if "-ring4" in variants else None,
             "GEMM_ROWS_TWO_TILES": "-twotiles" in variants,
-            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants, "DECODE_MMA": "-mma" in variants,
+            "ADD_RMS_NORM_ROW": "-fusednorm" not in variants, "DECODE_MMA": "-chunk" not in variants,
             "DECODE_PREFETCH_VISIBLE": "-prefetchall" not in variants}
 
 
@@ -177,7 +177,8 @@ QUANT_VARIANTS = {"-apart": "the gated gate/up product and its activation as two
                   "-ring4": "gemm_rows with a ring of 4 stages (3 blocks an SM) whatever the waves",
                   "-twotiles": "gemm_rows dequantizing into two tiles, one barrier a stage (GEMM_ROWS_TWO_TILES)",
                   "-fusednorm": "the add + RMSNorm as fused.cu's rms_norm, not gemv.cu's add_rms_norm_row",
-                  "-mma": "decode attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)",
+                  "-chunk": "decode attention by decode.cu's split-key attend_chunk, not attend_mma on the tensor "
+                            "cores (attention.DECODE_MMA off)",
                   "-prefetchall": "decode attention asking L2 for its chunk's hidden slots too "
                                   "(attention.DECODE_PREFETCH_VISIBLE off)"}
 """Suffixes of a quantized-kernel name, each switching one choice away from the default."""

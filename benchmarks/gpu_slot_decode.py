@@ -51,8 +51,9 @@ SWITCHES = {
     "gemm-rows-two-tiles": ("gemm_rows", {"GEMM_ROWS_TWO_TILES": True},
                             "a quantized program's 9-64-row products dequantizing into two tiles (one barrier a "
                             "stage)"),
-    "decode-mma": ("attention", {"DECODE_MMA": True},
-                   "the decode rows' attention by decode.cu's attend_mma on the tensor cores (attention.DECODE_MMA)"),
+    "decode-chunk": ("attention", {"DECODE_MMA": False},
+                     "the decode rows' attention by decode.cu's split-key attend_chunk, not attend_mma on the tensor "
+                     "cores (attention.DECODE_MMA off)"),
     "decode-mma-unpipelined": ("attention", {"DECODE_MMA": True, "DECODE_MMA_PIPELINED": False},
                                "attend_mma loading a warp's next keys only after this step's (fewer registers)"),
     "decode-mma-4096": ("attention", {"DECODE_MMA": True, "DECODE_BLOCKS": 4096},

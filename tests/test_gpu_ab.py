@@ -100,7 +100,7 @@ def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
     default = {"QGEMV": "staged", "QUANT_DOT": None, "QGEMV_GATED": True, "QDOT_INTERLEAVED": None,
                "QDOT_WAVE_ROWS": True, "QGEMM": True, "GEMM_ROWS_PACKED": True,
                "GEMM_ROWS_STAGES": None, "GEMM_ROWS_TWO_TILES": False, "ADD_RMS_NORM_ROW": True,
-               "DECODE_MMA": False, "DECODE_PREFETCH_VISIBLE": True}
+               "DECODE_MMA": True, "DECODE_PREFETCH_VISIBLE": True}
     assert quant_kernel_choice("") == default
     assert quant_kernel_choice("dot") == {**default, "QUANT_DOT": True}
     both = {**default, "QUANT_DOT": True, "QDOT_INTERLEAVED": True, "ADD_RMS_NORM_ROW": False}
@@ -113,8 +113,9 @@ def test_quantized_kernel_names_and_their_variants(monkeypatch) -> None:
     assert quant_kernel_choice("dot-ring4")["GEMM_ROWS_STAGES"] == 4
     assert quant_kernel_choice("dot-twotiles-ring3")["GEMM_ROWS_TWO_TILES"] is True
     assert quant_kernel_choice("dot-prefetchall")["DECODE_PREFETCH_VISIBLE"] is False
-    assert quant_kernel_choice("dot-mma")["DECODE_MMA"] is True and quant_kernel_choice("-mma")["DECODE_MMA"] is True
+    assert quant_kernel_choice("dot-chunk")["DECODE_MMA"] is quant_kernel_choice("-chunk")["DECODE_MMA"] is False
     assert quant_kernel_choice("staged-apart") == {**default, "QUANT_DOT": False, "QGEMV_GATED": False}
-    assert [variant_suffixes(n) for n in ("dot", "dot-mma", "staged-apart-mma", "")] == ["", "-mma", "-apart-mma", ""]
+    assert [variant_suffixes(n) for n in ("dot", "dot-chunk", "staged-apart-chunk", "")] == \
+        ["", "-chunk", "-apart-chunk", ""]
     with pytest.raises(ValueError, match="no quantized kernel 'dott'"):
         quant_kernel_choice("dott-apart")

@@ -278,15 +278,16 @@ a 4096-slot cache, ~30 us of an H200's bandwidth a step whatever the context. No
 "prefetch-all" configuration sets it False)."""
 
 
-DECODE_MMA = False
+DECODE_MMA = True
 """Whether the decode kernel's work with no mask (slot_attention's decode step) or one all heads share (a single
-sequence's decode over its static cache) in float16 or bfloat16, heads of MMA_HEAD_DIMS and at most 16 q heads a kv
-head, goes to decode.cu's attend_mma (the scores and p v as tensor-core products, ~12 SASS instructions a key a warp)
-rather than attend_chunk (~48). Nsight on the 64-row serving step (H200, 1B shape, position 400) found attend_chunk
-bound by its instructions at a quarter of the bandwidth: 45.8 us a layer for 12.4 us of keys and values. Predicted:
-~15-20 us, the step 1.91 -> ~1.5 ms. Off until measured (the benchmarks' --compare-decode-mma and "mma"
-configuration)."""
+sequence's decode over its static cache) in float16 or bfloat16, heads of MMA_HEAD_DIMS and at most MMA_GROUPS q heads
+a kv head, goes to decode.cu's attend_mma (the scores and p v as tensor-core products, ~12 SASS instructions a key a
+warp) rather than attend_chunk (~48, bound by its instructions at a quarter of the bandwidth). Measured on an H200
+(2026-11-28, docs/benchmarks.md): 64 rows of 1B heads at position 400, 42.2 -> 27.6 us a layer; the 64-slot bf16
+serving step 1.897 -> 1.613 ms (int4 2.598 -> 2.300); single-sequence decode 1B 0.881 -> 0.863 ms, MoE (8 layers)
+0.662 -> 0.649 ms at context 1024. It also takes groups of 9-16 q heads, which attend_chunk does not."""
 MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16; + 2000 x the mask's kind)
+MMA_GROUPS = 16  # q heads a kv head attend_mma serves (the rows of one m16n8k16 tile)
 DECODE_MMA_PIPELINED = True
 """Whether attend_mma at heads of 64 loads a warp's next 16 keys while it computes this step's (157 registers: 3
 blocks an SM) or only after (+ 8000: fewer registers, more warps to hide the loads); an A/B for its first
@@ -296,8 +297,12 @@ measurement (the benchmarks' "mma-unpipelined" configuration and --compare-decod
 def _decode_mma_applies(q: Any, mask_strides: list[Any], groups: int) -> bool:
     """attend_mma's work: DECODE_MMA, a mask (if any) the heads share (its head stride 0), a 16-bit type, a head of
     MMA_HEAD_DIMS, at most 16 q heads a kv head."""
-    return (DECODE_MMA and mask_strides[1] == 0 and q.dtype in (np.dtype(np.float16), BFLOAT16)
-            and q.shape[3] in MMA_HEAD_DIMS and groups <= 16)
+    return _mma_takes(q, mask_strides[1] == 0, groups)
+
+
+def _mma_takes(q: Any, heads_share_mask: bool, groups: int) -> bool:
+    return (DECODE_MMA and heads_share_mask and q.dtype in (np.dtype(np.float16), BFLOAT16)
+            and q.shape[3] in MMA_HEAD_DIMS and groups <= MMA_GROUPS)
 
 
 def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> bool:
@@ -306,14 +311,16 @@ def _decode_attention_applies(q: Any, k: Any, v: Any, mask: Any, causal: bool) -
     COMBINE_MAX_SPLITS chunks."""
     if causal or not _grouped_attention(q, k, v, mask) or q.shape[2] != 1:
         return False
-    return _decode_kernel_takes(q, k, v)
+    return _decode_kernel_takes(q, k, v, heads_share_mask=mask is None or mask.ndim < 3 or mask.shape[-3] == 1)
 
 
-def _decode_kernel_takes(q: Any, k: Any, v: Any) -> bool:
-    """The head width, group size, key count and row layout decode.cu is built for."""
+def _decode_kernel_takes(q: Any, k: Any, v: Any, heads_share_mask: bool = True) -> bool:
+    """The head width, group size, key count and row layout decode.cu is built for: groups of up to 16 q heads a
+    kv head where attend_mma takes the work, of up to DECODE_GROUPS[-1] elsewhere."""
     per16 = 16 // q.itemsize
     e = q.shape[3]
-    if e % per16 or e // per16 > 32 or q.shape[1] // k.shape[1] > DECODE_GROUPS[-1] or \
+    groups = q.shape[1] // k.shape[1]
+    if e % per16 or e // per16 > 32 or groups > DECODE_GROUPS[-1] and not _mma_takes(q, heads_share_mask, groups) or \
             k.shape[2] > DECODE_CHUNK * COMBINE_MAX_SPLITS or k.shape != v.shape:
         return False
     return _rows_of_16_bytes(k, v)
