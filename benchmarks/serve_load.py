@@ -104,6 +104,9 @@ class Level:
     itl: list[float] = field(default_factory=list)
     errors: int = 0
     client_cpu: float = 0.0
+    server_cpu: dict[str, float] = field(default_factory=dict)
+    """(server) CPU seconds of each of the server's processes over the level: "http", and "engine" where the engine
+    runs in a process of its own"""
     decode_seconds: float = 0.0
     """(engine alone) the time of the level's batched decode steps, sampling included"""
 
@@ -118,6 +121,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (Linux /proc; NaN elsewhere or once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def server_processes(pid: int) -> dict[str, int]:
+    """The server's process ("http") and, with the engine in a process of its own, that child ("engine"): what
+    serve_load charges per output token, to tell the HTTP side's ceiling from the engine's."""
+    found = {"http": pid}
+    try:
+        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+    except OSError:
+        return found
+    for child in children:  # the spawned engine, not multiprocessing's resource tracker
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found["engine"] = child
+        except OSError:
+            pass
+    return found
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -180,7 +210,7 @@ async def one_raw_request(port: int, model: str, prompt: list[int], max_tokens: 
 
 
 async def run_level(port: int, model: str, concurrency: int, work: list[tuple[list[int], int]],
-                    raw: bool) -> Level:
+                    raw: bool, processes: dict[str, int] | None = None) -> Level:
     level = Level(concurrency)
     queue = list(work)
     client = None
@@ -198,10 +228,13 @@ async def run_level(port: int, model: str, concurrency: int, work: list[tuple[li
             else:
                 await one_request(client, model, prompt, max_tokens, level)
 
+    processes = processes or {}
+    served = {name: process_cpu_seconds(pid) for name, pid in processes.items()}
     start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     level.wall = time.perf_counter() - start
     level.client_cpu = (time.process_time() - cpu) / level.wall
+    level.server_cpu = {name: process_cpu_seconds(pid) - served[name] for name, pid in processes.items()}
     if client is not None:
         await client.close()
     return level
@@ -308,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:  # warm-up: every batch size's plan (and graph) before anything is timed
             asyncio.run(run_level(port, "bench", c, [(p, 4) for p, _ in level_work(c)[:c]], raw))
         results = []
+        processes = server_processes(server.pid)
         for c in levels:
             print(f"concurrency {c}: {len(level_work(c))} requests ...", file=sys.stderr, flush=True)
-            results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw)))
+            results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw, processes)))
     finally:
         server.terminate()
         server.wait(60)
@@ -346,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{prompt_lengths} x output lengths {output_lengths}, greedy, ignore_eos. Single-stream decode without "
           f"a server (Generator): {reference:.1f} tokens/s.\n")
     table("server", results, show_client=True)
+    if any(r.server_cpu for r in results):
+        print()
+        server_cpu_table(results)
     if engine_results:
         print()
         table("engine alone (no HTTP)", engine_results, show_client=False)
@@ -354,6 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nconcurrency {first.concurrency}: {per_stream:.1f} tokens/s per stream (1 / median inter-token gap), "
           f"{per_stream / reference:.2f}x the single-stream decode without a server ({reference:.1f})")
     return 1 if any(r.errors for r in results + engine_results) else 0
+
+
+def server_cpu_table(results: list[Level]) -> None:
+    """Each server process's CPU over a level: the share of one core it kept busy and its CPU microseconds per
+    output token. A process near 100% of a core is the ceiling of the server's tokens/s, whatever the device."""
+    names = list(results[0].server_cpu)
+    print("| server CPU: concurrency | " + " | ".join(f"{n} cores | {n} us/token" for n in names) + " |")
+    print("|---:|" + "---:|---:|" * len(names))
+    for r in results:
+        cells = [f"{r.server_cpu[n] / r.wall:.0%} | {r.server_cpu[n] / max(r.output_tokens, 1) * 1e6:.1f}"
+                 for n in names]
+        print(f"| {r.concurrency} | " + " | ".join(cells) + " |")
 
 
 def table(title: str, results: list[Level], show_client: bool) -> None:
