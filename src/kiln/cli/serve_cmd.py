@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "process; the two then use two cores), or on a thread of the server's process (thread)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="embedding programs without a tokenizer inside: a tokenizer.json to read text with")
+    p.add_argument("--http", default="auto", choices=("auto", "httptools", "h11"),
+                   help="HTTP protocol implementation (default: auto, httptools where installed: less CPU a token)")
+    p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                   help="event loop (default: auto, uvloop where installed)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log verbosity (default: info)")
     p.set_defaults(handler=run)
@@ -62,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.prefill_tokens is not None and args.prefill_tokens < 1:
         raise CliError(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
+    for option, module in (("http", args.http), ("loop", args.loop)):
+        if module in ("httptools", "uvloop") and importlib.util.find_spec(module) is None:
+            raise CliError(f"--{option} {module}: {module} is not installed (pip install {module}; or --{option} auto)")
     try:
         from kiln.runtime.serve import Server, create_app
     except ImportError as e:
@@ -78,5 +86,5 @@ def run(args: argparse.Namespace) -> int:
                      engine_process=args.engine_in == "process")
     print(f"serving '{app.state.model_id}' ({app.state.service.kind}) at http://{args.host}:{args.port}/v1",
           flush=True)
-    Server(app, args.host, args.port, log_level=args.log_level).run()
+    Server(app, args.host, args.port, log_level=args.log_level, http=args.http, loop=args.loop).run()
     return 0

@@ -89,6 +89,15 @@ def test_serve_command_checks_its_options(tmp_path, capsys):
     assert "--port must be in" in capsys.readouterr().err
 
 
+def test_serve_command_names_a_missing_server_package(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else find_spec(name, *a))
+    assert main(["serve", str(tmp_path / "x.kiln"), "--loop", "uvloop"]) == 2
+    assert "--loop uvloop: uvloop is not installed" in capsys.readouterr().err
+
+
 def test_embeddings_route_matches_the_session(tmp_path):
     pytest.importorskip("transformers")
     from kiln.models.embeddings import export_minilm, minilm_path, random_bert
