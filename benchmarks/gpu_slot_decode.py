@@ -54,6 +54,9 @@ SWITCHES = {
     "decode-chunk": ("attention", {"DECODE_MMA": False},
                      "the decode rows' attention by decode.cu's split-key attend_chunk, not attend_mma on the tensor "
                      "cores (attention.DECODE_MMA off)"),
+    "slot-balanced": ("attention", {"SLOT_BALANCED_CHUNKS": True},
+                      "each decode row's visible keys split into the step's chunks (attention.SLOT_BALANCED_CHUNKS), "
+                      "not chunks of the cache's length"),
     "decode-mma-unpipelined": ("attention", {"DECODE_MMA": True, "DECODE_MMA_PIPELINED": False},
                                "attend_mma loading a warp's next keys only after this step's (fewer registers)"),
     "decode-mma-4096": ("attention", {"DECODE_MMA": True, "DECODE_BLOCKS": 4096},

@@ -496,6 +496,42 @@ def test_slot_decode_on_the_tensor_cores_matches_float64(dtype, heads, kv_heads,
     np.testing.assert_allclose(got[:-1], want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "chunk"])
+@pytest.mark.parametrize("heads,kv_heads,e", [(32, 8, 64), (16, 2, 128), (6, 1, 64)], ids=["llama1b", "g8-e128", "g6"])
+@pytest.mark.parametrize("window", [0, 50], ids=["full", "window"])
+@pytest.mark.parametrize("blocks", [40, 1024])
+def test_slot_decode_with_balanced_chunks_matches_float64(mma, heads, kv_heads, e, window, blocks,
+                                                          monkeypatch) -> None:
+    """attention.SLOT_BALANCED_CHUNKS: each decode row's own visible keys split into the step's chunks (decode.cu's
+    decode_keys with balance), by attend_mma and attend_chunk. With DECODE_BLOCKS 40 the 9 rows get 1 (32/8 heads),
+    3 (16/2) or 5 (6/1) chunks of a 300-slot cache: at position 200 one piece of 201 keys, three of 80 (whole
+    16-key steps off the 64-key boundaries) or 64-key pieces; with the window, 50 keys from 151. With 1024, five
+    64-key chunks and pieces of at least 64. Against float64, with balanced chunks and with fixed ones."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MMA", mma)
+    monkeypatch.setattr(attention, "DECODE_BLOCKS", blocks)
+    rng = np.random.default_rng(heads + e + window + blocks)
+    slots_n, length = 7, 300
+    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(BFLOAT16)
+    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(BFLOAT16)
+    slots = np.array([4, 0, 2, 5, 2, 6, 1, 3, 6], np.int64)
+    positions = np.array([[0], [9], [15], [63], [64], [200], [299], [130], [17]], np.int64)
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(BFLOAT16)
+    args = [cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)]
+    results = []
+    for balanced in (True, False):
+        monkeypatch.setattr(attention, "SLOT_BALANCED_CHUNKS", balanced)
+        looked_up = _decode_kernels(attention, monkeypatch)
+        results.append(cp.asnumpy(attention.slot_attention(*args, scale=0.125, window=window)).astype(np.float64))
+        assert [name for name, _ in looked_up][:1] == ["attend_mma" if mma else "attend_chunk"]
+    want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, window)
+    for got in results:
+        np.testing.assert_allclose(got, want, rtol=TOL[BFLOAT16], atol=TOL[BFLOAT16])
+
+
 @pytest.mark.parametrize("heads,kv_heads,mask_kind", [(32, 8, "none"), (20, 2, "bool"), (4, 4, "float")])
 def test_attend_mma_without_the_next_step_in_flight_gives_the_same_bits(heads, kv_heads, mask_kind,
                                                                         monkeypatch) -> None:

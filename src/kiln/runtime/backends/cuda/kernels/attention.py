@@ -273,9 +273,19 @@ DECODE_SPLIT_HEADS_BELOW = 64
 DECODE_PREFETCH_VISIBLE = True
 """Whether the decode kernels, asking L2 for their chunk's key and value rows before they wait, skip the keys the mask
 hides (a single sequence's static cache: slots not yet written), as they skip reading them after. Before, every
-step asked DRAM for the whole cache: 16 layers x 8 kv heads x 4096 slots x 64 x 4 bytes = 134 MB for the 1B shape at
-a 4096-slot cache, ~30 us of an H200's bandwidth a step whatever the context. Not yet measured (the benchmarks'
-"prefetch-all" configuration sets it False)."""
+step asked DRAM for the whole cache (1B shape at a 4096-slot cache: 134 MB a step whatever the context). Measured
+on an H200 (1B int4 decode at context 128 of 4096 slots): 0.641 ms a step with it, 0.643 without: within noise,
+kept since it reads less (the benchmarks' "prefetch-all" configuration sets it False)."""
+
+SLOT_BALANCED_CHUNKS = False
+"""Whether slot_attention's decode rows split their own visible keys (positions[b] + 1, or the window) into the
+step's chunks, each at least DECODE_CHUNK keys (decode.cu's decode_keys with `balance`), rather than chunks of the
+cache's length cut at each position. The split count comes from the cache's length and DECODE_BLOCKS (a CUDA graph
+fixes the grid, and the positions stay on the device), so with fixed chunks a batch far below the cache's length
+leaves the blocks past every position empty: 64 rows at position 400 of 1024 slots use 2 chunks of 512 keys, one
+busy, 512 of the 1024 blocks working (1.3 waves of 3 blocks an SM on an H200). Balanced: 1024 blocks of ~200 keys.
+Predicted: attend_mma at 64 rows, position 400, 27.6 -> ~20 us a layer (nothing at position 1000, where both chunks
+are busy already). Off until measured (gpu_slot_decode.py --compare-slot-balanced)."""
 
 
 DECODE_MMA = True
@@ -354,22 +364,24 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     part = cp.empty((b, hq, splits, e + 2), dtype=cp.float32)
     ks, vs = elements(k.strides, k.itemsize), elements(v.strides, v.itemsize)
     scale = 1 / math.sqrt(e) if scale is None else scale
+    balance = SLOT_BALANCED_CHUNKS and positions is not None
     rows = (NULL if slots is None else slots, NULL if positions is None else positions, np.int32(k.shape[0]),
-            np.int32(window), np.int32(chunk), np.int32(run_rows))
+            np.int32(window), np.int32(DECODE_CHUNK if balance else chunk), np.int32(run_rows))
     if mma:
         unpipelined = 8000 if e == 64 and not DECODE_MMA_PIPELINED else 0
         instance = e + (1000 if groups > 8 else 0) + 2000 * int(kind) + unpipelined
         nvrtc.function("decode", "attend_mma", q.dtype, instance)(
             (splits, hkv, b), (DECODE_THREADS,),
             (q, k, v, part, np.int32(groups), np.int32(seq), np.float32(scale), ks[0], ks[1], ks[2], vs[0], vs[1],
-             vs[2], mask_b, ms[0], ms[3], np.int32(splits), *rows, np.int32(DECODE_PREFETCH_VISIBLE)))
+             vs[2], mask_b, ms[0], ms[3], np.int32(splits), *rows, np.int32(DECODE_PREFETCH_VISIBLE),
+             np.int32(balance)))
     else:
         bound = next(g for g in DECODE_GROUPS if g >= groups // parts)
         nvrtc.function("decode", "attend_chunk", q.dtype, bound)(
             (splits, hkv * parts, b), (DECODE_THREADS,),
             (q, k, v, mask_b, part, np.int32(groups // parts), np.int32(seq), np.int32(e), np.float32(scale),
              ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], kind, ms[0], ms[1], ms[3], np.int32(splits), *rows,
-             np.int32(parts), np.int32(DECODE_PREFETCH_VISIBLE)))
+             np.int32(parts), np.int32(DECODE_PREFETCH_VISIBLE), np.int32(balance)))
     out = cp.empty((b, hq, 1, e), dtype=q.dtype)
     columns = next(n for n in COMBINE_COLUMNS if 32 * n >= e)  # 32-lane columns of the head dim (e <= 256)
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),

@@ -69,17 +69,27 @@ __device__ __forceinline__ void prefetch_cache_rows(const typename S::T* keys, l
 }
 
 // The keys [s0, s1) a block of the decode kernels reads for query row b and the cache row it reads them from: its
-// chunk cut at the row's position (and window), none for a slot outside the cache. HINT: before
+// chunk cut at the row's position (and window), none for a slot outside the cache. With `balance` (and positions),
+// the chunks are the row's own: its visible keys [lo, positions[b]] in `splits` equal pieces of whole 16-key steps,
+// at least `chunk` keys each, so a batch far below the cache's length keeps every block busy (the fixed chunks of
+// the cache's length leave the blocks past every position with nothing to read). HINT: before
 // grid_dependency_sync, the positions and slots read through L2 as they stand (for prefetches only).
 template <bool HINT>
-__device__ __forceinline__ void decode_keys(int split, int chunk, int seq, int b, const long long* positions,
-                                            const long long* slots, int slot_count, int window, int& s0, int& s1,
-                                            long long& row) {
+__device__ __forceinline__ void decode_keys(int split, int splits, int chunk, bool balance, int seq, int b,
+                                            const long long* positions, const long long* slots, int slot_count,
+                                            int window, int& s0, int& s1, long long& row) {
     s0 = split * chunk, s1 = min(seq, s0 + chunk), row = b;
     if (positions != nullptr) {
         const long long last = HINT ? __ldcg(positions + b) : positions[b];
-        s1 = (int)max((long long)s0, min((long long)s1, last + 1));
-        if (window > 0) s0 = (int)min((long long)s1, max((long long)s0, last - window + 1));
+        if (balance) {
+            const long long hi = min((long long)seq, last + 1), lo = window > 0 ? max(0LL, last - window + 1) : 0;
+            const long long per = max((long long)chunk, ((max(hi - lo, 0LL) + splits - 1) / splits + 15) / 16 * 16);
+            s0 = (int)min(hi, lo + split * per), s1 = (int)min(hi, s0 + per);
+            s1 = max(s0, s1);
+        } else {
+            s1 = (int)max((long long)s0, min((long long)s1, last + 1));
+            if (window > 0) s0 = (int)min((long long)s1, max((long long)s0, last - window + 1));
+        }
     }
     if (slots != nullptr) {
         row = HINT ? __ldcg(slots + b) : slots[b];
@@ -125,12 +135,14 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
                              long long kh, long long ks, long long vb, long long vh, long long vs, int mask_kind,
                              long long mb, long long mh, long long ms, int splits,
                              const long long* __restrict__ slots, const long long* __restrict__ positions,
-                             int slot_count, int window, int chunk, int run_rows, int parts, int visible_only) {
+                             int slot_count, int window, int chunk, int run_rows, int parts, int visible_only,
+                             int balance) {
     {
         const int b = blockIdx.z, hk = blockIdx.y / parts;
         int s0, s1;
         long long row;
-        decode_keys<true>(blockIdx.x, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
+        decode_keys<true>(blockIdx.x, splits, chunk, balance, seq, b, positions, slots, slot_count, window, s0, s1,
+                          row);
         if (s1 > s0)
             prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, v + row * vb + hk * vh, vs, e, s0, s1, mask,
                                    visible_only ? mask_kind : MASK_NONE, b * mb + (long long)blockIdx.y * groups * mh,
@@ -151,7 +163,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
     const int heads = gridDim.y * groups;
     int s0, s1;
     long long row;  // the cache row this query reads
-    decode_keys<false>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
+    decode_keys<false>(split, splits, chunk, balance, seq, b, positions, slots, slot_count, window, s0, s1, row);
     if (slots != nullptr) {
         const long long group = b / max(run_rows, 1) * run_rows;
         if (run_rows > 0 && group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
@@ -306,7 +318,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     float* __restrict__ part, int groups, int seq, float scale, long long kb, long long kh, long long ks,
     long long vb, long long vh, long long vs, const void* __restrict__ mask, long long mb, long long ms, int splits,
     const long long* __restrict__ slots, const long long* __restrict__ positions, int slot_count, int window,
-    int chunk, int run_rows, int visible_only) {
+    int chunk, int run_rows, int visible_only, int balance) {
     constexpr int E = N % 1000;
     constexpr bool WIDE = (N / 1000) % 2 == 1;  // q heads 8-15 of the group in the tile's rows 8-15
     constexpr int MASK = (N / 2000) % 4;        // MASK_NONE, MASK_BOOL or MASK_FLOAT
@@ -320,7 +332,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     {
         int s0, s1;
         long long row;
-        decode_keys<true>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
+        decode_keys<true>(split, splits, chunk, balance, seq, b, positions, slots, slot_count, window, s0, s1, row);
         if (s1 > s0)
             prefetch_cache_rows<S>(k + row * kb + hk * kh, ks, v + row * vb + hk * vh, vs, E, s0, s1, mask,
                                    visible_only ? MASK : MASK_NONE, b * mb, ms);
@@ -331,7 +343,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int s0, s1;
     long long row;
-    decode_keys<false>(split, chunk, seq, b, positions, slots, slot_count, window, s0, s1, row);
+    decode_keys<false>(split, splits, chunk, balance, seq, b, positions, slots, slot_count, window, s0, s1, row);
     if (slots != nullptr && run_rows > 0) {
         const long long group = b / run_rows * run_rows;
         if (group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
