@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-rows", action="store_true",
                         help="kiln's linear at 9-64 rows through quant.cu's gemm_rows (gemm_rows.DENSE_GEMM_ROWS), not "
                              "cuBLAS: the cuBLAS column is then its peer")
+    parser.add_argument("--tuned", action="store_true",
+                        help="kiln's linear with the algorithm measured fastest for each shape (linalg.TUNED_PRODUCTS, "
+                             "cublaslt.py): the cuBLAS column is then its peer, and each shape's tuning is printed")
     parser.add_argument("--max-context", type=int, default=1280, help="KV-cache slots (default 1280)")
     parser.add_argument("--contexts", default="128,1024", help="attention contexts (default 128,1024)")
     parser.add_argument("--prompts", default="128,512", help="prefill attention lengths (default 128,512)")
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from kiln.runtime.backends.cuda.kernels import gemm_rows
 
         gemm_rows.DENSE_GEMM_ROWS = True
+    if args.tuned:
+        from kiln.runtime.backends.cuda.kernels import linalg
+
+        linalg.TUNED_PRODUCTS = True
     print(f"{args.shape}, {args.dtype}, on {device_line(cp, torch)} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); "
           f"GPU time per call, median of 5 runs of {args.calls} queued calls")
 
@@ -96,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                     + [f"{100 * nbytes / t / bandwidth:.0f}%" for t in times.values()] + [f"{error:.1e}"])
     print_table(body, ["linear", "kiln us", "cuBLAS us", "torch us", "kiln % bw", "cuBLAS % bw", "torch % bw",
                        "kiln rel err"], args.markdown)
+    if args.tuned:
+        from kiln.runtime.backends.cuda import cublaslt
+
+        for key, plan in cublaslt.plans().items():
+            ranked = sorted(((n, us) for n, us in plan.timings.items() if n != "chosen"), key=lambda kv: kv[1])[:4]
+            print(f"tuned n={key[3]} m={key[4]} k={key[5]}: {'cuBLASLt' if plan.algo else 'GemmEx'} "
+                  f"({', '.join(f'{name} {us:.1f} us' for name, us in ranked)})")
 
     body = []
     slots = args.max_context

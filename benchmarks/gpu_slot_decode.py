@@ -54,6 +54,9 @@ SWITCHES = {
     "decode-chunk": ("attention", {"DECODE_MMA": False},
                      "the decode rows' attention by decode.cu's split-key attend_chunk, not attend_mma on the tensor "
                      "cores (attention.DECODE_MMA off)"),
+    "tuned-products": ("linalg", {"TUNED_PRODUCTS": True},
+                       "the linears' cuBLAS products with the algorithm measured fastest for each shape "
+                       "(linalg.TUNED_PRODUCTS)"),
     "slot-balanced": ("attention", {"SLOT_BALANCED_CHUNKS": True},
                       "each decode row's visible keys split into the step's chunks (attention.SLOT_BALANCED_CHUNKS), "
                       "not chunks of the cache's length"),

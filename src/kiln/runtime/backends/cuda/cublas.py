@@ -132,13 +132,15 @@ def _batched(x: Any, batch: tuple[int, ...]) -> Any:
     return cp.lib.stride_tricks.as_strided(x, (n,) + x.shape[-2:], (step,) + x.strides[-2:])
 
 
-def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False) -> Any:
+def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False, tuned: bool = False) -> Any:
     """a @ b for a, b of >= 2 dims (batch dims broadcast), in their one dtype (float32/64, float16, bfloat16);
     with `accumulate`, out += a @ b (out given, contiguous), the sum rounded once. A float32 `out` takes a
     float16/bfloat16 product unrounded (attention's scores).
 
     One cublasGemmStridedBatchedEx call. Row-major C = A B is computed as column-major C^T = B^T A^T, so no
     operand is copied when its last or second-to-last dim has unit stride (a weight's transposed view included).
+    With `tuned`, a 2-d float16/bfloat16 product runs the algorithm measured fastest for its shape (cublaslt.py)
+    where that is not GemmEx's own.
     """
     dtype = a.dtype
     batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
@@ -165,10 +167,21 @@ def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False) -> Any:
     kind = _CUDA_R[np.dtype(dtype)]
     lib = _library()
     handle = _HANDLES.get()
-    _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
-    _check(lib.cublasGemmStridedBatchedEx(
-        handle, op_b, op_a, n, m, k, ctypes.byref(one),
-        b3.data.ptr, kind, ld_b, stride_b, a3.data.ptr, kind, ld_a, stride_a,
-        ctypes.byref(beta), out.data.ptr, _CUDA_R[out.dtype], n, m * n, count, compute, _GEMM_DEFAULT),
-        "cublasGemmStridedBatchedEx")
+
+    def gemmex(c: int) -> None:
+        _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
+        _check(lib.cublasGemmStridedBatchedEx(
+            handle, op_b, op_a, n, m, k, ctypes.byref(one),
+            b3.data.ptr, kind, ld_b, stride_b, a3.data.ptr, kind, ld_a, stride_a,
+            ctypes.byref(beta), c, _CUDA_R[out.dtype], n, m * n, count, compute, _GEMM_DEFAULT),
+            "cublasGemmStridedBatchedEx")
+
+    if tuned and count == 1 and dtype != np.float32 and dtype != np.float64:
+        from kiln.runtime.backends.cuda import cublaslt
+
+        product = cublaslt.Product(op_b, op_a, n, m, k, b3.data.ptr, ld_b, a3.data.ptr, ld_a, out.data.ptr, kind,
+                                   _CUDA_R[out.dtype], float(accumulate))
+        if cublaslt.run(product, gemmex):
+            return out
+    gemmex(out.data.ptr)
     return out

@@ -112,6 +112,16 @@ def _gemv(x2: Any, weight: Any, bias: Any, activation: str = "", norm: tuple | N
     return out
 
 
+TUNED_PRODUCTS = False
+"""Whether the linear layers' cuBLAS products (5+ rows, float16/bfloat16) run the algorithm measured fastest for
+their shape on first use (cublaslt.py: cuBLASLt's candidates and cublasGemmEx timed on the real operands) rather
+than GemmEx's heuristic pick. For the skinny products of a batched decode step: H200, 64 rows, cuBLAS read the 1B
+shape's o projection at 27% of the copy bandwidth, q/k/v at 38%, down at 54%, because 16-24 output tiles leave
+most of 132 SMs idle; split-K candidates can fill them. Predicted: q/k/v 7.8 -> ~5 us, o 7.3 -> ~4, down 14.7 ->
+~11, the 64-slot bf16 step 1.61 -> ~1.45 ms. Off until measured (gpu_slot_decode.py --compare-tuned-products,
+gpu_kernels.py --rows 64 --tuned)."""
+
+
 def addmm(x2: Any, weight_t: Any, bias: Any) -> Any:
     """x2 [M, K] @ weight_t [K, N] + bias with the bias added inside the product (beta = 1), rounded once, as
     PyTorch's addmm does."""
@@ -128,7 +138,7 @@ def addmm(x2: Any, weight_t: Any, bias: Any) -> Any:
     if bias is not None:
         out = cp.empty((x2.shape[0], weight_t.shape[1]), dtype=x2.dtype)
         out[...] = bias
-    return cublas.matmul(x2, weight_t, out=out, accumulate=bias is not None)
+    return cublas.matmul(x2, weight_t, out=out, accumulate=bias is not None, tuned=TUNED_PRODUCTS)
 
 
 @kernel("linear")
