@@ -28,7 +28,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from serve_load import export_llama_shape, free_port, run_level, server_processes  # noqa: E402
+from serve_load import export_llama_shape, free_port, run_level  # noqa: E402
 
 STACKS = {"h11 + asyncio": ("h11", "asyncio"), "httptools + asyncio": ("httptools", "asyncio"),
           "httptools + uvloop": ("httptools", "uvloop")}
@@ -64,7 +64,7 @@ def one_run(program: Path, http: str, loop: str, work: list, concurrency: int) -
                     raise SystemExit(f"the server ({http}, {loop}) exited") from None
                 time.sleep(0.2)
         asyncio.run(run_level(port, "bench", concurrency, [(p, 4) for p, _ in work[:concurrency]], True))
-        level = asyncio.run(run_level(port, "bench", concurrency, work, True, server_processes(server.pid)))
+        level = asyncio.run(run_level(port, "bench", concurrency, work, True, cpu=True))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)

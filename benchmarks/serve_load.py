@@ -105,8 +105,8 @@ class Level:
     errors: int = 0
     client_cpu: float = 0.0
     server_cpu: dict[str, float] = field(default_factory=dict)
-    """(server) CPU seconds of each of the server's processes over the level: "http", and "engine" where the engine
-    runs in a process of its own"""
+    """(server) CPU seconds of each of the server's processes over the level, from its /metrics: "http", and
+    "engine" where the engine runs in a process of its own (as of its last message)"""
     decode_seconds: float = 0.0
     """(engine alone) the time of the level's batched decode steps, sampling included"""
 
@@ -123,30 +123,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a live process has used (Linux /proc; NaN elsewhere or once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+CPU_SERIES = {"http": "kiln_http_process_cpu_seconds_total", "engine": "kiln_engine_process_cpu_seconds_total"}
 
 
-def server_processes(pid: int) -> dict[str, int]:
-    """The server's process ("http") and, with the engine in a process of its own, that child ("engine"): what
-    serve_load charges per output token, to tell the HTTP side's ceiling from the engine's."""
-    found = {"http": pid}
-    try:
-        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (t / "children").read_text().split()]
-    except OSError:
-        return found
-    for child in children:  # the spawned engine, not multiprocessing's resource tracker
-        try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                found["engine"] = child
-        except OSError:
-            pass
+def server_cpu_seconds(port: int) -> dict[str, float]:
+    """The server's CPU seconds so far by process, from its /metrics: "http" (the server's own process) and, with
+    the engine in a process of its own, "engine"."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    found = {}
+    for line in text.splitlines():
+        for name, series in CPU_SERIES.items():
+            if line.startswith(series + "{") or line.startswith(series + " "):
+                found[name] = float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -210,7 +198,7 @@ async def one_raw_request(port: int, model: str, prompt: list[int], max_tokens: 
 
 
 async def run_level(port: int, model: str, concurrency: int, work: list[tuple[list[int], int]],
-                    raw: bool, processes: dict[str, int] | None = None) -> Level:
+                    raw: bool, cpu: bool = False) -> Level:
     level = Level(concurrency)
     queue = list(work)
     client = None
@@ -228,13 +216,14 @@ async def run_level(port: int, model: str, concurrency: int, work: list[tuple[li
             else:
                 await one_request(client, model, prompt, max_tokens, level)
 
-    processes = processes or {}
-    served = {name: process_cpu_seconds(pid) for name, pid in processes.items()}
-    start, cpu = time.perf_counter(), time.process_time()
+    served = server_cpu_seconds(port) if cpu else {}
+    start, client_cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     level.wall = time.perf_counter() - start
-    level.client_cpu = (time.process_time() - cpu) / level.wall
-    level.server_cpu = {name: process_cpu_seconds(pid) - served[name] for name, pid in processes.items()}
+    level.client_cpu = (time.process_time() - client_cpu) / level.wall
+    if cpu:
+        level.server_cpu = {name: seconds - served[name] for name, seconds in server_cpu_seconds(port).items()
+                            if name in served}
     if client is not None:
         await client.close()
     return level
@@ -341,10 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:  # warm-up: every batch size's plan (and graph) before anything is timed
             asyncio.run(run_level(port, "bench", c, [(p, 4) for p, _ in level_work(c)[:c]], raw))
         results = []
-        processes = server_processes(server.pid)
         for c in levels:
             print(f"concurrency {c}: {len(level_work(c))} requests ...", file=sys.stderr, flush=True)
-            results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw, processes)))
+            results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw, cpu=True)))
     finally:
         server.terminate()
         server.wait(60)
@@ -396,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 def server_cpu_table(results: list[Level]) -> None:
     """Each server process's CPU over a level: the share of one core it kept busy and its CPU microseconds per
     output token. A process near 100% of a core is the ceiling of the server's tokens/s, whatever the device."""
-    names = list(results[0].server_cpu)
+    names = [name for name in CPU_SERIES if name in results[0].server_cpu]
     print("| server CPU: concurrency | " + " | ".join(f"{n} cores | {n} us/token" for n in names) + " |")
     print("|---:|" + "---:|---:|" * len(names))
     for r in results:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kiln.runtime.serve.engine_process import EngineProcess
 from tests.runtime.serve.conftest import client, live_server, openai
 from tests.runtime.tiny_llm import words
 
@@ -195,6 +196,14 @@ def test_health_models_and_metrics(server):
                    "kiln_inter_token_latency_seconds_count", "kiln_decode_batch_size_sum"):
         assert f"\n{series}" in text, series
     assert '# TYPE kiln_requests_total counter' in text
+    cpu = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line.startswith(("kiln_http_process_cpu_seconds_total", "kiln_engine_process_cpu_seconds_total"))}
+    assert "# TYPE kiln_http_process_cpu_seconds_total counter" in text
+    assert cpu["kiln_http_process_cpu_seconds_total"] > 0
+    # the engine's own process reports its CPU time with its events; on a thread it is the server's process
+    in_process = isinstance(server.app.state.service.engine, EngineProcess)
+    assert ("kiln_engine_process_cpu_seconds_total" in cpu) == in_process
+    assert cpu.get("kiln_engine_process_cpu_seconds_total", 1.0) > 0
 
 
 class Gate:

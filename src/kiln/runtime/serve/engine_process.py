@@ -11,8 +11,8 @@ child loads the program on the backend, warms it up and runs an LLMEngine. They 
 - parent -> child: ("submit", id, prompt ids, max_tokens, sampler, stop token ids, stop texts, detokenize),
   ("cancel", id), ("shutdown", message);
 - child -> parent: ("ready", slots) or ("failed", message) once; then ("events", [(id, Event)...], [(batch,
-  seconds) per decode step], queue depth, running) as the engine produces them, all events of a step in one
-  message; ("closed",) after a shutdown.
+  seconds) per decode step], queue depth, running, the child's CPU seconds) as the engine produces them, all
+  events of a step in one message; ("closed",) after a shutdown.
 A reader thread in the parent hands each event to its Generation's `emit` (the request's event loop) and keeps
 the request's counts and the server's metrics. If the child dies, every request in flight ends with an error event
 and new ones are refused (EngineStoppedError).
@@ -74,6 +74,8 @@ class EngineProcess:
         self._shutting_down = threading.Lock()
         self._closed = threading.Event()  # the reader has seen the child's last message
         self._queue_depth = self._running = 0
+        self.cpu_seconds = 0.0
+        """The child's CPU time (user + system) as of its last message (the server's /metrics)."""
         self._conn: Any = None
         self._process: Any = None
         self._reader = threading.Thread(target=self._read, name="kiln-engine-reader", daemon=True)
@@ -178,7 +180,7 @@ class EngineProcess:
                 break
             if message[0] == "closed":
                 break
-            _, events, steps, self._queue_depth, self._running = message
+            _, events, steps, self._queue_depth, self._running, self.cpu_seconds = message
             for batch, seconds in steps:
                 self.metrics.step(batch, seconds)
             for key, event in events:
@@ -263,7 +265,7 @@ class _Outbox:
             depth, running = (engine.queue_depth, engine.running) if engine is not None else (0, 0)
             if events or steps:
                 try:
-                    self._conn.send(("events", events, steps, depth, running))
+                    self._conn.send(("events", events, steps, depth, running, time.process_time()))
                 except (OSError, ValueError):  # the parent has gone
                     return
             if closing:

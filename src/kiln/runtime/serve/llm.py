@@ -132,6 +132,9 @@ class LLMService(Service):
         metrics.gauge("kiln_queue_depth", "requests waiting for a KV-cache slot", lambda: self.engine.queue_depth)
         metrics.gauge("kiln_running_sequences", "sequences holding a KV-cache slot", lambda: self.engine.running)
         metrics.gauge("kiln_slots", "KV-cache slots of the program", lambda: self.engine.capacity)
+        if isinstance(self.engine, EngineProcess):
+            metrics.sampled("kiln_engine_process_cpu_seconds_total", "CPU time (user + system) of the engine's "
+                            "process, as of its last message", lambda: self.engine.cpu_seconds, kind="counter")
 
     def routes(self) -> list[Route]:
         return [Route("/v1/chat/completions", self.chat, methods=["POST"]),

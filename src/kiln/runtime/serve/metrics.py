@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kiln.runtime.serve.engine import EngineMetrics, Generation
@@ -59,6 +60,8 @@ class Metrics(EngineMetrics):
                            ("kiln_decode_step_seconds", "time of one batched decode step")):
             self._histogram(name, text, LATENCY_BUCKETS)
         self._histogram("kiln_decode_batch_size", "sequences in one batched decode step", BATCH_BUCKETS)
+        self.sampled("kiln_http_process_cpu_seconds_total", "CPU time (user + system) of the server's own process: "
+                     "near one second a second, it limits the server's tokens/s", time.process_time, kind="counter")
 
     def _histogram(self, name: str, text: str, buckets: Sequence[float]) -> None:
         self._help[name] = ("histogram", text)
@@ -66,7 +69,11 @@ class Metrics(EngineMetrics):
 
     def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:
         """A value read when scraped (queue depth, running sequences)."""
-        self._help[name] = ("gauge", text)
+        self.sampled(name, text, read)
+
+    def sampled(self, name: str, text: str, read: Callable[[], float], kind: str = "gauge") -> None:
+        """A series whose value is read when scraped: a gauge, or a counter kept elsewhere (CPU seconds)."""
+        self._help[name] = (kind, text)
         self._gauges[name] = read
 
     def count(self, name: str, text: str, amount: float = 1, **labels: str) -> None:
@@ -105,12 +112,12 @@ class Metrics(EngineMetrics):
             for name in names:
                 kind, text = self._help[name]
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-                if kind == "counter":
+                if name in self._gauges:
+                    lines.append(f"{name}{_labels(model)} {self._gauges[name]():g}")
+                elif kind == "counter":
                     for (n, labels), value in sorted(self._counters.items()):
                         if n == name:
                             lines.append(f"{name}{_labels({**model, **dict(labels)})} {value:g}")
-                elif kind == "gauge":
-                    lines.append(f"{name}{_labels(model)} {self._gauges[name]():g}")
                 else:
                     lines += self._histograms[name].lines(name, model)
         return "\n".join(lines) + "\n"
