@@ -131,3 +131,81 @@ def test_warm_up_captures_every_padded_step_before_serving(llm_path) -> None:
         assert run_together(engine, [([9, 10, 11], 4, Sampler())])[0]
     finally:
         engine.shutdown()
+
+
+def run_with_stops(engine: LLMEngine, requests: list[tuple[list[int], int, Sampler, list[int], list[str]]]
+                   ) -> list[tuple[list[int], str, str]]:
+    """Submit every request at once; each one's (token ids, text, finish reason) when all are done."""
+    results: list[list] = [[[], "", None] for _ in requests]
+    done = threading.Semaphore(0)
+
+    def emit_for(k: int):
+        def emit(event) -> None:
+            if event.kind == "token":
+                results[k][0].append(event.token_id)
+                results[k][1] += event.text
+            elif event.kind == "text":
+                results[k][1] += event.text
+            elif event.kind in ("done", "error"):
+                assert event.kind == "done", event.message
+                results[k][2] = event.finish_reason
+                done.release()
+        return emit
+
+    for k, (prompt, max_tokens, sampler, stop_ids, stop_texts) in enumerate(requests):
+        detokenizer = engine.tokenizer.detokenizer() if engine.tokenizer is not None else None
+        engine.submit(Generation(prompt, max_tokens, sampler, stop_ids, stop_texts, emit_for(k), detokenizer))
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    return [tuple(r) for r in results]
+
+
+@pytest.mark.parametrize("prefill_tokens", [3, 16], ids=["prompt-split-over-steps", "prompts-share-a-step"])
+def test_overlapped_steps_give_what_the_steps_one_after_another_give(llm_path, backend, prefill_tokens) -> None:
+    """LLMEngine(overlap=True): each step launched before the host reads the step before's picks, which it takes
+    as its tokens where they lie. The same tokens, text and finish reasons as the engine without overlap, for
+    requests that end by max_tokens, by a stop token and by a stop string (each seen only when its pick is read,
+    after the next step was launched with a row for it), at the context's end, beside a sampled one (whose steps
+    run without overlap), alone and together, with more requests than slots (a finished sequence's slot taken by
+    the next one while its dropped row is in flight)."""
+    program = kiln.load(llm_path)
+    info = LLMEngine(program, backend, prefill_in_steps=False).info
+    prompts = [[9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24], [30], [40, 41], [5] * 9]
+    probe = LLMEngine(program, backend, prefill_tokens=prefill_tokens, prefill_in_steps=True).start()
+    try:
+        free = run_together(probe, [(p, 12, Sampler()) for p in prompts])
+    finally:
+        probe.shutdown()
+    # a stop token that sequence 1 meets at its 5th token, a stop string of sequence 2's 4th token's text
+    stop_ids = {1: [free[1][4]]}
+    text = probe.tokenizer.decode(free[2][:4]) if probe.tokenizer is not None else ""
+    stop_texts = {2: [text[-3:]]} if len(text) >= 3 else {}
+    long_prompt = list(range(3, 3 + info.max_context - 4))  # 4 positions left: ends by the context
+    requests = [(p, 12, Sampler(), stop_ids.get(k, []), stop_texts.get(k, [])) for k, p in enumerate(prompts)]
+    requests.append((long_prompt, 12, Sampler(), [], []))
+    with_sampled = requests[:3] + [(prompts[3], 12, Sampler(temperature=0.9, seed=5), [], [])] + requests[4:]
+    results = {}
+    for overlap in (False, True):
+        engine = LLMEngine(program, backend, prefill_tokens=prefill_tokens, prefill_in_steps=True,
+                           overlap=overlap).start()
+        try:
+            results[overlap] = (
+                [run_with_stops(engine, [r])[0] for r in requests],
+                run_with_stops(engine, requests),
+                run_with_stops(engine, with_sampled),
+            )
+        finally:
+            engine.shutdown()
+    alone, together, mixed = results[True]
+    assert alone == results[False][0] and together == results[False][0]
+    assert [r for k, r in enumerate(mixed) if k != 3] == [r for k, r in enumerate(results[False][0]) if k != 3]
+    reasons = [r[2] for r in alone]
+    assert reasons[1] == "stop" and len(alone[1][0]) == 4 and reasons[-1] == "length" and len(alone[-1][0]) < 12
+    assert reasons[0] == "length" and len(alone[0][0]) == 12
+
+
+def test_overlap_needs_prompts_in_steps(llm_path) -> None:
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match="overlap needs prompts fed in the decode steps"):
+        LLMEngine(kiln.load(llm_path), prefill_in_steps=False, overlap=True)

@@ -119,6 +119,28 @@ class Backend:
         sequences, whose logits over a large vocabulary would otherwise cross to the host every step)."""
         return np.argmax(self.to_numpy(x).reshape(x.shape[0], -1), axis=1)
 
+    def argmax_rows_here(self, x: Any) -> Any:
+        """argmax_rows left where x lives (int64 [rows], this backend's array): a serving engine feeds a step's
+        greedy picks to the next step without waiting for them (kiln.runtime.serve.engine's overlap)."""
+        return self.argmax_rows(x)
+
+    def upload(self, x: np.ndarray) -> Any:
+        """x as this backend's array without waiting for the device's queued work (a GPU copies it from pinned
+        memory, in order on its stream): the next step's inputs while the step before it still runs."""
+        return self.asarray(x)
+
+    def fetch(self, x: Any) -> Callable[[], np.ndarray]:
+        """Start copying x to the host; the returned function waits for that copy alone (not for work queued
+        after it) and gives the NumPy array."""
+        arr = self.to_numpy(x)
+        return lambda: arr
+
+    def put_rows(self, target: Any, rows: np.ndarray, source: Any, picks: np.ndarray) -> Any:
+        """target (this backend's 1-d array) with target[rows] = source[picks], source another array of it."""
+        out = np.array(self.to_numpy(target))
+        out[rows] = self.to_numpy(source)[picks]
+        return self.asarray(out)
+
     def numpy_dtype(self, x: Any) -> np.dtype:
         """x's element type as a NumPy dtype (the type the program's specs are written in)."""
         return x.dtype

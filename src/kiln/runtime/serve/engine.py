@@ -90,6 +90,9 @@ class Generation:
         self.position = 0
         self.pending: int | None = None
         """The last token sampled, to be fed at `position` by the next decode step (None while prefilling)."""
+        self.ahead: tuple[_InFlight, int] | None = None
+        """With the engine's overlap: the launched step (and row of its picks) whose pick this generation feeds at
+        `position` next, before the host has read it."""
         self.completion_tokens = 0
         self.handle: int | None = None
         """The engine process's number for it (engine_process.EngineProcess); None in an engine thread."""
@@ -121,6 +124,19 @@ class EngineMetrics:
         """A generation ended (its finish_reason says how)."""
 
 
+@dataclass
+class _InFlight:
+    """A launched decode step whose greedy picks the host has not read yet (LLMEngine's overlap): the picks stay
+    where the logits are, for the next step to take as its tokens, while `fetch` brings them to the host."""
+
+    ids: Any  # the backend's int64 [len(sampled)] (None: no row sampled)
+    fetch: Callable[[], np.ndarray]
+    sampled: list[Generation]
+    positions: list[int]  # where each pick is fed (the generation's position after this step)
+    decoding: int  # sampled[:decoding] were decoding rows, the rest prompts this step ended
+    started: float
+
+
 def padded_rows(rows: int, most: int) -> int:
     """The row count a step of `rows` rows is padded to where graphs are captured per row count: a power of two
     up to 8, a multiple of 8 up to 64, then of 64 (at most `most`): few graphs, and little padding at the batch
@@ -138,11 +154,16 @@ class LLMEngine:
     the program's prefill chunk); fewer keep each step shorter for the running streams, more fill the slots faster.
     prefill_in_steps: feed prompts as rows of the decode steps (True), or by the prefill method (False); default:
     where the program and the backend allow it (see the module's docstring).
+    overlap: launch each decode step before reading the step before's greedy picks, which it takes as its tokens
+    where they lie (a GPU's memory): the host's work between two steps (building the rows, detokenizing, stop
+    strings, handing events on) runs while the device computes, instead of between its steps. A sequence that
+    stops at a step has then already been given a row of the next one, whose result is dropped. Steps with a
+    sampled (non-greedy) sequence run as before. Needs prompts in decode steps.
     """
 
     def __init__(self, program: Program, backend: str = "cpu", max_queue: int = 64,
                  metrics: EngineMetrics | None = None, prefill_tokens: int | None = None,
-                 prefill_in_steps: bool | None = None):
+                 prefill_in_steps: bool | None = None, overlap: bool = False):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_tokens is not None and prefill_tokens < 1:
@@ -167,6 +188,11 @@ class LLMEngine:
                             "no room for prompt tokens in a step; export it again with --slots to serve prompts "
                             "in decode steps")
         self.prefill_in_steps = bool(prefill_in_steps)
+        if overlap and not self.prefill_in_steps:
+            raise KilnError("overlap needs prompts fed in the decode steps (prefill_in_steps; a program exported "
+                            "with --slots, on a backend that reads a slot's rows in place)")
+        self.overlap = bool(overlap)
+        self._inflight: _InFlight | None = None
         self.prefill_tokens = min(prefill_tokens or self.info.prefill_chunk, self.max_rows - 1) \
             if prefill_in_steps else 0
         self._waiting: deque[Generation] = deque()
@@ -244,6 +270,9 @@ class LLMEngine:
                 self._admit()
             for generation in [g for g in self._running if g.cancelled]:
                 self._finish(generation, "cancelled")
+            if self.overlap:
+                self._overlapped_step()
+                continue
             if self.prefill_in_steps:
                 self._step_with_prompts()
                 continue
@@ -343,6 +372,112 @@ class LLMEngine:
                 generation.pending = None
             self._accept(generation, token)
 
+    def _continues(self, generation: Generation) -> bool:
+        """Whether a generation whose pick is in flight may need another step: not if that pick is its last by
+        count or by the context (a stop token or string the host only sees when it reads the pick)."""
+        return generation.completion_tokens + 1 < generation.max_tokens and \
+            generation.position < self.info.max_context
+
+    def _overlapped_step(self) -> None:
+        """_step_with_prompts's step, launched before the step in flight (if any) is read: decoding sequences
+        whose pick is in flight take it as their token on the device. Then the step before is read and its
+        picks accepted while this one runs."""
+        previous = self._inflight
+        live = [g for g in self._running if not g.cancelled and not g.finished]
+        decoding = [g for g in live if g.pending is not None or (g.ahead is not None and self._continues(g))]
+        room = min(self.prefill_tokens, self.max_rows - len(decoding))
+        chunks: list[tuple[Generation, int, bool]] = []
+        for generation in live:
+            if room <= 0:
+                break
+            if generation.pending is None and generation.ahead is None:
+                left = generation.prompt_tokens - generation.prefilled
+                count = min(room, left)
+                chunks.append((generation, count, count == left))
+                room -= count
+        sampled = decoding + [g for g, _, ends in chunks if ends]
+        if not sampled and not chunks or not all(g.sampler.greedy for g in sampled):
+            self._drain()  # nothing to launch, or a sampled sequence: the host needs the logits
+            if sampled or chunks:
+                self._step_with_prompts()
+            return
+        rows = [(g.pending if g.pending is not None else -1 - g.ahead[1], g.position, g.slot) for g in decoding]
+        rows += [(g.prompt_ids[-1], g.prompt_tokens - 1, g.slot) for g, _, ends in chunks if ends]
+        for generation, count, ends in chunks:
+            first = generation.prefilled
+            rows += [(generation.prompt_ids[p], p, generation.slot) for p in range(first, first + count - ends)]
+        try:
+            step = self._launch(rows, sampled, len(decoding), previous)
+        except Exception as e:  # as _guarded: the step's generations end with the error, the engine goes on
+            log.exception("generation step failed")
+            for generation in sampled + [g for g, _, _ in chunks]:
+                self._finish(generation, "error", f"{type(e).__name__}: {e}")
+            self._drain()
+            return
+        for generation, count, ends in chunks:
+            generation.prefilled += count
+            if ends:
+                generation.position = generation.prompt_tokens
+        for index, generation in enumerate(decoding):
+            generation.pending = None
+            generation.position += 1
+            generation.ahead = (step, index)
+        for index, generation in enumerate(sampled[len(decoding):], start=len(decoding)):
+            generation.ahead = (step, index)
+        step.positions = [g.position for g in sampled]
+        self._inflight = step
+        if previous is not None:
+            self._read(previous)
+
+    def _launch(self, rows: list[tuple[int, int, int]], sampled: list[Generation], decoding: int,
+                previous: _InFlight | None) -> _InFlight:
+        """Queue one decode call over rows of (token, position, slot), a token below 0 standing for pick -1 - t
+        of the step in flight, and the greedy pick of its first len(sampled) rows; nothing waits for the device."""
+        started = time.perf_counter()
+        if self._pad_batches:
+            rows = rows + rows[-1:] * (padded_rows(len(rows), self.max_rows) - len(rows))
+        backend = self.session.backend
+        tokens, positions, slots = (np.asarray(column, dtype=np.int64) for column in zip(*rows))
+        ahead = np.flatnonzero(tokens < 0)
+        token_input = backend.upload(np.where(tokens < 0, 0, tokens))
+        if ahead.size:
+            token_input = backend.put_rows(token_input, ahead, previous.ids, -1 - tokens[ahead])
+        slot_input = tuple(backend.upload(a) for a in slot_inputs(self.info, slots.tolist()))
+        logits = self.session.run("decode", token_input.reshape(-1, 1), backend.upload(positions), *slot_input)[0]
+        if not sampled:  # prompt rows alone: nothing to pick
+            return _InFlight(None, lambda: np.zeros(0, np.int64), sampled, [], decoding, started)
+        ids = backend.argmax_rows_here(logits.reshape(len(rows), -1)[:len(sampled)])
+        return _InFlight(ids, backend.fetch(ids), sampled, [], decoding, started)
+
+    def _read(self, step: _InFlight) -> None:
+        """The host reads a launched step's picks and accepts them (a generation already finished, by a stop
+        seen in the step before or by an error, drops its pick); one whose next row was not launched yet takes
+        its pick as its pending token."""
+        try:
+            picks = step.fetch()
+        except Exception as e:
+            log.exception("generation step failed")
+            for generation in step.sampled:
+                self._finish(generation, "error", f"{type(e).__name__}: {e}")
+            return
+        if step.decoding:
+            self.metrics.step(step.decoding, time.perf_counter() - step.started)
+        for index, (generation, token) in enumerate(zip(step.sampled, picks.tolist())):
+            if generation.finished:
+                continue
+            last = generation.ahead is not None and generation.ahead[0] is step
+            self._accept(generation, int(token), position=step.positions[index], feed=False)
+            if last:
+                generation.ahead = None
+                if not generation.finished:
+                    generation.pending = int(token)
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any: every generation then has its pick on the host (pending)."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._read(step)
+
     def _sample(self, generations: list[Generation], logits: Any) -> list[int]:
         """Each sequence's next token from its row of the step's logits (the backend's array, maybe padded with
         extra rows): when every sequence is greedy, the argmax of each row where the logits are (a GPU sends back
@@ -353,8 +488,10 @@ class LLMEngine:
         rows = self.session.backend.to_numpy(logits)
         return [g.sampler(row) for g, row in zip(generations, rows)]
 
-    def _accept(self, generation: Generation, token: int) -> None:
-        """A sampled token: emitted, then the generation ends or waits for the next decode step."""
+    def _accept(self, generation: Generation, token: int, position: int | None = None, feed: bool = True) -> None:
+        """A sampled token: emitted, then the generation ends or (feed) waits for the next decode step with it.
+        position: where the token is fed (the overlap's generations have moved on already); default the
+        generation's."""
         now = time.perf_counter()
         first = generation.first_token_at is None
         self.metrics.token(first, now - (generation.submitted if first else generation.last_token_at))
@@ -370,9 +507,10 @@ class LLMEngine:
         generation.emit(Event("token", text, token))
         if stopped:
             self._finish(generation, "stop")
-        elif generation.completion_tokens >= generation.max_tokens or generation.position >= self.info.max_context:
+        elif generation.completion_tokens >= generation.max_tokens or \
+                (generation.position if position is None else position) >= self.info.max_context:
             self._finish(generation, "length")
-        else:
+        elif feed:
             generation.pending = token
 
     def _finish(self, generation: Generation, reason: str, message: str | None = None) -> None:

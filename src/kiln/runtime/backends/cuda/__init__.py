@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from kiln.runtime.program import Program
 log = logging.getLogger("kiln.runtime.cuda")
 
 ARGMAX_THREADS = 1024  # threads of kernels/argmax.cu's block per row (its ARGMAX_THREADS)
+_STAGING: deque = deque()  # (event after an upload's copy, its pinned staging array): kept until the copy ran
 
 
 def _cupy() -> Any:
@@ -83,6 +85,9 @@ class CUDABackend(Backend):
         return self.cp.asnumpy(x)
 
     def argmax_rows(self, x: Any) -> np.ndarray:
+        return self.cp.asnumpy(self.argmax_rows_here(x))
+
+    def argmax_rows_here(self, x: Any) -> Any:
         """kernels/argmax.cu over contiguous float rows (one pass in their own type, a block per row); CuPy's
         argmax (which takes float32 and wider) otherwise."""
         from kiln.runtime.backends.cuda import nvrtc
@@ -93,10 +98,49 @@ class CUDABackend(Backend):
             out = cp.empty(rows.shape[0], dtype=cp.int64)
             nvrtc.function("argmax", "argmax_rows", rows.dtype)((rows.shape[0],), (ARGMAX_THREADS,),
                                                                 (rows, out, np.int64(rows.shape[1])))
-            return cp.asnumpy(out)
+            return out
         if rows.dtype.kind != "f" or rows.dtype.itemsize < 4:  # CuPy's reductions take float32 and wider
             rows = rows.astype(cp.float32)
-        return cp.asnumpy(cp.argmax(rows, axis=1)).astype(np.int64, copy=False)
+        return cp.argmax(rows, axis=1).astype(cp.int64, copy=False)
+
+    def upload(self, x: np.ndarray) -> Any:
+        """Through a pinned staging array, an asynchronous copy on the current stream: a copy from pageable
+        memory waits for the stream's queued work first. The staging array stays referenced by the copy's
+        device array until the copy is done (the device array's `_kiln_staging`)."""
+        cp = self.cp
+        import cupyx
+
+        staging = cupyx.empty_pinned(x.shape, dtype=x.dtype)
+        staging[...] = x
+        out = cp.empty(x.shape, dtype=x.dtype)
+        out.set(staging, stream=cp.cuda.get_current_stream())
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record()
+        _STAGING.append((event, staging))  # freed once the copy has run
+        while _STAGING and _STAGING[0][0].done:
+            _STAGING.popleft()
+        return out
+
+    def fetch(self, x: Any) -> Callable[[], np.ndarray]:
+        """An asynchronous copy into pinned memory and an event after it: waiting for the event waits for x's
+        kernels and the copy, not for the work queued after them (the next step)."""
+        cp = self.cp
+        import cupyx
+
+        pinned = cupyx.empty_pinned(x.shape, dtype=x.dtype)
+        x.get(stream=cp.cuda.get_current_stream(), out=pinned, blocking=False)
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record()
+
+        def wait() -> np.ndarray:
+            event.synchronize()
+            return np.array(pinned)
+
+        return wait
+
+    def put_rows(self, target: Any, rows: np.ndarray, source: Any, picks: np.ndarray) -> Any:
+        target[self.upload(rows.astype(np.int64))] = source[self.upload(picks.astype(np.int64))]
+        return target
 
     def empty_like(self, x: Any) -> Any:
         return self.cp.empty(x.shape, dtype=x.dtype)
