@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(int4-g32-sym is Q4_0's layout; default: none)")
     p.add_argument("--engine-in", choices=("process", "thread"), default="process",
                    help="the server's engine in a process of its own (default, as `kiln serve`) or on a thread")
+    p.add_argument("--overlap", action="store_true",
+                   help="the server's engine with overlapped steps (kiln serve --overlap); with --engine, the engine "
+                        "alone both without and with them, levels interleaved")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -108,6 +111,8 @@ class Level:
     """(server) CPU seconds of each of the server's processes over the level, from its /metrics: "http", and
     "engine" where the engine runs in a process of its own (as of its last message)"""
     decode_seconds: float = 0.0
+    overlap: bool = False
+    """(engine alone) whether the engine overlapped its steps"""
     """(engine alone) the time of the level's batched decode steps, sampling included"""
 
     def arrived(self, start: float, last: float | None) -> float:
@@ -316,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(args.program), "--port", str(port),
                                "--backend", args.backend, "--model-name", "bench", "--log-level", "warning",
                                "--max-queue", str(max(len(level_work(c)) for c in levels)),
-                               "--engine-in", args.engine_in], cwd=REPO, env=env)
+                               "--engine-in", args.engine_in] + (["--overlap"] if args.overlap else []),
+                              cwd=REPO, env=env)
     raw = args.client == "raw"
     try:
         for _ in range(1800):
@@ -348,17 +354,22 @@ def main(argv: list[str] | None = None) -> int:
                 self.seconds += seconds
 
         steps = StepTime()
-        engine = LLMEngine(program, args.backend, max_queue=max(len(level_work(c)) for c in levels),
-                           metrics=steps).warm_up().start()
+        engines = {overlap: LLMEngine(program, args.backend, max_queue=max(len(level_work(c)) for c in levels),
+                                      metrics=steps, overlap=overlap).warm_up().start()
+                   for overlap in ((False, True) if args.overlap else (False,))}
         try:
             for c in levels:
-                engine_level(engine, c, [(p, 4) for p, _ in level_work(c)[:c]])
-                print(f"engine alone, concurrency {c} ...", file=sys.stderr, flush=True)
-                before = steps.seconds
-                engine_results.append(engine_level(engine, c, level_work(c)))
-                engine_results[-1].decode_seconds = steps.seconds - before
+                for overlap, engine in engines.items():
+                    engine_level(engine, c, [(p, 4) for p, _ in level_work(c)[:c]])
+                    print(f"engine alone{' (overlap)' if overlap else ''}, concurrency {c} ...", file=sys.stderr,
+                          flush=True)
+                    before = steps.seconds
+                    engine_results.append(engine_level(engine, c, level_work(c)))
+                    engine_results[-1].decode_seconds = steps.seconds - before
+                    engine_results[-1].overlap = overlap
         finally:
-            engine.shutdown()
+            for engine in engines.values():
+                engine.shutdown()
     del program
 
     print(f"\nProgram {args.program.name}: slots {info.slots or 1}, context {info.max_context}, backend "
@@ -371,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(r.server_cpu for r in results):
         print()
         server_cpu_table(results)
-    if engine_results:
+    for overlap in sorted({r.overlap for r in engine_results}):
         print()
-        table("engine alone (no HTTP)", engine_results, show_client=False)
+        table("engine alone (no HTTP" + (", overlapped steps)" if overlap else ")"),
+              [r for r in engine_results if r.overlap == overlap], show_client=False)
     first = results[0]
     per_stream = 1 / statistics.median(first.itl) if first.itl else float("nan")
     print(f"\nconcurrency {first.concurrency}: {per_stream:.1f} tokens/s per stream (1 / median inter-token gap), "

@@ -49,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-in", choices=("process", "thread"), default="process",
                    help="language models: run the engine in a process of its own, beside the HTTP server's (default: "
                         "process; the two then use two cores), or on a thread of the server's process (thread)")
+    p.add_argument("--overlap", action="store_true",
+                   help="language models: launch each decode step before reading the last one's greedy picks, so "
+                        "the host's work between steps runs while the device computes (prompts in decode steps: a "
+                        "GPU)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="embedding programs without a tokenizer inside: a tokenizer.json to read text with")
     p.add_argument("--http", default="auto", choices=("auto", "httptools", "h11"),
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s:     %(message)s")
     print(f"loading {args.model} on {args.backend}", flush=True)
     app = create_app(program, args.backend, args.model_name, args.max_queue, tokenizer, args.prefill_tokens,
-                     engine_process=args.engine_in == "process")
+                     engine_process=args.engine_in == "process", overlap=args.overlap)
     print(f"serving '{app.state.model_id}' ({app.state.service.kind}) at http://{args.host}:{args.port}/v1",
           flush=True)
     Server(app, args.host, args.port, log_level=args.log_level, http=args.http, loop=args.loop).run()

@@ -50,7 +50,7 @@ class EngineProcess:
     warm_up(), which returns once it has captured its graphs, and raises KilnError if it could not."""
 
     def __init__(self, path: str | os.PathLike, backend: str = "cpu", max_queue: int = 64,
-                 metrics: EngineMetrics | None = None, prefill_tokens: int | None = None):
+                 metrics: EngineMetrics | None = None, prefill_tokens: int | None = None, overlap: bool = False):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_tokens is not None and prefill_tokens < 1:
@@ -66,6 +66,7 @@ class EngineProcess:
         self.capacity = self.info.slots or 1
         self.max_queue = max_queue
         self.prefill_tokens = prefill_tokens
+        self.overlap = overlap
         self.metrics = metrics or EngineMetrics()
         self._generations: dict[int, Generation] = {}
         self._ids = itertools.count()
@@ -95,7 +96,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied locks, CUDA or threads
         self._conn, child_end = context.Pipe()
         self._process = context.Process(target=_child_main, name="kiln-engine", daemon=True,
-                                        args=(child_end, self.path, self.backend, self.prefill_tokens))
+                                        args=(child_end, self.path, self.backend, self.prefill_tokens, self.overlap))
         self._process.start()
         child_end.close()  # only the child holds its end now, so its exit reads as end of file here
         if not self._conn.poll(START_TIMEOUT):
@@ -283,7 +284,7 @@ class _StepMetrics(EngineMetrics):
         self.outbox.step(batch, seconds)
 
 
-def _child_main(conn: Any, path: str, backend: str, prefill_tokens: int | None) -> None:
+def _child_main(conn: Any, path: str, backend: str, prefill_tokens: int | None, overlap: bool = False) -> None:
     """The engine process: load, warm up, say ready, then follow the parent's messages until shutdown or until
     the parent goes away. Ctrl-C and SIGTERM are the parent's to handle: it tells this process to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -293,7 +294,7 @@ def _child_main(conn: Any, path: str, backend: str, prefill_tokens: int | None) 
     try:
         # the parent bounds the queue (it knows what it has sent): the child takes whatever arrives
         engine = LLMEngine(load(path), backend, max_queue=1 << 30, metrics=_StepMetrics(outbox),
-                           prefill_tokens=prefill_tokens).warm_up()
+                           prefill_tokens=prefill_tokens, overlap=overlap).warm_up()
     except BaseException as e:  # noqa: BLE001 (anything that stops the start is the parent's error message)
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

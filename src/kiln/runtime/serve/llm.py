@@ -124,9 +124,10 @@ class LLMService(Service):
             if program.path is None:
                 raise ValueError("engine_process needs a program loaded from a file (the engine process loads it)")
             self.engine: LLMEngine | EngineProcess = EngineProcess(program.path, backend, options.max_queue, metrics,
-                                                                   options.prefill_tokens)
+                                                                   options.prefill_tokens, options.overlap)
         else:
-            self.engine = LLMEngine(program, backend, options.max_queue, metrics, options.prefill_tokens)
+            self.engine = LLMEngine(program, backend, options.max_queue, metrics, options.prefill_tokens,
+                                    overlap=options.overlap)
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
         metrics.gauge("kiln_queue_depth", "requests waiting for a KV-cache slot", lambda: self.engine.queue_depth)
