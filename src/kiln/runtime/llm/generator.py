@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kiln.errors import InputError
-from kiln.runtime.llm.decoding import decode_step, prefill
+from kiln.runtime.llm.decoding import decode_batch, prefill
 from kiln.runtime.llm.info import LLMInfo
 from kiln.runtime.llm.sampling import Sampler
 from kiln.runtime.llm.tokenizer import LLMTokenizer, Message
@@ -52,7 +52,8 @@ class GenerationStats:
     new_tokens: tokens generated, not counting a stop token (stop_token_id says which one ended it).
     decode_steps: single-token `decode` calls (new_tokens - 1, or new_tokens when a stop token was sampled: the
     first token comes from the prefill's logits and the last one is never fed back).
-    Seconds cover the model calls (prefill, decode) including copying the logits to NumPy, not sampling.
+    Seconds cover the model calls (prefill, decode) including copying the logits to NumPy (or, greedy, picking the
+    argmax where they are), not sampling.
     """
 
     prompt_tokens: int = 0
@@ -301,8 +302,8 @@ class Generator:
         if max_new_tokens == 0:
             stats.stop_reason = "max_new_tokens"
             return
+        token = sampler(logits)
         while True:
-            token = sampler(logits)
             if token in stops:
                 stats.stop_reason, stats.stop_token_id = "stop_token", token
                 break
@@ -316,10 +317,15 @@ class Generator:
                 stats.stop_reason = "context_full"
                 break
             t0 = time.perf_counter()
-            logits = decode_step(self.session, token, position, info=self.info)
+            fed = token
+            logits = decode_batch(self.session, [fed], [position], [0], self.info, host=not sampler.greedy)
+            # greedy: the argmax where the logits are (a GPU sends one integer, not the vocabulary's logits), the
+            # same pick as the sampler's (ties to the lowest id); timed as the logits' copy was, with the step
+            picked = None if isinstance(logits, np.ndarray) else int(self.session.backend.argmax_rows(logits)[0])
             stats.decode_seconds += time.perf_counter() - t0
+            token = sampler(logits) if picked is None else picked
             stats.decode_steps += 1
-            self.cached.append(token)
+            self.cached.append(fed)
             position += 1
         if detokenizer is not None:
             tail = detokenizer.finish()
