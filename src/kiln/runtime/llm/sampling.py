@@ -55,9 +55,11 @@ class Sampler:
             raise ValueError("logits are empty")
         if self.greedy:
             return int(np.argmax(scores))
-        candidates, probs = self.distribution(scores)
-        pick = int(np.searchsorted(np.cumsum(probs), self.rng.random() * probs.sum(), side="right"))
-        return int(candidates[min(pick, candidates.size - 1)])
+        candidates, weights = self._weights(scores)
+        cumulative = np.cumsum(weights)  # unnormalized: one pass fewer over a large vocabulary
+        pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        pick = min(pick, weights.size - 1)
+        return int(candidates[pick]) if candidates is not None else pick
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(candidate token ids, their probabilities) after temperature, top-k and top-p, most likely first when
@@ -65,26 +67,57 @@ class Sampler:
         scores = np.asarray(logits).reshape(-1).astype(np.float64)
         if self.greedy:
             return np.array([int(np.argmax(scores))]), np.ones(1)
+        candidates, weights = self._weights(scores)
+        return (np.arange(scores.size) if candidates is None else candidates), weights / weights.sum()
+
+    def _weights(self, scores: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(candidate ids, or None for every id in order; their unnormalized probabilities exp(score / T - max))
+        after the filters."""
         scores = scores / self.temperature
-        if not np.isfinite(scores.max()):
-            raise ValueError(f"cannot sample: the largest logit / temperature is {scores.max()} (NaN logits, or a "
+        top = scores.max()
+        if not np.isfinite(top):
+            raise ValueError(f"cannot sample: the largest logit / temperature is {top} (NaN logits, or a "
                              "temperature so small that it overflows; use temperature=0 for greedy)")
         if self.top_k and self.top_k < scores.size:
-            # the k largest (argpartition is O(vocab)), then ordered; a stable sort on -score keeps ties by id
-            top = np.argpartition(-scores, self.top_k - 1)[:self.top_k]
-            boundary = scores[top].min()
-            top = np.flatnonzero(scores >= boundary)  # every token tied with the k-th, in id order ...
-            order = top[np.argsort(-scores[top], kind="stable")][:self.top_k]  # ... so ties resolve to low ids
-        elif self.top_p < 1:  # (also when top_k >= vocab)
-            order = np.argsort(-scores, kind="stable")
-        else:
-            order = np.arange(scores.size)
-        probs = np.exp(scores[order] - scores[order].max())
-        probs /= probs.sum()
-        if self.top_p < 1:  # `order` is sorted by probability here (either branch above)
-            keep = int(np.searchsorted(np.cumsum(probs), self.top_p, side="left")) + 1
-            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-        return order, probs
+            order = _largest(scores, self.top_k)[:self.top_k]
+            weights = np.exp(scores[order] - top)
+            if self.top_p < 1:  # `order` is sorted by probability
+                keep = int(np.searchsorted(np.cumsum(weights / weights.sum()), self.top_p, side="left")) + 1
+                order, weights = order[:keep], weights[:keep]
+            return order, weights
+        weights = np.exp(scores - top)
+        if self.top_p < 1:  # (also when top_k >= vocab)
+            order = _nucleus(scores, weights, self.top_p)
+            return order, weights[order]
+        return None, weights
+
+
+def _largest(scores: np.ndarray, count: int) -> np.ndarray:
+    """The ids of the `count` largest scores, and every id tied with the smallest of them, most likely first, ties
+    by id: the first ids of a stable sort by -score, without sorting the vocabulary (argpartition is O(vocab))."""
+    if count >= scores.size:
+        return np.argsort(-scores, kind="stable")
+    part = np.argpartition(-scores, count - 1)[:count]
+    ids = np.flatnonzero(scores >= scores[part].min())  # in id order, so the stable sort keeps ties by id
+    return ids[np.argsort(-scores[ids], kind="stable")]
+
+
+NUCLEUS_FIRST = 256
+"""Candidates _nucleus sorts first (then 8x as many, until the nucleus is inside): a stable sort of a 128k
+vocabulary took 11 ms a token, where the nucleus of a real distribution is a few hundred tokens at most."""
+
+
+def _nucleus(scores: np.ndarray, weights: np.ndarray, top_p: float) -> np.ndarray:
+    """The most likely ids (ties by id) whose probability first adds up to at least top_p, found among the largest
+    scores only, growing the set until it holds them."""
+    total = weights.sum()
+    count = NUCLEUS_FIRST
+    while True:
+        order = _largest(scores, count)
+        keep = int(np.searchsorted(np.cumsum(weights[order]) / total, top_p, side="left")) + 1
+        if keep <= order.size or order.size == scores.size:
+            return order[:keep]
+        count *= 8
 
 
 __all__ = ["Sampler"]
