@@ -480,13 +480,18 @@ class LLMEngine:
 
     def _sample(self, generations: list[Generation], logits: Any) -> list[int]:
         """Each sequence's next token from its row of the step's logits (the backend's array, maybe padded with
-        extra rows): when every sequence is greedy, the argmax of each row where the logits are (a GPU sends back
-        one integer per row); otherwise the rows come to the host and each sampler picks from its own."""
+        extra rows): the greedy ones' argmax where the logits are (a GPU sends back one integer per row), the
+        sampled ones' rows to the host (only theirs: a Llama-3 row is 250 KB), where each sampler picks from its
+        own."""
+        backend = self.session.backend
         logits = logits[:len(generations)]
-        if all(g.sampler.greedy for g in generations):
-            return [int(t) for t in self.session.backend.argmax_rows(logits)]
-        rows = self.session.backend.to_numpy(logits)
-        return [g.sampler(row) for g, row in zip(generations, rows)]
+        picks = [int(t) for t in backend.argmax_rows(logits)]
+        sampled = [i for i, g in enumerate(generations) if not g.sampler.greedy]
+        if sampled:
+            rows = backend.to_numpy(logits[sampled[0]:sampled[-1] + 1])  # one copy of the span they lie in
+            for i in sampled:
+                picks[i] = generations[i].sampler(rows[i - sampled[0]])
+        return picks
 
     def _accept(self, generation: Generation, token: int, position: int | None = None, feed: bool = True) -> None:
         """A sampled token: emitted, then the generation ends or (feed) waits for the next decode step with it.
