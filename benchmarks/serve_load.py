@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+TEMPERATURE = [0.0]
+"""The requests' temperature (--temperature; 0: greedy), one list so that main sets it for every level."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="the server's engine with overlapped steps (kiln serve --overlap); with --engine, the engine "
                         "alone both without and with them, levels interleaved")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' temperature (default 0: greedy); above 0 each request samples, seeded")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -154,7 +158,8 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, le
     start = time.perf_counter()
     last = None
     try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=TEMPERATURE[0], seed=len(prompt),
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True})
         async for chunk in stream:
@@ -171,7 +176,8 @@ async def one_raw_request(port: int, model: str, prompt: list[int], max_tokens: 
     """The same request as one_request over a bare asyncio connection (HTTP/1.0: the stream ends when the server
     closes it), parsing only what is measured: a client light enough not to be what limits tens of thousands of
     chunks a second."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": TEMPERATURE[0],
+                       "seed": len(prompt),
                        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
     start = time.perf_counter()
     last = None
@@ -265,7 +271,7 @@ def engine_level(engine, concurrency: int, work: list[tuple[list[int], int]]) ->
                         level.itl.extend(np.diff(times).tolist())
                 done.release()
 
-        engine.submit(Generation(prompt, max_tokens, Sampler(), [], [], emit))
+        engine.submit(Generation(prompt, max_tokens, Sampler(TEMPERATURE[0], seed=len(prompt)), [], [], emit))
         return True
 
     start = time.perf_counter()
@@ -290,6 +296,7 @@ def single_stream_decode(program: Path, backend: str, prompt: list[int], tokens:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    TEMPERATURE[0] = args.temperature
     levels = [int(c) for c in args.concurrency.split(",")]
     prompt_lengths = [int(n) for n in args.prompt_lengths.split(",")]
     output_lengths = [int(n) for n in args.output_lengths.split(",")]
@@ -376,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.backend}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; client "
           f"{args.client}; server engine in a {args.engine_in}")
     print(f"Mix: at least {args.requests} requests (and {args.rounds} per worker) per level, prompt lengths "
-          f"{prompt_lengths} x output lengths {output_lengths}, greedy, ignore_eos. Single-stream decode without "
+          f"{prompt_lengths} x output lengths {output_lengths}, "
+          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, ignore_eos. Single-stream decode "
+          f"without "
           f"a server (Generator): {reference:.1f} tokens/s.\n")
     table("server", results, show_client=True)
     if any(r.server_cpu for r in results):

@@ -118,3 +118,36 @@ def test_unusable_logits_are_explained():
         Sampler()(np.array([]))
     with pytest.raises(ValueError, match="NaN logits"):
         Sampler(1.0)(np.array([0.0, np.nan]))
+
+
+def test_device_noise_samples_the_softmax():
+    """The Gumbel-max draw that sample_rows makes (sampling.sample_rows_reference, the kernel's NumPy twin) picks
+    token i with probability softmax(logits / T)[i], the same seed and counter give the same pick, and another
+    counter another draw."""
+    from kiln.runtime.llm.sampling import device_noise, sample_rows_reference
+
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    temperature = 0.5
+    draws = 20000
+    picks = sample_rows_reference(np.tile(logits, (draws, 1)), np.full(draws, 1 / temperature, np.float32),
+                                  np.full(draws, 7, np.uint64), np.arange(draws))
+    want = np.exp(logits / temperature) / np.exp(logits / temperature).sum()
+    np.testing.assert_allclose(np.bincount(picks, minlength=4) / draws, want, atol=0.012)
+    np.testing.assert_array_equal(device_noise(7, 3, 50), device_noise(7, 3, 50))
+    assert not np.array_equal(device_noise(7, 3, 50), device_noise(7, 4, 50))
+    assert not np.array_equal(device_noise(7, 3, 50), device_noise(8, 3, 50))
+    greedy = sample_rows_reference(np.array([[0.0, 2.0, 2.0], [np.nan, 0.0, 1.0]]), np.zeros(2, np.float32),
+                                   np.zeros(2, np.uint64), np.zeros(2, np.int64))
+    assert greedy.tolist() == [1, -1]  # inverse temperature 0: the argmax (ties: lowest id); a NaN row: -1
+
+
+def test_device_draws_are_a_function_of_seed_and_count():
+    """Sampler.device_draw: 1/T, the seed (one drawn once without a seed) and a counter that advances; only a
+    temperature alone goes to the device (top-k and top-p need the host's sort)."""
+    sampler = Sampler(0.8, seed=11)
+    assert [sampler.device_draw() for _ in range(3)] == [(1 / 0.8, 11, 1), (1 / 0.8, 11, 2), (1 / 0.8, 11, 3)]
+    unseeded = Sampler(1.0)
+    first, second = unseeded.device_draw(), unseeded.device_draw()
+    assert first[1] == second[1] and (first[2], second[2]) == (1, 2)
+    assert Sampler(0.7).on_device and not Sampler().on_device
+    assert not Sampler(0.7, top_k=5).on_device and not Sampler(0.7, top_p=0.9).on_device

@@ -209,3 +209,49 @@ def test_overlap_needs_prompts_in_steps(llm_path) -> None:
 
     with pytest.raises(KilnError, match="overlap needs prompts fed in the decode steps"):
         LLMEngine(kiln.load(llm_path), prefill_in_steps=False, overlap=True)
+
+
+def test_sampling_on_the_device_is_batch_invariant_and_overlaps(llm_path, backend, monkeypatch) -> None:
+    """Backend.samples_on_device (the CPU's NumPy twin of the CUDA kernel here): a seeded temperature-only sequence
+    draws the noise of (seed, its token count), so it samples the same tokens alone, beside others, and with the
+    engine's overlapped steps, which now take such sequences too; a top-p sequence beside them still samples on
+    the host; greedy rows in the same step keep their argmax."""
+    program = kiln.load(llm_path)
+    engine_backend = type(kiln.load(llm_path).session(backend).backend)
+    monkeypatch.setattr(engine_backend, "samples_on_device", True)
+    calls = {"device draws": 0, "steps without overlap": 0}
+    sample_rows_here, step_with_prompts = engine_backend.sample_rows_here, LLMEngine._step_with_prompts
+
+    def counted_sample(self, *a):
+        calls["device draws"] += 1
+        return sample_rows_here(self, *a)
+
+    def counted_step(self):
+        calls["steps without overlap"] += 1
+        return step_with_prompts(self)
+
+    monkeypatch.setattr(engine_backend, "sample_rows_here", counted_sample)
+    monkeypatch.setattr(LLMEngine, "_step_with_prompts", counted_step)
+    prompts = [[9, 10, 11, 12, 13], [12, 13], [20, 21, 22, 23, 24], [30]]
+
+    def samplers():
+        return [Sampler(0.9, seed=1), Sampler(), Sampler(1.3, seed=2), Sampler(0.8, top_p=0.9, seed=3)]
+
+    results = {}
+    for overlap in (False, True):
+        engine = LLMEngine(program, backend, prefill_tokens=16, prefill_in_steps=True, overlap=overlap).start()
+        try:
+            calls.update({"device draws": 0, "steps without overlap": 0})
+            first = run_together(engine, [(prompts[0], 8, samplers()[0])])[0]
+            # (8 tokens: the first from the step that ends the prompt, 7 more; every step overlapped when asked)
+            assert calls["device draws"] >= 8 and (calls["steps without overlap"] == 0) == overlap
+            alone = [first] + [run_together(engine, [(p, 8, s)])[0] for p, s in zip(prompts[1:], samplers()[1:])]
+            together = run_together(engine, [(p, 8, s) for p, s in zip(prompts, samplers())])
+        finally:
+            engine.shutdown()
+        results[overlap] = (alone, together)
+    for overlap in (False, True):
+        alone, together = results[overlap]
+        assert together[:3] == alone[:3] == results[False][0][:3]
+        assert len(together[3]) == 8
+    assert len(set(results[False][0][0])) > 1  # really sampling, not a constant

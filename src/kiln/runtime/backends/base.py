@@ -124,6 +124,18 @@ class Backend:
         greedy picks to the next step without waiting for them (kiln.runtime.serve.engine's overlap)."""
         return self.argmax_rows(x)
 
+    samples_on_device: bool = False
+    """Whether a serving engine samples temperature-only sequences with sample_rows_here (their logits then stay
+    where they are), rather than bringing the rows to the host's Sampler."""
+
+    def sample_rows_here(self, x: Any, inv_temperature: np.ndarray, seeds: np.ndarray, counters: np.ndarray) -> Any:
+        """Each row's sampled token (int64 [rows], this backend's array), as kernels/argmax.cu's sample_rows: the
+        argmax of x * inv_temperature + Gumbel noise of (seed, counter) (no noise where inv_temperature is 0; -1
+        for a row with a NaN). Here in NumPy (sampling.sample_rows_reference)."""
+        from kiln.runtime.llm.sampling import sample_rows_reference
+
+        return self.asarray(sample_rows_reference(self.to_numpy(x), inv_temperature, seeds, counters))
+
     def upload(self, x: np.ndarray) -> Any:
         """x as this backend's array without waiting for the device's queued work (a GPU copies it from pinned
         memory, in order on its stream): the next step's inputs while the step before it still runs."""

@@ -38,10 +38,27 @@ class Sampler:
         self.top_p = float(top_p)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self._device_seed: int | None = None
+        self._draws = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a backend that samples where the logits are (Backend.samples_on_device) can take this sampler's
+        draws: a temperature alone, drawn by the Gumbel-max trick (device_noise); top-k and top-p need the host."""
+        return not self.greedy and self.top_k == 0 and self.top_p == 1.0
+
+    def device_draw(self) -> tuple[float, int, int]:
+        """(1 / temperature, seed, counter) of this sampler's next draw on the device: the noise of draw n is a
+        function of (seed, n), so a seeded sequence samples the same tokens alone or in any batch. Without a
+        seed, one is drawn from the sampler's generator once."""
+        if self._device_seed is None:
+            self._device_seed = self.seed if self.seed is not None else int(self.rng.integers(0, 1 << 63))
+        self._draws += 1
+        return 1.0 / self.temperature, self._device_seed, self._draws
 
     def __repr__(self) -> str:
         if self.greedy:
@@ -92,6 +109,39 @@ class Sampler:
         return None, weights
 
 
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's mixer on uint64 arrays (wrapping), as kernels/argmax.cu's mix64."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def device_noise(seed: int, counter: int, size: int) -> np.ndarray:
+    """The Gumbel noise (float32 [size]) of draw `counter` of `seed` that kernels/argmax.cu's sample_rows adds to
+    logits / temperature: -log(-log(u)), u from 24 bits of a counter hash of (seed, counter, index), in (0, 1)."""
+    key = _mix64(np.array([seed], np.uint64) ^ _mix64(np.array([counter], np.uint64)))
+    bits = _mix64(key ^ _mix64(np.arange(size, dtype=np.uint64))) >> np.uint64(40)
+    u = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return -np.log(-np.log(u))
+
+
+def sample_rows_reference(rows: np.ndarray, inv_temperature: np.ndarray, seeds: np.ndarray,
+                          counters: np.ndarray) -> np.ndarray:
+    """sample_rows in NumPy: each row's index of the largest row * inv_temperature + device_noise (the argmax
+    where inv_temperature is 0; -1 for a row with a NaN), in float32 as the kernel computes it."""
+    rows = np.asarray(rows).reshape(len(inv_temperature), -1).astype(np.float32)
+    picks = np.empty(rows.shape[0], np.int64)
+    for r, row in enumerate(rows):
+        if np.isnan(row).any():
+            picks[r] = -1
+            continue
+        scale = np.float32(inv_temperature[r])
+        values = row if scale == 0 else row * scale + device_noise(int(seeds[r]), int(counters[r]), row.size)
+        picks[r] = int(np.argmax(values))
+    return picks
+
+
 def _largest(scores: np.ndarray, count: int) -> np.ndarray:
     """The ids of the `count` largest scores, and every id tied with the smallest of them, most likely first, ties
     by id: the first ids of a stable sort by -score, without sorting the vocabulary (argpartition is O(vocab))."""
@@ -120,4 +170,4 @@ def _nucleus(scores: np.ndarray, weights: np.ndarray, top_p: float) -> np.ndarra
         count *= 8
 
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "device_noise", "sample_rows_reference"]

@@ -158,7 +158,8 @@ class LLMEngine:
     where they lie (a GPU's memory): the host's work between two steps (building the rows, detokenizing, stop
     strings, handing events on) runs while the device computes, instead of between its steps. A sequence that
     stops at a step has then already been given a row of the next one, whose result is dropped. Steps with a
-    sampled (non-greedy) sequence run as before. Needs prompts in decode steps.
+    sequence whose sampler needs the logits on the host (top-k or top-p, or any sampling where the backend does not
+    sample on the device) run as before. Needs prompts in decode steps.
     """
 
     def __init__(self, program: Program, backend: str = "cpu", max_queue: int = 64,
@@ -396,8 +397,8 @@ class LLMEngine:
                 chunks.append((generation, count, count == left))
                 room -= count
         sampled = decoding + [g for g, _, ends in chunks if ends]
-        if not sampled and not chunks or not all(g.sampler.greedy for g in sampled):
-            self._drain()  # nothing to launch, or a sampled sequence: the host needs the logits
+        if not sampled and not chunks or not self._picks_on_device(sampled):
+            self._drain()  # nothing to launch, or a sequence whose sampler needs the logits on the host
             if sampled or chunks:
                 self._step_with_prompts()
             return
@@ -446,7 +447,7 @@ class LLMEngine:
         logits = self.session.run("decode", token_input.reshape(-1, 1), backend.upload(positions), *slot_input)[0]
         if not sampled:  # prompt rows alone: nothing to pick
             return _InFlight(None, lambda: np.zeros(0, np.int64), sampled, [], decoding, started)
-        ids = backend.argmax_rows_here(logits.reshape(len(rows), -1)[:len(sampled)])
+        ids = self._pick_here(sampled, logits.reshape(len(rows), -1)[:len(sampled)])
         return _InFlight(ids, backend.fetch(ids), sampled, [], decoding, started)
 
     def _read(self, step: _InFlight) -> None:
@@ -454,7 +455,7 @@ class LLMEngine:
         seen in the step before or by an error, drops its pick); one whose next row was not launched yet takes
         its pick as its pending token."""
         try:
-            picks = step.fetch()
+            picks = np.asarray(self._check_picks(step.fetch().tolist()))
         except Exception as e:
             log.exception("generation step failed")
             for generation in step.sampled:
@@ -480,17 +481,44 @@ class LLMEngine:
 
     def _sample(self, generations: list[Generation], logits: Any) -> list[int]:
         """Each sequence's next token from its row of the step's logits (the backend's array, maybe padded with
-        extra rows): the greedy ones' argmax where the logits are (a GPU sends back one integer per row), the
-        sampled ones' rows to the host (only theirs: a Llama-3 row is 250 KB), where each sampler picks from its
-        own."""
+        extra rows): greedy and device-sampled ones picked where the logits are (_pick_here: a GPU sends back one
+        integer per row), the others' rows to the host (only theirs: a Llama-3 row is 250 KB), where each sampler
+        picks from its own."""
         backend = self.session.backend
         logits = logits[:len(generations)]
-        picks = [int(t) for t in backend.argmax_rows(logits)]
-        sampled = [i for i, g in enumerate(generations) if not g.sampler.greedy]
+        picks = self._check_picks(backend.to_numpy(self._pick_here(generations, logits)).tolist())
+        sampled = [i for i, g in enumerate(generations) if not self._picks_on_device([g])]
         if sampled:
             rows = backend.to_numpy(logits[sampled[0]:sampled[-1] + 1])  # one copy of the span they lie in
             for i in sampled:
                 picks[i] = generations[i].sampler(rows[i - sampled[0]])
+        return picks
+
+    def _picks_on_device(self, generations: list[Generation]) -> bool:
+        """Whether every pick of these generations can be made where the logits are: greedy, or (where the
+        backend samples on the device) a temperature alone."""
+        on_device = self.session.backend.samples_on_device
+        return all(g.sampler.greedy or on_device and g.sampler.on_device for g in generations)
+
+    def _pick_here(self, generations: list[Generation], logits: Any) -> Any:
+        """The picks of the rows of `logits` (one a generation) as the backend's int64 array, made where the
+        logits are: each device-sampled sequence's draw (sample_rows with its sampler's next device draw), the
+        argmax for the others (a greedy sequence's pick; a host-sampled one's row is sampled again on the host).
+        A device-sampled sequence so draws the same noise whatever its neighbors."""
+        backend = self.session.backend
+        drawn = [not g.sampler.greedy and self._picks_on_device([g]) for g in generations]
+        if not any(drawn):
+            return backend.argmax_rows_here(logits)
+        draws = [g.sampler.device_draw() if d else (0.0, 0, 0) for g, d in zip(generations, drawn)]
+        inv_temperature, seeds, counters = (np.asarray(column) for column in zip(*draws))
+        return backend.sample_rows_here(logits, inv_temperature.astype(np.float32), seeds.astype(np.uint64),
+                                        counters.astype(np.int64))
+
+    @staticmethod
+    def _check_picks(picks: list[int]) -> list[int]:
+        """A pick of -1 is a row with NaN logits, which the host sampler refuses too."""
+        if any(p < 0 for p in picks):
+            raise ValueError("cannot sample: NaN logits")
         return picks
 
     def _accept(self, generation: Generation, token: int, position: int | None = None, feed: bool = True) -> None:

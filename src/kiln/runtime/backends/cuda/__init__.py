@@ -55,6 +55,7 @@ def _cupy() -> Any:
 class CUDABackend(Backend):
     name = "cuda"
     can_capture = True
+    samples_on_device = False  # kernels/argmax.cu's sample_rows: on once measured on a GPU
     attends_rows_in_place = True  # decode.cu reads each row's slot in place (kernels/attention.py)
     graphs_by_default = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
@@ -102,6 +103,22 @@ class CUDABackend(Backend):
         if rows.dtype.kind != "f" or rows.dtype.itemsize < 4:  # CuPy's reductions take float32 and wider
             rows = rows.astype(cp.float32)
         return cp.argmax(rows, axis=1).astype(cp.int64, copy=False)
+
+    def sample_rows_here(self, x: Any, inv_temperature: np.ndarray, seeds: np.ndarray, counters: np.ndarray) -> Any:
+        """kernels/argmax.cu's sample_rows, a block per row (contiguous rows of a kernel type)."""
+        from kiln.runtime.backends.cuda import nvrtc
+
+        cp = self.cp
+        rows = cp.ascontiguousarray(x.reshape(x.shape[0], -1))
+        if not nvrtc.supports(rows):
+            rows = rows.astype(cp.float32)
+        out = cp.empty(rows.shape[0], dtype=cp.int64)
+        if rows.size:
+            nvrtc.function("argmax", "sample_rows", rows.dtype)(
+                (rows.shape[0],), (ARGMAX_THREADS,),
+                (rows, out, np.int64(rows.shape[1]), self.upload(np.asarray(inv_temperature, np.float32)),
+                 self.upload(np.asarray(seeds, np.uint64)), self.upload(np.asarray(counters, np.int64))))
+        return out
 
     def upload(self, x: np.ndarray) -> Any:
         """Through a pinned staging array, an asynchronous copy on the current stream: a copy from pageable

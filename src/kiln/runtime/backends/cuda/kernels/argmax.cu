@@ -22,6 +22,24 @@ __device__ __forceinline__ bool beats(const Pick& a, const Pick& b) {
     return a.at < b.at;
 }
 
+// The block's best of its threads' picks (warp shuffles, then the warps' bests in shared memory), for thread 0.
+__device__ __forceinline__ Pick block_pick(Pick best, Pick* picks) {
+    for (int off = 16; off > 0; off >>= 1) {
+        Pick other;
+        other.value = __shfl_xor_sync(0xffffffffu, best.value, off);
+        other.at = __shfl_xor_sync(0xffffffffu, best.at, off);
+        other.nan = __shfl_xor_sync(0xffffffffu, (int)best.nan, off);
+        if (beats(other, best)) best = other;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) picks[warp] = best;
+    __syncthreads();
+    Pick top = picks[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+        if (beats(picks[w], top)) top = picks[w];
+    return top;
+}
+
 template <class S>
 __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const typename S::T* __restrict__ x,
                                                               long long* __restrict__ out, long long cols) {
@@ -63,20 +81,47 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const typename S::
         const Pick here = {v, c, v != v};
         if (beats(here, best)) best = here;
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        Pick other;
-        other.value = __shfl_xor_sync(0xffffffffu, best.value, off);
-        other.at = __shfl_xor_sync(0xffffffffu, best.at, off);
-        other.nan = __shfl_xor_sync(0xffffffffu, (int)best.nan, off);
-        if (beats(other, best)) best = other;
+    const Pick top = block_pick(best, picks);
+    if (threadIdx.x == 0) out[blockIdx.x] = top.at < 0 ? 0 : top.at;  // an empty row: 0, as np.argmax has none
+}
+
+// A serving engine's sampled pick without the logits leaving the GPU: row r's index of the largest
+// x * inv_temperature[r] + g, g a standard Gumbel variable drawn for (seeds[r], counters[r], index) by a counter
+// hash (splitmix64's mixer), so that the pick is a sample of softmax(x / temperature) (the Gumbel-max trick) and the
+// same seed and counter give the same pick. inv_temperature[r] == 0: no noise, the greedy pick (argmax_rows). A
+// row with a NaN gets -1 (the host sampler refuses NaN logits). Sampling.py's device_noise computes the same noise
+// in NumPy (the tests' reference).
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float gumbel(unsigned long long key, long long index) {
+    const unsigned long long h = mix64(key ^ mix64((unsigned long long)index));
+    const float u = ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1): 24 bits, never 0 or 1
+    return -logf(-logf(u));
+}
+
+template <class S>
+__global__ void __launch_bounds__(ARGMAX_THREADS) sample_rows(const typename S::T* __restrict__ x,
+                                                              long long* __restrict__ out, long long cols,
+                                                              const float* __restrict__ inv_temperature,
+                                                              const unsigned long long* __restrict__ seeds,
+                                                              const long long* __restrict__ counters) {
+    grid_dependency_sync();
+    __shared__ Pick picks[ARGMAX_THREADS / 32];
+    const typename S::T* row = x + blockIdx.x * cols;
+    const float scale = inv_temperature[blockIdx.x];
+    const unsigned long long key = mix64(seeds[blockIdx.x] ^ mix64((unsigned long long)counters[blockIdx.x]));
+    Pick best = {-KILN_INF, -1, false};
+    for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float f = S::load(row[c]);
+        const float v = scale == 0.0f ? f : f * scale + gumbel(key, c);
+        const Pick here = {v, c, f != f};
+        if (beats(here, best)) best = here;
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) picks[warp] = best;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        Pick top = picks[0];
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (beats(picks[w], top)) top = picks[w];
-        out[blockIdx.x] = top.at < 0 ? 0 : top.at;  // an empty row: 0, as np.argmax has no answer for it
-    }
+    const Pick top = block_pick(best, picks);
+    if (threadIdx.x == 0) out[blockIdx.x] = top.nan ? -1 : (top.at < 0 ? 0 : top.at);
 }
