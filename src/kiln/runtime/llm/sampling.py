@@ -73,9 +73,9 @@ class Sampler:
         if self.greedy:
             return int(np.argmax(scores))
         candidates, weights = self._weights(scores)
-        cumulative = np.cumsum(weights)  # unnormalized: one pass fewer over a large vocabulary
+        cumulative = np.cumsum(weights, out=weights)  # unnormalized: one pass fewer over a large vocabulary
         pick = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
-        pick = min(pick, weights.size - 1)
+        pick = min(pick, cumulative.size - 1)
         return int(candidates[pick]) if candidates is not None else pick
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,8 +89,9 @@ class Sampler:
 
     def _weights(self, scores: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """(candidate ids, or None for every id in order; their unnormalized probabilities exp(score / T - max))
-        after the filters."""
-        scores = scores / self.temperature
+        after the filters. scores: the caller's own float64 copy, divided in place (no second copy of a large
+        vocabulary: each costs its page faults)."""
+        scores /= self.temperature
         top = scores.max()
         if not np.isfinite(top):
             raise ValueError(f"cannot sample: the largest logit / temperature is {top} (NaN logits, or a "
@@ -102,7 +103,8 @@ class Sampler:
                 keep = int(np.searchsorted(np.cumsum(weights / weights.sum()), self.top_p, side="left")) + 1
                 order, weights = order[:keep], weights[:keep]
             return order, weights
-        weights = np.exp(scores - top)
+        weights = scores - top
+        np.exp(weights, out=weights)
         if self.top_p < 1:  # (also when top_k >= vocab)
             order = _nucleus(scores, weights, self.top_p)
             return order, weights[order]
@@ -147,7 +149,7 @@ def _largest(scores: np.ndarray, count: int) -> np.ndarray:
     by id: the first ids of a stable sort by -score, without sorting the vocabulary (argpartition is O(vocab))."""
     if count >= scores.size:
         return np.argsort(-scores, kind="stable")
-    part = np.argpartition(-scores, count - 1)[:count]
+    part = np.argpartition(scores, scores.size - count)[scores.size - count:]  # (no negated copy of the scores)
     ids = np.flatnonzero(scores >= scores[part].min())  # in id order, so the stable sort keeps ties by id
     return ids[np.argsort(-scores[ids], kind="stable")]
 
