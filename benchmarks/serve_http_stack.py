@@ -19,8 +19,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from serve_load import export_llama_shape, free_port, run_level  # noqa: E402
+from serve_load import export_llama_shape, free_port, run_level, start_server  # noqa: E402
 
 STACKS = {"h11 + asyncio": ("h11", "asyncio"), "httptools + asyncio": ("httptools", "asyncio"),
           "httptools + uvloop": ("httptools", "uvloop")}
@@ -50,19 +48,9 @@ def tiny_program(path: Path) -> Path:
 def one_run(program: Path, http: str, loop: str, work: list, concurrency: int) -> tuple[float, float, float, float]:
     """(tokens/s, HTTP us/token, engine us/token, ITL p50 ms) of one server with this stack, after a warm-up."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(program), "--port", str(port), "--model-name",
-                               "bench", "--log-level", "warning", "--max-queue", str(len(work)), "--http", http,
-                               "--loop", loop], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    server = start_server(program, port, ["--max-queue", str(len(work)), "--http", http, "--loop", loop],
+                          seconds=120, stdout=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    raise SystemExit(f"the server ({http}, {loop}) exited") from None
-                time.sleep(0.2)
         asyncio.run(run_level(port, "bench", concurrency, [(p, 4) for p, _ in work[:concurrency]], True))
         level = asyncio.run(run_level(port, "bench", concurrency, work, True, cpu=True))
     finally:

@@ -126,6 +126,28 @@ class Level:
         return now
 
 
+def start_server(program: Path, port: int, options: list[str], seconds: float = 360, **popen) -> subprocess.Popen:
+    """`kiln serve PROGRAM` (model name "bench", warnings only) with `options`, in its own process, once its
+    /health answers; SystemExit if it exits first or does not answer within `seconds`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(program), "--port", str(port),
+                               "--model-name", "bench", "--log-level", "warning", *options], cwd=REPO, env=env,
+                              **popen)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return server
+        except OSError:
+            if server.poll() is not None:
+                raise SystemExit(f"the server ({' '.join(options)}) exited") from None
+            if time.monotonic() > deadline:
+                server.kill()
+                raise SystemExit(f"the server did not answer within {seconds:.0f} s") from None
+            time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -323,23 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     reference = single_stream_decode(args.program, args.backend, work[0][0], max(output_lengths))
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
-                                                                      os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(args.program), "--port", str(port),
-                               "--backend", args.backend, "--model-name", "bench", "--log-level", "warning",
-                               "--max-queue", str(max(len(level_work(c)) for c in levels)),
-                               "--engine-in", args.engine_in] + (["--overlap"] if args.overlap else []),
-                              cwd=REPO, env=env)
+    server = start_server(args.program, port, ["--backend", args.backend, "--max-queue",
+                                               str(max(len(level_work(c)) for c in levels)), "--engine-in",
+                                               args.engine_in] + (["--overlap"] if args.overlap else []))
     raw = args.client == "raw"
     try:
-        for _ in range(1800):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    raise SystemExit("the server exited") from None
-                time.sleep(0.2)
         for c in levels:  # warm-up: every batch size's plan (and graph) before anything is timed
             asyncio.run(run_level(port, "bench", c, [(p, 4) for p, _ in level_work(c)[:c]], raw))
         results = []

@@ -463,6 +463,18 @@ def _decode_kernels(attention, monkeypatch) -> list[tuple]:
     return looked_up
 
 
+def _slot_batch(seed: int, dtype, heads: int, kv_heads: int, e: int, last: tuple[int, int]) -> tuple:
+    """A 300-slot cache of 7 slots and 9 decode rows in shuffled slots (one twice) at positions 0, inside the first
+    16-key step, on a step and a chunk boundary, mid-cache and at the cache's end; the last row's (slot, position)
+    as given: (q, k_cache, v_cache, slots, positions)."""
+    rng = np.random.default_rng(seed)
+    k_cache, v_cache = (rng.standard_normal((7, 300, kv_heads, e)).astype(dtype) for _ in range(2))
+    slots = np.array([4, 0, 2, 5, 2, 6, 1, 3, last[0]], np.int64)
+    positions = np.array([[0], [9], [15], [63], [64], [200], [299], [130], [last[1]]], np.int64)
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    return q, k_cache, v_cache, slots, positions
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads,e", [(4, 4, 64), (8, 2, 64), (32, 8, 64), (16, 2, 128), (12, 1, 128),
                                               (16, 1, 64), (5, 1, 128)],
@@ -479,13 +491,7 @@ def test_slot_decode_on_the_tensor_cores_matches_float64(dtype, heads, kv_heads,
 
     monkeypatch.setattr(attention, "DECODE_MMA", True)
     looked_up = _decode_kernels(attention, monkeypatch)
-    rng = np.random.default_rng(heads + e + window)
-    slots_n, length = 7, 300
-    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
-    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
-    slots = np.array([4, 0, 2, 5, 2, 6, 1, 3, 9], np.int64)
-    positions = np.array([[0], [9], [15], [63], [64], [200], [299], [130], [20]], np.int64)
-    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    q, k_cache, v_cache, slots, positions = _slot_batch(heads + e + window, dtype, heads, kv_heads, e, (9, 20))
     got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
                                               scale=0.125, window=window)).astype(np.float64)
     assert ("attend_mma", e + (1000 if heads // kv_heads > 8 else 0)) in looked_up
@@ -513,13 +519,8 @@ def test_slot_decode_with_balanced_chunks_matches_float64(mma, heads, kv_heads, 
 
     monkeypatch.setattr(attention, "DECODE_MMA", mma)
     monkeypatch.setattr(attention, "DECODE_BLOCKS", blocks)
-    rng = np.random.default_rng(heads + e + window + blocks)
-    slots_n, length = 7, 300
-    k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(BFLOAT16)
-    v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(BFLOAT16)
-    slots = np.array([4, 0, 2, 5, 2, 6, 1, 3, 6], np.int64)
-    positions = np.array([[0], [9], [15], [63], [64], [200], [299], [130], [17]], np.int64)
-    q = rng.standard_normal((slots.size, heads, 1, e)).astype(BFLOAT16)
+    q, k_cache, v_cache, slots, positions = _slot_batch(heads + e + window + blocks, BFLOAT16, heads, kv_heads, e,
+                                                        (6, 17))
     args = [cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)]
     results = []
     for balanced in (True, False):

@@ -100,6 +100,9 @@ class Backend:
     """Whether slot_attention reads each row's slot where it lies, so many rows of one slot cost what their keys
     cost: a serving engine then feeds prompt chunks as rows of its decode steps (kiln.runtime.serve.engine). A
     backend that copies a slot's keys per row would pay a whole slot for every prompt token."""
+    samples_on_device: bool = False
+    """Whether a serving engine samples temperature-only sequences with sample_rows_here (their logits then stay
+    where they are), rather than bringing the rows to the host's Sampler."""
 
     def constant(self, index: int) -> Any:
         raise NotImplementedError
@@ -123,10 +126,6 @@ class Backend:
         """argmax_rows left where x lives (int64 [rows], this backend's array): a serving engine feeds a step's
         greedy picks to the next step without waiting for them (kiln.runtime.serve.engine's overlap)."""
         return self.argmax_rows(x)
-
-    samples_on_device: bool = False
-    """Whether a serving engine samples temperature-only sequences with sample_rows_here (their logits then stay
-    where they are), rather than bringing the rows to the host's Sampler."""
 
     def sample_rows_here(self, x: Any, inv_temperature: np.ndarray, seeds: np.ndarray, counters: np.ndarray) -> Any:
         """Each row's sampled token (int64 [rows], this backend's array), as kernels/argmax.cu's sample_rows: the

@@ -331,27 +331,36 @@ class LLMEngine:
 
     def _step_with_prompts(self) -> None:
         """One decode step carrying every decoding sequence's token and up to prefill_tokens prompt tokens (the
-        module's docstring): rows of decoding sequences first, then each prompt's last token where this step
-        ends it, then the other prompt tokens, so the rows sampled are the leading ones."""
+        module's docstring; the rows as _step_rows orders them)."""
         decoding = [g for g in self._running if g.pending is not None and not g.cancelled]
+        chunks, rows = self._step_rows(decoding, [g for g in self._running if not g.cancelled])
+        if rows:
+            self._guarded(decoding + [g for g, _, _ in chunks],
+                          lambda _: self._run_step(rows, decoding, chunks, self.max_rows))
+
+    def _step_rows(self, decoding: list[Generation], live: list[Generation]
+                   ) -> tuple[list[tuple[Generation, int, bool]], list[tuple[int, int, int]]]:
+        """A step's prompt chunks (generation, its prompt tokens this step, whether they end it) from the live
+        generations still prompting, up to prefill_tokens and the rows left beside `decoding`; and its rows of
+        (token, position, slot): decoding sequences first (a token below 0 stands for pick -1 - t of the step in
+        flight, with the overlap), then each prompt's last token where this step ends it, then the other prompt
+        tokens, so the rows sampled are the leading ones."""
         room = min(self.prefill_tokens, self.max_rows - len(decoding))
-        chunks: list[tuple[Generation, int, bool]] = []  # (generation, its prompt tokens this step, ends it)
-        for generation in self._running:
+        chunks: list[tuple[Generation, int, bool]] = []
+        for generation in live:
             if room <= 0:
                 break
-            if generation.pending is None and not generation.cancelled:
+            if generation.pending is None and generation.ahead is None:
                 left = generation.prompt_tokens - generation.prefilled
                 count = min(room, left)
                 chunks.append((generation, count, count == left))
                 room -= count
-        rows = [(g.pending, g.position, g.slot) for g in decoding]
+        rows = [(g.pending if g.pending is not None else -1 - g.ahead[1], g.position, g.slot) for g in decoding]
         rows += [(g.prompt_ids[-1], g.prompt_tokens - 1, g.slot) for g, _, ends in chunks if ends]
         for generation, count, ends in chunks:  # an ending prompt's last token is already a row
             first = generation.prefilled
             rows += [(generation.prompt_ids[p], p, generation.slot) for p in range(first, first + count - ends)]
-        if rows:
-            self._guarded(decoding + [g for g, _, _ in chunks],
-                          lambda _: self._run_step(rows, decoding, chunks, self.max_rows))
+        return chunks, rows
 
     def _run_step(self, rows: list[tuple[int, int, int]], decoding: list[Generation],
                   chunks: list[tuple[Generation, int, bool]], most: int) -> None:
@@ -386,27 +395,13 @@ class LLMEngine:
         previous = self._inflight
         live = [g for g in self._running if not g.cancelled and not g.finished]
         decoding = [g for g in live if g.pending is not None or (g.ahead is not None and self._continues(g))]
-        room = min(self.prefill_tokens, self.max_rows - len(decoding))
-        chunks: list[tuple[Generation, int, bool]] = []
-        for generation in live:
-            if room <= 0:
-                break
-            if generation.pending is None and generation.ahead is None:
-                left = generation.prompt_tokens - generation.prefilled
-                count = min(room, left)
-                chunks.append((generation, count, count == left))
-                room -= count
+        chunks, rows = self._step_rows(decoding, live)
         sampled = decoding + [g for g, _, ends in chunks if ends]
         if not sampled and not chunks or not self._picks_on_device(sampled):
             self._drain()  # nothing to launch, or a sequence whose sampler needs the logits on the host
             if sampled or chunks:
                 self._step_with_prompts()
             return
-        rows = [(g.pending if g.pending is not None else -1 - g.ahead[1], g.position, g.slot) for g in decoding]
-        rows += [(g.prompt_ids[-1], g.prompt_tokens - 1, g.slot) for g, _, ends in chunks if ends]
-        for generation, count, ends in chunks:
-            first = generation.prefilled
-            rows += [(generation.prompt_ids[p], p, generation.slot) for p in range(first, first + count - ends)]
         try:
             step = self._launch(rows, sampled, len(decoding), previous)
         except Exception as e:  # as _guarded: the step's generations end with the error, the engine goes on

@@ -122,8 +122,8 @@ class CUDABackend(Backend):
 
     def upload(self, x: np.ndarray) -> Any:
         """Through a pinned staging array, an asynchronous copy on the current stream: a copy from pageable
-        memory waits for the stream's queued work first. The staging array stays referenced by the copy's
-        device array until the copy is done (the device array's `_kiln_staging`)."""
+        memory waits for the stream's queued work first. The staging array stays referenced (_STAGING) until an
+        event after the copy has passed."""
         cp = self.cp
         import cupyx
 

@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import cupy as cp
@@ -32,22 +33,27 @@ WORKSPACE_BYTES = 32 << 20  # what cuBLAS asks for on Hopper
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """The libcublas that CuPy's own bindings loaded (so both agree on the version), found in /proc/self/maps."""
+    """The libcublas that CuPy's own bindings loaded (so both agree on the version)."""
     import cupy_backends.cuda.libs.cublas  # noqa: F401 - loads libcublas into the process
 
+    return _declare(loaded_library("cublas"))
+
+
+def loaded_library(name: str) -> ctypes.CDLL:
+    """lib<name>.so as this process has it loaded (found in /proc/self/maps), else as the system finds it by name
+    (cublaslt.py's libcublasLt, which libcublas links, too)."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1]
-                name = path.rsplit("/", 1)[-1]
-                if name.startswith("libcublas.so"):
-                    return _declare(ctypes.CDLL(path))
+                if path.rsplit("/", 1)[-1].startswith(f"lib{name}.so"):
+                    return ctypes.CDLL(path)
     except OSError:  # no /proc: look the library up by name
         pass
-    found = ctypes.util.find_library("cublas")
+    found = ctypes.util.find_library(name)
     if found is None:
-        raise OSError("cannot find the cuBLAS library that CuPy uses")
-    return _declare(ctypes.CDLL(found))
+        raise OSError(f"cannot find the lib{name} library that CuPy uses")
+    return ctypes.CDLL(found)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -67,31 +73,38 @@ class CublasError(RuntimeError):
     pass
 
 
-def _check(status: int, what: str) -> None:
+def check(status: int, what: str) -> None:
+    """Raise CublasError for a cuBLAS or cuBLASLt status other than success."""
     if status != 0:
         raise CublasError(f"{what} failed with cuBLAS status {status}")
 
 
-class _Handle(threading.local):
-    """This thread's handle and workspace on each device it used."""
+class DeviceHandles(threading.local):
+    """This thread's library handle and workspace on each device it used (a cuBLAS handle must not be used by two
+    threads at once); `create()` makes the pair for the current device."""
 
-    def __init__(self) -> None:
+    def __init__(self, create: Callable[[], tuple[ctypes.c_void_p, Any]]) -> None:
+        self.create = create
         self.by_device: dict[int, tuple[ctypes.c_void_p, Any]] = {}
 
-    def get(self) -> ctypes.c_void_p:
+    def get(self) -> tuple[ctypes.c_void_p, Any]:
         device = cp.cuda.runtime.getDevice()
         entry = self.by_device.get(device)
         if entry is None:
-            lib = _library()
-            handle = ctypes.c_void_p()
-            _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
-            workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
-            _check(lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, WORKSPACE_BYTES), "cublasSetWorkspace")
-            entry = self.by_device[device] = (handle, workspace)
-        return entry[0]
+            entry = self.by_device[device] = self.create()
+        return entry
 
 
-_HANDLES = _Handle()
+def _create_handle() -> tuple[ctypes.c_void_p, Any]:
+    lib = _library()
+    handle = ctypes.c_void_p()
+    check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+    workspace = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
+    check(lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, WORKSPACE_BYTES), "cublasSetWorkspace")
+    return handle, workspace
+
+
+_HANDLES = DeviceHandles(_create_handle)
 
 
 def supports(dtype: np.dtype) -> bool:
@@ -166,11 +179,11 @@ def matmul(a: Any, b: Any, out: Any = None, accumulate: bool = False, tuned: boo
         compute, one, beta = _COMPUTE_32F, ctypes.c_float(1.0), ctypes.c_float(float(accumulate))
     kind = _CUDA_R[np.dtype(dtype)]
     lib = _library()
-    handle = _HANDLES.get()
+    handle, _ = _HANDLES.get()
 
     def gemmex(c: int) -> None:
-        _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
-        _check(lib.cublasGemmStridedBatchedEx(
+        check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
+        check(lib.cublasGemmStridedBatchedEx(
             handle, op_b, op_a, n, m, k, ctypes.byref(one),
             b3.data.ptr, kind, ld_b, stride_b, a3.data.ptr, kind, ld_a, stride_a,
             ctypes.byref(beta), c, _CUDA_R[out.dtype], n, m * n, count, compute, _GEMM_DEFAULT),

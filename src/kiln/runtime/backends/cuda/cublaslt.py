@@ -18,7 +18,6 @@ alignment; a view at another offset keeps GemmEx).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import threading
@@ -27,6 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import cupy as cp
+
+from kiln.runtime.backends.cuda import cublas
+from kiln.runtime.backends.cuda.cublas import check
 
 log = logging.getLogger("kiln.cuda")
 
@@ -54,22 +56,9 @@ class _HeuristicResult(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """The libcublasLt that CuPy's cuBLAS loaded (libcublas links it), found in /proc/self/maps."""
-    from kiln.runtime.backends.cuda import cublas
-
+    """The libcublasLt that CuPy's cuBLAS loaded (libcublas links it)."""
     cublas._library()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if path.rsplit("/", 1)[-1].startswith("libcublasLt.so"):
-                    return _declare(ctypes.CDLL(path))
-    except OSError:
-        pass
-    found = ctypes.util.find_library("cublasLt")
-    if found is None:
-        raise OSError("cannot find the cuBLASLt library beside CuPy's cuBLAS")
-    return _declare(ctypes.CDLL(found))
+    return _declare(cublas.loaded_library("cublasLt"))
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -90,30 +79,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        from kiln.runtime.backends.cuda.cublas import CublasError
-
-        raise CublasError(f"{what} failed with cuBLAS status {status}")
-
-
-class _Handle(threading.local):
-    """This thread's cuBLASLt handle and workspace on each device it used."""
-
-    def __init__(self) -> None:
-        self.by_device: dict[int, tuple[ctypes.c_void_p, Any]] = {}
-
-    def get(self) -> tuple[ctypes.c_void_p, Any]:
-        device = cp.cuda.runtime.getDevice()
-        entry = self.by_device.get(device)
-        if entry is None:
-            handle = ctypes.c_void_p()
-            _check(_library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-            entry = self.by_device[device] = (handle, cp.empty(WORKSPACE_BYTES, dtype=cp.uint8))
-        return entry
+def _create_handle() -> tuple[ctypes.c_void_p, Any]:
+    handle = ctypes.c_void_p()
+    check(_library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return handle, cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
 
 
-_HANDLES = _Handle()
+_HANDLES = cublas.DeviceHandles(_create_handle)
 
 
 @dataclass
@@ -199,10 +171,10 @@ def _matmul(plan: Plan, product: Product, d: int, algo: _HeuristicResult, stream
 def _describe(product: Product) -> tuple[ctypes.c_void_p, tuple]:
     lib = _library()
     desc = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
+    check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
     for attribute, op in ((_DESC_TRANSA, product.op_a), (_DESC_TRANSB, product.op_b)):
         value = ctypes.c_int32(op)
-        _check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+        check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
                "cublasLtMatmulDescSetAttribute")
     # a layout is of the matrix as stored: rows x cols before its op
     shapes = (((product.n, product.k) if product.op_a == _OP_N else (product.k, product.n), product.lda,
@@ -213,7 +185,7 @@ def _describe(product: Product) -> tuple[ctypes.c_void_p, tuple]:
     layouts = []
     for (rows, cols), ld, kind in shapes:
         layout = ctypes.c_void_p()
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), kind, rows, cols, ld),
+        check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), kind, rows, cols, ld),
                "cublasLtMatrixLayoutCreate")
         layouts.append(layout)
     return desc, tuple(layouts)
@@ -222,9 +194,9 @@ def _describe(product: Product) -> tuple[ctypes.c_void_p, tuple]:
 def _candidates(desc: ctypes.c_void_p, layouts: tuple) -> list[_HeuristicResult]:
     lib = _library()
     preference = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
+    check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
     workspace = ctypes.c_uint64(WORKSPACE_BYTES)
-    _check(lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(workspace),
+    check(lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(workspace),
                                                     ctypes.sizeof(workspace)), "cublasLtMatmulPreferenceSetAttribute")
     results = (_HeuristicResult * CANDIDATES)()
     returned = ctypes.c_int(0)
