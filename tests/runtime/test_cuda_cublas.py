@@ -155,13 +155,14 @@ def test_tuned_plan_runs_inside_a_capture():
 
 
 def test_tuned_matmul_of_a_view_off_the_alignment_stays_on_gemmex(monkeypatch):
-    """cuBLASLt's heuristics assume 256-byte aligned operands: a view 2 rows into its array keeps GemmEx."""
+    """cuBLASLt's heuristics assume 256-byte aligned operands: a view one row (128 bytes) into its array keeps
+    GemmEx."""
     import cupy as cp
 
     from kiln.runtime.backends.cuda import cublas, cublaslt
 
     monkeypatch.setattr(cublaslt, "_PLANS", {})
-    a, b = cp.ones((18, 64), dtype=cp.float16), cp.ones((64, 32), dtype=cp.float16)
-    out = cublas.matmul(a[2:], b, tuned=True)  # 2 rows of 128 bytes in
+    a, b = cp.ones((17, 64), dtype=cp.float16), cp.ones((64, 32), dtype=cp.float16)
+    out = cublas.matmul(a[1:], b, tuned=True)  # 128 bytes into a pool block (CuPy's are 512-byte aligned)
     assert cublaslt.plans() == {}
     np.testing.assert_array_equal(cp.asnumpy(out), np.full((16, 32), 64.0, dtype=np.float16))

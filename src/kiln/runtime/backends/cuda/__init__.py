@@ -55,7 +55,7 @@ def _cupy() -> Any:
 class CUDABackend(Backend):
     name = "cuda"
     can_capture = True
-    samples_on_device = False  # kernels/argmax.cu's sample_rows: on once measured on a GPU
+    samples_on_device = True  # kernels/argmax.cu's sample_rows (Gumbel-max), measured: docs/benchmarks.md
     attends_rows_in_place = True  # decode.cu reads each row's slot in place (kernels/attention.py)
     graphs_by_default = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 

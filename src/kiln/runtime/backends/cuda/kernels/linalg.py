@@ -118,8 +118,11 @@ their shape on first use (cublaslt.py: cuBLASLt's candidates and cublasGemmEx ti
 than GemmEx's heuristic pick. For the skinny products of a batched decode step: H200, 64 rows, cuBLAS read the 1B
 shape's o projection at 27% of the copy bandwidth, q/k/v at 38%, down at 54%, because 16-24 output tiles leave
 most of 132 SMs idle; split-K candidates can fill them. Predicted: q/k/v 7.8 -> ~5 us, o 7.3 -> ~4, down 14.7 ->
-~11, the 64-slot bf16 step 1.61 -> ~1.45 ms. Off until measured (gpu_slot_decode.py --compare-tuned-products,
-gpu_kernels.py --rows 64 --tuned)."""
+~11, the 64-slot bf16 step 1.61 -> ~1.45 ms. Measured on an H200 (2026-11-28): GemmEx's own pick was fastest for
+q/k/v, o, gate/up and down at 64 rows (cuBLASLt's 16 heuristic candidates 9.0-27.4 us with L2 flushed, none
+ahead), only the LM head took a cuBLASLt algorithm (140.3 us); the 64-row step 1.629 -> 1.617 ms at position 400,
+1.493 -> 1.481 at 150, 16 rows -0.2% / +0.5%: missed (the heuristics offer no split-K candidate that fills the SMs
+at these shapes), left off: ~0.7% does not pay the first call's tuning."""
 
 
 def addmm(x2: Any, weight_t: Any, bias: Any) -> Any:
