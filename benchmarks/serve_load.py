@@ -64,9 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(int4-g32-sym is Q4_0's layout; default: none)")
     p.add_argument("--engine-in", choices=("process", "thread"), default="process",
                    help="the server's engine in a process of its own (default, as `kiln serve`) or on a thread")
-    p.add_argument("--overlap", action="store_true",
-                   help="the server's engine with overlapped steps (kiln serve --overlap); with --engine, the engine "
-                        "alone both without and with them, levels interleaved")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's engine with (--overlap) or without (--no-overlap) overlapped steps (default: "
+                        "kiln serve's, on a GPU); with --engine, --overlap runs the engine alone both without and "
+                        "with them, levels interleaved")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' temperature (default 0: greedy); above 0 each request samples, seeded")
     p.add_argument("--seed", type=int, default=0)
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     server = start_server(args.program, port, ["--backend", args.backend, "--max-queue",
                                                str(max(len(level_work(c)) for c in levels)), "--engine-in",
-                                               args.engine_in] + (["--overlap"] if args.overlap else []))
+                                               args.engine_in]
+                          + ({True: ["--overlap"], False: ["--no-overlap"]}.get(args.overlap, [])))
     raw = args.client == "raw"
     try:
         for c in levels:  # warm-up: every batch size's plan (and graph) before anything is timed

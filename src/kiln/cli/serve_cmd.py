@@ -49,10 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-in", choices=("process", "thread"), default="process",
                    help="language models: run the engine in a process of its own, beside the HTTP server's (default: "
                         "process; the two then use two cores), or on a thread of the server's process (thread)")
-    p.add_argument("--overlap", action="store_true",
-                   help="language models: launch each decode step before reading the last one's greedy picks, so "
-                        "the host's work between steps runs while the device computes (prompts in decode steps: a "
-                        "GPU)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="language models: launch each decode step before reading the last one's picks, so the "
+                        "host's work between steps runs while the device computes (default: on where it helps, a "
+                        "GPU's captured steps with prompts in decode steps; --no-overlap: one step after another)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="embedding programs without a tokenizer inside: a tokenizer.json to read text with")
     p.add_argument("--http", default="auto", choices=("auto", "httptools", "h11"),

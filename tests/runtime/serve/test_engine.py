@@ -204,6 +204,15 @@ def test_overlapped_steps_give_what_the_steps_one_after_another_give(llm_path, b
     assert reasons[0] == "length" and len(alone[0][0]) == 12
 
 
+def test_overlap_is_on_by_default_where_steps_are_captured(llm_path, backend) -> None:
+    """A GPU's captured steps run asynchronously, so the engine overlaps them unless told not to; a CPU's or MLX's
+    steps leave nothing to hide."""
+    program = kiln.load(llm_path)
+    engine = LLMEngine(program, backend)
+    assert engine.overlap == (backend == "cuda")
+    assert not LLMEngine(program, backend, overlap=False).overlap
+
+
 def test_overlap_needs_prompts_in_steps(llm_path) -> None:
     from kiln.errors import KilnError
 

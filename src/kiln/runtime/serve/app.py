@@ -65,7 +65,7 @@ def model_name(program: Program, path: str | None) -> str:
 
 def create_app(program: Program | str | os.PathLike, backend: str = "cpu", model_id: str | None = None,
                max_queue: int = 64, tokenizer: Any = None, prefill_tokens: int | None = None,
-               engine_process: bool = False, overlap: bool = False) -> Starlette:
+               engine_process: bool = False, overlap: bool | None = None) -> Starlette:
     """The server's app for one program (a loaded Program or a .kiln path).
 
     model_id: the name clients use in `model` (default: the program's own name, else its file name).
@@ -74,7 +74,7 @@ def create_app(program: Program | str | os.PathLike, backend: str = "cpu", model
     prefill_tokens: for a language model, the most prompt tokens a decode step carries (see LLMEngine).
     engine_process: for a language model loaded from a file, run its engine in a process of its own (the HTTP
     work and the engine's host work then use two cores; see serve/engine_process.py); default: a thread.
-    overlap: for a language model, the engine's overlapped steps (LLMEngine's overlap; prompts in decode steps).
+    overlap: for a language model, the engine's overlapped steps (LLMEngine's overlap; default: where they help).
     """
     path = None if isinstance(program, Program) else os.fspath(program)
     program = program if isinstance(program, Program) else load(program)

@@ -159,12 +159,14 @@ class LLMEngine:
     strings, handing events on) runs while the device computes, instead of between its steps. A sequence that
     stops at a step has then already been given a row of the next one, whose result is dropped. Steps with a
     sequence whose sampler needs the logits on the host (top-k or top-p, or any sampling where the backend does not
-    sample on the device) run as before. Needs prompts in decode steps.
+    sample on the device) run as before. Needs prompts in decode steps. Default (None): on where prompts ride in
+    decode steps on a backend that captures its steps (a GPU's: measured on the H200, 1B bf16, 64 streams 15.4k ->
+    19.9k tokens/s, one stream 1.10 -> 0.93 ms a token); a CPU's steps are synchronous, so there is nothing to hide.
     """
 
     def __init__(self, program: Program, backend: str = "cpu", max_queue: int = 64,
                  metrics: EngineMetrics | None = None, prefill_tokens: int | None = None,
-                 prefill_in_steps: bool | None = None, overlap: bool = False):
+                 prefill_in_steps: bool | None = None, overlap: bool | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_tokens is not None and prefill_tokens < 1:
@@ -189,6 +191,8 @@ class LLMEngine:
                             "no room for prompt tokens in a step; export it again with --slots to serve prompts "
                             "in decode steps")
         self.prefill_in_steps = bool(prefill_in_steps)
+        if overlap is None:
+            overlap = self.prefill_in_steps and self._pad_batches
         if overlap and not self.prefill_in_steps:
             raise KilnError("overlap needs prompts fed in the decode steps (prefill_in_steps; a program exported "
                             "with --slots, on a backend that reads a slot's rows in place)")

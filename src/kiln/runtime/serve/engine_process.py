@@ -50,7 +50,7 @@ class EngineProcess:
     warm_up(), which returns once it has captured its graphs, and raises KilnError if it could not."""
 
     def __init__(self, path: str | os.PathLike, backend: str = "cpu", max_queue: int = 64,
-                 metrics: EngineMetrics | None = None, prefill_tokens: int | None = None, overlap: bool = False):
+                 metrics: EngineMetrics | None = None, prefill_tokens: int | None = None, overlap: bool | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_tokens is not None and prefill_tokens < 1:
@@ -284,7 +284,7 @@ class _StepMetrics(EngineMetrics):
         self.outbox.step(batch, seconds)
 
 
-def _child_main(conn: Any, path: str, backend: str, prefill_tokens: int | None, overlap: bool = False) -> None:
+def _child_main(conn: Any, path: str, backend: str, prefill_tokens: int | None, overlap: bool | None = None) -> None:
     """The engine process: load, warm up, say ready, then follow the parent's messages until shutdown or until
     the parent goes away. Ctrl-C and SIGTERM are the parent's to handle: it tells this process to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

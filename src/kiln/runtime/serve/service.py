@@ -21,13 +21,13 @@ class ServeOptions:
     tokenizer: a kiln.runtime.text.TextTokenizer for an embedding program that carries none; prefill_tokens:
     language models' most prompt tokens per decode step (None: the engine's default); engine_process: run a
     language model's engine in a process of its own (serve/engine_process.py) rather than on a thread; overlap:
-    the engine's overlapped steps (LLMEngine's overlap)."""
+    the engine's overlapped steps (LLMEngine's overlap; None: where they help)."""
 
     max_queue: int = 64
     tokenizer: Any = None
     prefill_tokens: int | None = None
     engine_process: bool = False
-    overlap: bool = False
+    overlap: bool | None = None
 
 
 class Service:
