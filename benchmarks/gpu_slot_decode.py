@@ -62,6 +62,9 @@ SWITCHES = {
                       "not chunks of the cache's length"),
     "decode-mma-unpipelined": ("attention", {"DECODE_MMA": True, "DECODE_MMA_PIPELINED": False},
                                "attend_mma loading a warp's next keys only after this step's (fewer registers)"),
+    "unpacked-runs": ("attention", {"DECODE_MMA_PACKED_RUNS": False},
+                      "a block per prompt row (flash.cu's runs above SLOT_RUNS_ABOVE), not the runs packed into "
+                      "attend_mma's tiles (attention.DECODE_MMA_PACKED_RUNS off)"),
     "decode-mma-4096": ("attention", {"DECODE_MMA": True, "DECODE_BLOCKS": 4096},
                         "attend_mma with the keys in chunks for 4096 blocks, not 1024 (attention.DECODE_BLOCKS)"),
 }

@@ -408,6 +408,7 @@ def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, mma,
     runs = attention._slot_runs_attention
     monkeypatch.setattr(attention, "_slot_runs_attention", lambda *a: called.append(a[6]) or runs(*a))
     monkeypatch.setattr(attention, "SLOT_RUNS_ABOVE", 0)  # (a step this small takes the decode kernel otherwise)
+    monkeypatch.setattr(attention, "DECODE_MMA_PACKED_RUNS", False)
     monkeypatch.setattr(attention, "DECODE_MMA", mma)  # (the decode rows by attend_mma, the runs left out as before)
     got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
                                               scale=0.125)).astype(np.float64)
@@ -415,6 +416,49 @@ def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, mma,
     want = _slot_attention64(q, k_cache, v_cache, slots, positions, 0.125, 0)
     tol = TOL[np.dtype(dtype)]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads,e", [(32, 8, 64), (16, 2, 128), (8, 4, 64), (4, 4, 64), (6, 2, 64),
+                                              (12, 2, 128)],
+                         ids=["llama1b", "g8-e128", "g2", "mha", "g3", "g6-e128"])
+def test_slot_step_with_prompt_runs_packed_on_the_tensor_cores(dtype, heads, kv_heads, e, monkeypatch) -> None:
+    """attention.DECODE_MMA_PACKED_RUNS: a serving step's prompt runs (one slot, consecutive positions) served
+    16 / groups rows a block by attend_mma (instance + 16000), each row up to its own position: runs starting on
+    and off the aligned groups, one shorter than a group, one at the cache's start, one reaching its end; decode rows
+    of distinct slots beside them and padding that repeats the last row; every row against float64, flash.cu's runs
+    not launched. A step of no more rows than slots is not packed."""
+    import cupy as cp
+
+    from kiln.runtime.backends.cuda.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MMA", True)
+    monkeypatch.setattr(attention, "DECODE_MMA_PACKED_RUNS", True)
+    monkeypatch.setattr(attention, "PACKED_RUNS_ABOVE", 0)
+    monkeypatch.setattr(attention, "SLOT_RUNS_ABOVE", 0)  # (packing, where it applies, takes the runs instead)
+    rng = np.random.default_rng(heads + e)
+    slots_n, length = 7, 300
+    k_cache, v_cache = (rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype) for _ in range(2))
+    slots, positions = [0, 4, 2], [17, 299, 64]  # decode rows
+    for slot, first, count in ((3, 100, 37), (1, 0, 19), (5, 250, 3), (6, 261, 39)):
+        slots += [slot] * count
+        positions += list(range(first, first + count))
+    slots += [slots[-1]] * 3  # padding: the last row again
+    positions += [positions[-1]] * 3
+    slots, positions = np.array(slots, np.int64), np.array(positions, np.int64)[:, None]
+    q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
+    flash_runs = []
+    runs = attention._slot_runs_attention
+    monkeypatch.setattr(attention, "_slot_runs_attention", lambda *a: flash_runs.append(a[6]) or runs(*a))
+    tol = TOL[np.dtype(dtype)]
+    for rows in (slots.size, slots_n):  # the step, then its first rows alone (no more rows than slots)
+        looked_up = _decode_kernels(attention, monkeypatch)
+        args = (q[:rows], k_cache, v_cache, slots[:rows], positions[:rows])
+        got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in args), scale=0.125)).astype(np.float64)
+        assert ("attend_mma", e + 16000) in looked_up if rows > slots_n else \
+            ("attend_mma", e + 16000) not in looked_up
+        np.testing.assert_allclose(got, _slot_attention64(*args, 0.125, 0), rtol=tol, atol=tol)
+    assert flash_runs == []
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])

@@ -54,7 +54,10 @@ def slot_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, positions: An
     not take and with sinks (gpt-oss), by the portable composition over the whole slot (cuBLAS products)."""
     keys, values = cp.swapaxes(k_cache, 1, 2), cp.swapaxes(v_cache, 1, 2)  # [N, Hkv, L, E] views
     if sinks is None and _slot_decode_applies(q, keys, values, slots, positions):
-        run = _slot_runs_apply(q, keys, values, window)
+        groups = q.shape[1] // keys.shape[1]
+        packs = _mma_takes(q, True, groups) and _packs_runs(q.shape[0], keys.shape[0], groups, slots, window,
+                                                            MASK_NONE)
+        run = 0 if packs else _slot_runs_apply(q, keys, values, window)
         if not run and _slot_flash_applies(q, keys, values, window):
             out = cp.empty(q.shape, dtype=q.dtype)
             _slot_runs_attention(out, q if q.flags.c_contiguous else cp.ascontiguousarray(q), keys, values, slots,
@@ -285,7 +288,29 @@ fixes the grid, and the positions stay on the device), so with fixed chunks a ba
 leaves the blocks past every position empty: 64 rows at position 400 of 1024 slots use 2 chunks of 512 keys, one
 busy, 512 of the 1024 blocks working (1.3 waves of 3 blocks an SM on an H200). Balanced: 1024 blocks of ~200 keys.
 Predicted: attend_mma at 64 rows, position 400, 27.6 -> ~20 us a layer (nothing at position 1000, where both chunks
-are busy already). Off until measured (gpu_slot_decode.py --compare-slot-balanced)."""
+are busy already). Measured on an H200 (2026-11-28, gpu_slot_decode.py --compare-slot-balanced, 1B bf16, 64 slots):
+the 64-row step 1.629 -> 1.669 ms at position 400 and 1.493 -> 1.518 at 150, 16 rows +0.5%: lost, left off. A block
+that ends at its chunk's cut reads ~200 keys in 3 warps' steps where a 512-key chunk's block streams 8: with 2-3
+blocks an SM resident, the longer chunks already kept the loads in flight, and the balanced split added a combine
+over twice the chunks."""
+
+DECODE_MMA_PACKED_RUNS = True
+"""Whether attend_mma serves a slot step's prompt runs packed (decode.cu's instance + 16000): an aligned group of
+16 / groups rows of one slot at consecutive positions in one block, its queries' heads as the tile's rows, so the
+run's keys and values are read once rather than once a row, and the step's other rows as before. Steps of more
+than PACKED_RUNS_ABOVE rows (and more rows than slots: a step that carries prompt rows), no window, groups of at
+most 8; flash.cu's slot runs (SLOT_RUNS_ABOVE) are then not used. Measured on an H200 (2026-11-28,
+gpu_slot_decode.py --compare-packed-runs, 1B bf16, 64 decode rows at position 400 plus prompt runs of 128): the
+step at 128 / 192 / 256 / 320 rows 2.081 / 2.615 / 3.029 / 4.062 ms without, 2.144 / 2.608 / 2.939 / 3.466 with
+(predicted ~2.1 at 256: missed; the prompt rows' re-reads of their slot's keys mostly hit L2, and the packed
+instance's second tile half costs the decode rows); serve_load at 64 streams, prompts {128, 512}, outputs
+{128, 256}: 18,979 / 19,045 -> 20,774 / 20,761 tokens/s, p99 ITL 4.42 / 4.51 -> 4.01 / 4.02 ms."""
+PACKED_RUNS_ABOVE = 0
+"""Steps of more rows than this (and than the slots) pack their prompt runs (DECODE_MMA_PACKED_RUNS). The step alone
+lost 3% at 128 rows and tied at 192, but the server (serve_load, as above) gained more packing every step that
+carries prompt rows, 18,979 / 19,045 -> 20,774 / 20,761 tokens/s, than packing only those above 192 rows, 18,113 /
+18,744 -> 19,974 / 19,012 (each pair of runs interleaved in one call): while prompts stream in, the engine's steps
+carry fewer decode rows than the benchmark's 64."""
 
 
 DECODE_MMA = True
@@ -296,7 +321,7 @@ warp) rather than attend_chunk (~48, bound by its instructions at a quarter of t
 (2026-11-28, docs/benchmarks.md): 64 rows of 1B heads at position 400, 42.2 -> 27.6 us a layer; the 64-slot bf16
 serving step 1.897 -> 1.613 ms (int4 2.598 -> 2.300); single-sequence decode 1B 0.881 -> 0.863 ms, MoE (8 layers)
 0.662 -> 0.649 ms at context 1024. It also takes groups of 9-16 q heads, which attend_chunk does not."""
-MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9 to 16; + 2000 x the mask's kind)
+MMA_HEAD_DIMS = (64, 128)  # attend_mma's instances (+ 1000: groups of 9-16; + 2000 x the mask's kind; + 16000: packed)
 MMA_GROUPS = 16  # q heads a kv head attend_mma serves (the rows of one m16n8k16 tile)
 DECODE_MMA_PIPELINED = True
 """Whether attend_mma at heads of 64 loads a warp's next 16 keys while it computes this step's (157 registers: 3
@@ -358,6 +383,7 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
         q = q.copy()
     kind, mask_b, ms = _mask_operand(mask, (b, hq, 1, seq), q)
     mma = _decode_mma_applies(q, ms, groups)
+    packed = mma and _packs_runs(b, k.shape[0], groups, slots, window, kind)
     parts = 1 if mma else _head_parts(b * hkv, groups)
     chunk = decode_chunk(b * hkv * parts, seq)
     splits = (seq + chunk - 1) // chunk
@@ -369,7 +395,7 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
             np.int32(window), np.int32(DECODE_CHUNK if balance else chunk), np.int32(run_rows))
     if mma:
         unpipelined = 8000 if e == 64 and not DECODE_MMA_PIPELINED else 0
-        instance = e + (1000 if groups > 8 else 0) + 2000 * int(kind) + unpipelined
+        instance = e + (16000 if packed else 1000 if groups > 8 else 0) + 2000 * int(kind) + unpipelined
         nvrtc.function("decode", "attend_mma", q.dtype, instance)(
             (splits, hkv, b), (DECODE_THREADS,),
             (q, k, v, part, np.int32(groups), np.int32(seq), np.float32(scale), ks[0], ks[1], ks[2], vs[0], vs[1],
@@ -387,6 +413,13 @@ def _decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float | None, sl
     nvrtc.function("decode", "attend_combine", q.dtype, columns)((b * hq,), (COMBINE_THREADS,),
                                                                   (part, out, np.int32(e), np.int32(splits)))
     return out
+
+
+def _packs_runs(rows: int, slot_count: int, groups: int, slots: Any, window: int, kind: Any) -> bool:
+    """Whether attend_mma packs this slot step's prompt runs (DECODE_MMA_PACKED_RUNS): more rows than slots and
+    PACKED_RUNS_ABOVE, no window or mask, 2 or more queries of a run to a tile (groups of at most 8)."""
+    return (DECODE_MMA_PACKED_RUNS and slots is not None and rows > max(slot_count, PACKED_RUNS_ABOVE) and not window
+            and int(kind) == MASK_NONE and groups <= 8)
 
 
 def _head_parts(pairs: int, groups: int) -> int:

@@ -97,12 +97,15 @@ __device__ __forceinline__ void decode_keys(int split, int splits, int chunk, bo
     }
 }
 
-// The block's partial of each of its `groups` q heads from its warps' (max, exp-sum) and unnormalized outputs in
+// The block's partial of each of its `groups` tile rows from its warps' (max, exp-sum) and unnormalized outputs in
 // shared memory: part row (qh + g, split) = the outputs merged to the warps' largest max, that max, the exp-sum.
+// With `per` > 0 (attend_mma's packed prompt runs) tile row g is head g % per of the query `g / per` rows on,
+// whose heads start `stride` part rows further.
 template <int G, int W>
 __device__ __forceinline__ void store_block_partial(const float (&merged)[DECODE_WARPS][G][2],
                                                     const float (&out_s)[DECODE_WARPS][G][W], float* part,
-                                                    long long qh, int groups, int e, int splits, int split) {
+                                                    long long qh, int groups, int e, int splits, int split,
+                                                    int per = 0, long long stride = 0) {
     for (int i = threadIdx.x; i < groups * e; i += DECODE_WARPS * 32) {
         const int g = i / e, c = i - g * e;
         float top = -KILN_INF;
@@ -117,7 +120,8 @@ __device__ __forceinline__ void store_block_partial(const float (&merged)[DECODE
                 acc += out_s[w][g][c] * a;
             }
         }
-        float* row = part + ((qh + g) * splits + split) * (e + 2);
+        const long long at = per > 0 ? qh + (g / per) * stride + g % per : qh + g;
+        float* row = part + (at * splits + split) * (e + 2);
         row[c] = acc;
         if (c == 0) row[e] = top, row[e + 1] = sum;
     }
@@ -307,11 +311,19 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 // Along the output dim of p v: lane g loads pieces g, g + 8, .. of v's rows for keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9
 // (the keys of its A fragment), and n-tile u's column g is dim 8 (g + 8 (u / 8)) + u % 8: one byte permute a
 // register packs a pair of keys' halves. The next step's keys are loaded while this step computes (head dim 64).
+//
+// Packed prompt runs (N + 16000, slot steps without a mask or window, groups of at most 8): a serving step's prompt
+// rows are runs of one slot at consecutive positions, and each read the same keys. An aligned group of
+// P = 16 / groups rows that is such a run (common.cuh's slot_run) is served by its first row's block alone, the
+// tile's rows holding its P queries' heads (tile row m: query m / groups of the run, head m % groups), each row
+// seeing keys up to its own position: the run's keys and values are read once, not P times. The other rows'
+// blocks return; rows outside such groups are served as before (the tile's rows past the group idle).
 #define MMA_STEP 16  // keys a warp takes per step
 // attend_mma<S>: F16 BF16
-// attend_mma<N>: 64 128 1064 1128 2064 2128 3064 3128 4064 4128 5064 5128 8064 9064 10064 11064 12064 13064
+// attend_mma<N>: 64 128 1064 1128 2064 2128 3064 3128 4064 4128 5064 5128 8064 9064 10064 11064 12064 13064 16064 16128 24064
 // (N: the head dim, + 1000 for groups of 9 to 16 q heads, + 2000 a bool mask, + 4000 a float mask: no mask's steps
-// pay nothing for it; + 8000: head dim 64 without the next step in flight, for fewer registers)
+// pay nothing for it; + 8000: head dim 64 without the next step in flight, for fewer registers; + 16000: packed
+// prompt runs)
 template <class S, int N>
 __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const typename S::T* __restrict__ q, const typename S::T* __restrict__ k, const typename S::T* __restrict__ v,
@@ -320,14 +332,16 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const long long* __restrict__ slots, const long long* __restrict__ positions, int slot_count, int window,
     int chunk, int run_rows, int visible_only, int balance) {
     constexpr int E = N % 1000;
-    constexpr bool WIDE = (N / 1000) % 2 == 1;  // q heads 8-15 of the group in the tile's rows 8-15
+    constexpr bool PACK = (N / 16000) % 2 == 1;           // packed prompt runs (see above)
+    constexpr bool WIDE = PACK || (N / 1000) % 2 == 1;   // the tile's rows 8-15 hold heads (of the group or a run)
     constexpr int MASK = (N / 2000) % 4;        // MASK_NONE, MASK_BOOL or MASK_FLOAT
+    static_assert(!PACK || MASK == MASK_NONE, "packed prompt runs are slot steps: no mask");
     constexpr int H = WIDE ? 16 : 8;    // rows of the tile that hold heads
     constexpr int KP = E / 32;          // pieces of a key row a lane holds (of q k^T)
     constexpr int VP = E / 64;          // pieces of a value row a lane holds (of p v)
     constexpr int KSTEPS = E / 16;      // k16 steps of q k^T
     constexpr int DTILES = E / 8;       // n8 tiles of p v
-    constexpr bool PIPE = E <= 64 && N < 8000;  // the next step's loads in flight during this one
+    constexpr bool PIPE = E <= 64 && (N / 8000) % 2 == 0;  // the next step's loads in flight during this one
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     {
         int s0, s1;
@@ -343,21 +357,41 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int s0, s1;
     long long row;
-    decode_keys<false>(split, splits, chunk, balance, seq, b, positions, slots, slot_count, window, s0, s1, row);
+    // packed: this block serves the P rows of a prompt run from b (P = 16 / groups), `served` tile rows
+    const long long heads_q = (long long)gridDim.y * groups;  // q heads a row
+    int served = groups, per = 0;
+    if (PACK && slots != nullptr) {
+        const int runs = 16 / groups;
+        const long long group = b / runs * runs;
+        if (runs > 1 && group + runs <= gridDim.z && slot_run(slots, positions, group, runs, slot_count)) {
+            if (b != group) return;  // the run's first row's block serves this row
+            served = runs * groups, per = groups;
+        }
+    }
+    decode_keys<false>(split, splits, chunk, balance, seq, per ? b + served / per - 1 : b, positions, slots,
+                       slot_count, window, s0, s1, row);
     if (slots != nullptr && run_rows > 0) {
         const long long group = b / run_rows * run_rows;
         if (group + run_rows <= gridDim.z && slot_run(slots, positions, group, run_rows, slot_count))
             s1 = s0;  // flash.cu attends to this row with the rest of its run
     }
-    const long long qh = (long long)b * gridDim.y * groups + (long long)hk * groups;  // the group's first q row
+    const long long qh = (long long)b * heads_q + (long long)hk * groups;  // the group's first q row
+    // tile row m's q row (packed: head m % groups of the query m / groups rows on)
+    auto q_row = [&](int m) { return per ? qh + (m / per) * heads_q + m % per : qh + m; };
+    // packed: the last key each of this lane's tile rows (g, g + 8) sees, its query's position
+    int last_key[2] = {0, 0};  // (positions below the cache's length: ints)
+    if (PACK && per) {
+        const int first_position = (int)positions[b];
+        last_key[0] = first_position + g / per, last_key[1] = first_position + (g + 8) / per;
+    }
 
     // q's A fragment of each k-step: rows g and g + 8 (heads past the group zero), lane t's pieces t, t + 4, ..
     unsigned qf[KSTEPS][4];
 #pragma unroll
     for (int i = 0; i < KP; ++i) {
         U4 u = {0u, 0u, 0u, 0u}, w = {0u, 0u, 0u, 0u};
-        if (g < groups) u = *reinterpret_cast<const U4*>(q + (qh + g) * E + (t + 4 * i) * 8);
-        if (WIDE && g + 8 < groups) w = *reinterpret_cast<const U4*>(q + (qh + g + 8) * E + (t + 4 * i) * 8);
+        if (g < served) u = *reinterpret_cast<const U4*>(q + q_row(g) * E + (t + 4 * i) * 8);
+        if (WIDE && g + 8 < served) w = *reinterpret_cast<const U4*>(q + q_row(g + 8) * E + (t + 4 * i) * 8);
         qf[2 * i][0] = u.x, qf[2 * i][1] = w.x, qf[2 * i][2] = u.y, qf[2 * i][3] = w.y;
         qf[2 * i + 1][0] = u.z, qf[2 * i + 1][1] = w.z, qf[2 * i + 1][2] = u.w, qf[2 * i + 1][3] = w.w;
     }
@@ -377,7 +411,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     for (int c = 0; c < 4; ++c) vq[c] = v + row * vb + hk * vh + (next + 2 * t + (c & 1) + 8 * (c >> 1)) * vs + g * 8;
     const long long mrow = (long long)b * mb;
     auto term = [&](int s) { return s < s1 ? (MASK ? mask_term(mask, MASK, mrow + s * ms) : 0.0f) : -KILN_INF; };
-    auto load = [&](U4 (&kr)[2][KP], U4 (&vr)[4][VP], float (&tv)[4]) {
+    auto load = [&](U4 (&kr)[2][KP], U4 (&vr)[4][VP], float (&tv)[4], int& first_key) {
+        first_key = next;
 #pragma unroll
         for (int c = 0; c < 4; ++c) tv[c] = term(next + 2 * t + (c & 1) + 8 * (c >> 1));
 #pragma unroll
@@ -405,7 +440,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     const float scale2 = scale * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
     // one step: the scores of keys first .. first + 15, the online softmax, o += p v
     const float mask2 = 1.4426950408889634f;  // a float mask's terms in log2 units
-    auto attend = [&](const U4 (&kr)[2][KP], const U4 (&vr)[4][VP], const float (&tv)[4]) {
+    auto attend = [&](const U4 (&kr)[2][KP], const U4 (&vr)[4][VP], const float (&tv)[4], int first_key) {
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -421,6 +456,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 x[i] = tv[i] == -KILN_INF ? -KILN_INF : sc[i >> 1][2 * r + (i & 1)] * scale2 + tv[i] * mask2;
+                if (PACK && per && first_key + 8 * (i >> 1) + 2 * t + (i & 1) > last_key[r]) x[i] = -KILN_INF;
                 top = fmaxf(top, x[i]);
             }
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
@@ -453,6 +489,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
     };
     U4 ka[2][KP], va[4][VP], kb2[2][KP], vb2[4][VP];  // two steps' operands (PIPE: one loads while one computes)
     float ta[4], tb[4];
+    int fa = 0, fb = 0;  // the first key of the step each holds
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -463,18 +500,18 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         for (int i = 0; i < VP; ++i) va[c][i] = vb2[c][i] = U4{0u, 0u, 0u, 0u};
     // the loop bounds are the warp's: every lane reaches the shuffles
     if (PIPE) {
-        if (next < s1) load(ka, va, ta);
+        if (next < s1) load(ka, va, ta, fa);
         for (int first = s0 + warp * MMA_STEP; first < s1; first += 2 * STRIDE) {
-            if (next < s1) load(kb2, vb2, tb);
-            attend(ka, va, ta);
+            if (next < s1) load(kb2, vb2, tb, fb);
+            attend(ka, va, ta, fa);
             if (first + STRIDE >= s1) break;
-            if (next < s1) load(ka, va, ta);
-            attend(kb2, vb2, tb);
+            if (next < s1) load(ka, va, ta, fa);
+            attend(kb2, vb2, tb, fb);
         }
     } else {
         for (int first = s0 + warp * MMA_STEP; first < s1; first += STRIDE) {
-            load(ka, va, ta);
-            attend(ka, va, ta);
+            load(ka, va, ta, fa);
+            attend(ka, va, ta, fa);
         }
     }
     // this warp's rows to shared memory: (max, exp-sum) in natural units, outputs at their dims
@@ -491,7 +528,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         }
     }
     __syncthreads();
-    store_block_partial<H, E>(merged, out_s, part, qh, groups, E, splits, split);
+    store_block_partial<H, E>(merged, out_s, part, qh, served, E, splits, split, per, heads_q);
 }
 
 // Combines the chunks: out [B, Hq, 1, E] = sum_i w_i o_i / sum_i w_i l_i with w_i = exp(m_i - M), a block per
