@@ -106,6 +106,22 @@ def test_program_describes_its_slots(programs):
     assert "slot_attention" in {n.op for n in program.method("decode").nodes}
 
 
+def test_logits_of_the_first_slots_rows_only(programs):
+    """A step samples at most one row a slot, the sampled rows first: the LM head takes the first min(B, slots)
+    rows (a slice, not a gather), and they are the rows a step of only them gives."""
+    from kiln.runtime.llm.decoding import decode_batch
+
+    program = programs("llama", 4)
+    assert "-> (output: float32[min(4, batch), " in program.info("decode").describe()
+    assert "index_select" not in {n.op for n in program.method("decode").nodes}
+    session = program.session("cpu")
+    rows = decode_batch(session, [9, 10, 11, 12, 13, 14, 15], [3, 5, 0, 2, 1, 2, 3], [0, 1, 2, 3, 2, 2, 2])
+    assert rows.shape == (4, 128)
+    session.reset_state()
+    alone = decode_batch(session, [9, 10, 11, 12], [3, 5, 0, 2], [0, 1, 2, 3])
+    np.testing.assert_allclose(rows, alone, rtol=1e-5, atol=1e-5)
+
+
 def test_soft_capped_attention_is_refused_with_slots():
     with pytest.raises(NotImplementedError, match="soft-capped"):
         export_llama(tiny_decoder("gemma2"), 40, 8, slots=2)

@@ -86,6 +86,22 @@ SINK_ATTENTION = "kiln_sink_attention"
 """The one a StaticCacheLM of one sequence sets during its steps where attention has sink logits: kiln's sdpa."""
 
 
+@contextlib.contextmanager
+def _leading_rows_to_head(model: PreTrainedModel, rows: int) -> Iterator[None]:
+    """While it lasts, the model's output layer (LM head) takes only the first `rows` rows of its input: what
+    follows it (soft-capping, scaling) is the model's own, on fewer rows."""
+    def leading(_: torch.nn.Module, args: tuple) -> tuple:
+        # (the rows by index, not a slice: a slice's bound makes torch.export guard on the batch's size)
+        x = args[0]
+        return (x.index_select(0, torch.arange(torch.sym_min(x.shape[0], rows), device=x.device)), *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(leading)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _attend_slots(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, *,
                   kiln_slots: torch.Tensor, kiln_positions: torch.Tensor, kiln_windows: list[int],
@@ -201,10 +217,13 @@ class StaticCacheLM(torch.nn.Module):
     slots=N (serving several sequences at once): each layer's cache is [N, max_context, kv_heads, head_dim], a
     slot per sequence, and the methods take the slots too:
     prefill(tokens [1, T], cache_position [T], slot [1]) -> logits [1, vocab]: a chunk of one sequence in its slot;
-    decode(tokens [B, 1], cache_position [B], slots [B]) -> logits [B, vocab]: B rows, each one token at its own
-    position in its own slot (B from 1 to N + prefill_chunk): one token of each decoding sequence, and a serving
-    engine may add a prompt chunk's tokens as rows of their sequence (consecutive positions), which share the
-    step's weight reads; every row's keys are written before any row attends, so each sees the earlier ones.
+    decode(tokens [B, 1], cache_position [B], slots [B]) -> logits [min(B, N), vocab]: B rows, each one token at
+    its own position in its own slot (B from 1 to N + prefill_chunk): one token of each decoding sequence, and a
+    serving engine may add a prompt chunk's tokens as rows of their sequence (consecutive positions), which share
+    the step's weight reads; every row's keys are written before any row attends, so each sees the earlier ones.
+    Only the first N rows get logits: a step samples at most one row a slot (its decoding sequences' and each
+    prompt's last token, which a serving engine puts first), so the LM head, a large share of a prompt step's work
+    at a large vocabulary, reads the other rows for nothing.
     Attention is kiln's slot_attention op (transformers' attention implementation is set to it on the model),
     which reads only the positions each sequence has; sliding-window layers keep every position (no ring) and
     mask by the window; gpt-oss's sink logits are slot_attention's sinks. Layers that soft-cap their scores (Gemma 2)
@@ -266,9 +285,10 @@ class StaticCacheLM(torch.nn.Module):
         # slot_attention masks by the positions itself; transformers still wants a mask, used as given when 4-d
         unused = torch.ones((tokens.shape[0], 1, tokens.shape[1], 1), dtype=torch.bool, device=tokens.device)
         mask = {kind: unused for kind in self.layer_types} if len(self.layer_types) > 1 else unused
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1, kiln_slots=slots, kiln_positions=positions,
-                         kiln_windows=self.layer_windows)
+        with _leading_rows_to_head(self.model, self.slots):
+            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1, kiln_slots=slots, kiln_positions=positions,
+                             kiln_windows=self.layer_windows)
         return out.logits[:, -1, :]
 
     def _step(self, tokens: torch.Tensor | None, cache_position: torch.Tensor,

@@ -20,9 +20,31 @@ def _index_value(ctx: LowerContext, arg) -> int:
     return v
 
 
+_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+
+
+def _leading_count(index) -> object | None:
+    """n where the index is arange(n) or arange(0, n, 1) (int): the leading n positions of a dim, else None."""
+    if not isinstance(index, torch.fx.Node) or index.target not in _ARANGES:
+        return None
+    args = ([0] if index.target == aten.arange.default else []) + list(index.args)
+    step = args[2] if len(args) > 2 else 1
+    dtype = index.kwargs.get("dtype")
+    if args[0] != 0 or step != 1 or (dtype is not None and dtype.is_floating_point):
+        return None
+    return args[1]
+
+
 @lowering(aten.index_select.default)
 def index_select(ctx: LowerContext, node: torch.fx.Node) -> int:
+    """Rows by index; by a leading arange, a slice (a view, no gather): how a model takes the first min(n, rows)
+    rows of a dim without a slice bound torch.export would guard on (kiln.models.llm's slotted LM head)."""
     dim = norm_dim(node.args[1], ndim_of(node.args[0]))
+    count = _leading_count(node.args[2])
+    if count is not None:
+        x = ctx.value(node.args[0])
+        return ctx.emit("slice", [x], ctx.meta(node), dim=dim, start=0, end=_bound(ctx, count, ctx.shape(x)[dim]),
+                        step=1)
     return ctx.emit("index_select", [ctx.value(node.args[0]), _index_value(ctx, node.args[2])], ctx.meta(node),
                     dim=dim)
 

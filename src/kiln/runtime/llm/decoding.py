@@ -71,12 +71,14 @@ def decode_step(session: Session, token: int, position: int, slot: int = 0,
 def decode_batch(session: Session, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                  info: LLMInfo | None = None, host: bool = True) -> Any:
     """One decode step of several sequences at once (a slotted program; one sequence otherwise): token b at
-    positions[b] in slots[b]; returns logits [B, vocab] as NumPy, or with host=False as the backend's array (left
-    where it is: a GPU's logits of a large vocabulary cost more to move than to reduce there)."""
+    positions[b] in slots[b]; returns logits [R, vocab] as NumPy, or with host=False as the backend's array (left
+    where it is: a GPU's logits of a large vocabulary cost more to move than to reduce there). R = min(B, N) for a
+    program with N slots (its LM head takes the first N rows: a step samples at most one row a slot; programs
+    exported before it gave all B), B otherwise."""
     slot_input = slot_inputs(_info(session, info), slots)
     ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
     logits = session.run("decode", ids, np.asarray(positions, dtype=np.int64).reshape(-1), *slot_input)[0]
-    logits = logits.reshape(ids.shape[0], -1)
+    logits = logits.reshape(-1, logits.shape[-1])
     return session.backend.to_numpy(logits) if host else logits
 
 

@@ -446,7 +446,7 @@ class LLMEngine:
         logits = self.session.run("decode", token_input.reshape(-1, 1), backend.upload(positions), *slot_input)[0]
         if not sampled:  # prompt rows alone: nothing to pick
             return _InFlight(None, lambda: np.zeros(0, np.int64), sampled, [], decoding, started)
-        ids = self._pick_here(sampled, logits.reshape(len(rows), -1)[:len(sampled)])
+        ids = self._pick_here(sampled, logits.reshape(-1, logits.shape[-1])[:len(sampled)])
         return _InFlight(ids, backend.fetch(ids), sampled, [], decoding, started)
 
     def _read(self, step: _InFlight) -> None:
