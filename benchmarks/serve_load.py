@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the server's engine in a process of its own (default, as `kiln serve`) or on a thread")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's engine with (--overlap) or without (--no-overlap) overlapped steps (default: "
-                        "kiln serve's, on a GPU); with --engine, --overlap runs the engine alone both without and "
-                        "with them, levels interleaved")
+                        "kiln serve's, on a GPU); with --engine, the engine alone the same way, or with --overlap "
+                        "both without and with them, levels interleaved")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' temperature (default 0: greedy); above 0 each request samples, seeded")
     p.add_argument("--seed", type=int, default=0)
@@ -373,9 +373,11 @@ def main(argv: list[str] | None = None) -> int:
                 self.seconds += seconds
 
         steps = StepTime()
-        engines = {overlap: LLMEngine(program, args.backend, max_queue=max(len(level_work(c)) for c in levels),
-                                      metrics=steps, overlap=overlap).warm_up().start()
-                   for overlap in ((False, True) if args.overlap else (False,))}
+        engines = {}  # by whether the engine overlaps its steps: both with --overlap, else as the server's engine
+        for setting in (False, True) if args.overlap else (args.overlap,):
+            engine = LLMEngine(program, args.backend, max_queue=max(len(level_work(c)) for c in levels),
+                               metrics=steps, overlap=setting)
+            engines[engine.overlap] = engine.warm_up().start()
         try:
             for c in levels:
                 for overlap, engine in engines.items():
@@ -429,7 +431,8 @@ def server_cpu_table(results: list[Level]) -> None:
 def table(title: str, results: list[Level], show_client: bool) -> None:
     """Markdown rows; the server's with the client process's CPU share (near 100%: the client limits), the
     engine's with the share of its wall time in batched decode steps (the rest: prefill and the engine's own
-    work between steps)."""
+    work between steps; with overlapped steps each counts from its launch to its picks' read, two at a time, so
+    the share passes 100%)."""
     client = " client CPU |" if show_client else " decode steps |"
     print(f"| {title}: concurrency | output tokens/s | x concurrency 1 | TTFT p50 / p99 ms | ITL p50 / p99 ms "
           f"| errors |{client}")
