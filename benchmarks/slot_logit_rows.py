@@ -2,7 +2,7 @@
 kiln.models.llm exports: a step samples at most one row a slot), on the CPU or any backend.
 
     PYTHONPATH=src python benchmarks/slot_logit_rows.py [--shape smollm2-135m] [--slots 4] [--prompt-rows 0,64]
-        [--backend cpu] [--repeat 9]
+        [--backend cpu] [--dtype float32] [--repeat 9]
 
 Both programs are exported in this process from one random-weight model of the shape (cpu_compare.LLAMA_SIZES),
 the "every row" one with the leading-rows hook turned off; each step is `slots` decode rows at position 100 plus
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_compare import LLAMA_SIZES  # noqa: E402
 
 
-def export_both(shape: str, slots: int, chunk: int, max_context: int) -> dict:
+def export_both(shape: str, slots: int, chunk: int, max_context: int, dtype: str = "float32") -> dict:
     """{"every row": program, "leading rows": program}, one model's weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -32,7 +32,7 @@ def export_both(shape: str, slots: int, chunk: int, max_context: int) -> dict:
     from kiln.models import llm
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZES[shape])).eval()
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZES[shape])).to(getattr(torch, dtype)).eval()
     programs = {}
     leading = llm._leading_rows_to_head
     for name in ("every row", "leading rows"):
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--prompt-rows", default="0,64", help="prompt rows beside the decode rows (default 0,64)")
     parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args(argv)
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = [int(r) for r in args.prompt_rows.split(",")]
     chunk = max(max(extra), 8)
-    programs = export_both(args.shape, args.slots, chunk, 512)
+    programs = export_both(args.shape, args.slots, chunk, 512, args.dtype)
     sessions = {name: program.session(args.backend) for name, program in programs.items()}
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeat + 1):  # the first round warms up, not counted
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 decode_batch(session, *inputs)
                 times.setdefault((name, rows), []).append(time.perf_counter() - t0)
-    print(f"{args.shape}, {args.slots} slots, {args.backend}; medians of {args.repeat} interleaved steps (ms)")
+    print(f"{args.shape}, {args.dtype}, {args.slots} slots, {args.backend}; medians of {args.repeat} interleaved "
+          "steps (ms, the logits copied to the host)")
     print("| step rows | LM head on every row | on the first slots rows | ratio |")
     print("|---:|---:|---:|---:|")
     for rows in extra:
