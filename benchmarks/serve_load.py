@@ -116,9 +116,9 @@ class Level:
     """(server) CPU seconds of each of the server's processes over the level, from its /metrics: "http", and
     "engine" where the engine runs in a process of its own (as of its last message)"""
     decode_seconds: float = 0.0
+    """(engine alone) the time of the level's batched decode steps, sampling included"""
     overlap: bool = False
     """(engine alone) whether the engine overlapped its steps"""
-    """(engine alone) the time of the level's batched decode steps, sampling included"""
 
     def arrived(self, start: float, last: float | None) -> float:
         """A content chunk of a stream sent at `start` whose previous chunk came at `last`: its TTFT or ITL."""

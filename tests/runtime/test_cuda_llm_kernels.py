@@ -379,6 +379,18 @@ def test_slot_decode_attention_reads_each_slot_in_place(dtype, heads, kv_heads, 
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+def _step_with_prompt_runs(decode: list[tuple[int, int]], runs: list[tuple[int, int, int]]) -> tuple:
+    """slots [rows] and positions [rows, 1] of a serving step: decode rows (slot, position), then prompt runs
+    (slot, first position, count: consecutive positions of one slot), then 3 rows of padding repeating the last."""
+    slots, positions = [s for s, _ in decode], [p for _, p in decode]
+    for slot, first, count in runs:
+        slots += [slot] * count
+        positions += list(range(first, first + count))
+    slots += [slots[-1]] * 3
+    positions += [positions[-1]] * 3
+    return np.array(slots, np.int64), np.array(positions, np.int64)[:, None]
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 2)], ids=["g4", "mha", "g3"])
 @pytest.mark.parametrize("mma", [False, True], ids=["chunk", "mma"])
@@ -395,14 +407,8 @@ def test_slot_decode_step_with_prompt_runs_by_flash(dtype, heads, kv_heads, mma,
     slots_n, length, e = 6, 400, 64
     k_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
     v_cache = rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype)
-    slots = [0, 4, 2]  # decode rows
-    positions = [17, 399, 64]
-    for slot, first, count in ((3, 100, 2 * run + 5), (1, 0, run + 3), (5, 250, 7)):
-        slots += [slot] * count
-        positions += list(range(first, first + count))
-    slots += [slots[-1]] * 3  # padding: the last row again
-    positions += [positions[-1]] * 3
-    slots, positions = np.array(slots, np.int64), np.array(positions, np.int64)[:, None]
+    slots, positions = _step_with_prompt_runs([(0, 17), (4, 399), (2, 64)],
+                                              [(3, 100, 2 * run + 5), (1, 0, run + 3), (5, 250, 7)])
     q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
     called = []
     runs = attention._slot_runs_attention
@@ -439,13 +445,8 @@ def test_slot_step_with_prompt_runs_packed_on_the_tensor_cores(dtype, heads, kv_
     rng = np.random.default_rng(heads + e)
     slots_n, length = 7, 300
     k_cache, v_cache = (rng.standard_normal((slots_n, length, kv_heads, e)).astype(dtype) for _ in range(2))
-    slots, positions = [0, 4, 2], [17, 299, 64]  # decode rows
-    for slot, first, count in ((3, 100, 37), (1, 0, 19), (5, 250, 3), (6, 261, 39)):
-        slots += [slot] * count
-        positions += list(range(first, first + count))
-    slots += [slots[-1]] * 3  # padding: the last row again
-    positions += [positions[-1]] * 3
-    slots, positions = np.array(slots, np.int64), np.array(positions, np.int64)[:, None]
+    slots, positions = _step_with_prompt_runs([(0, 17), (4, 299), (2, 64)],
+                                              [(3, 100, 37), (1, 0, 19), (5, 250, 3), (6, 261, 39)])
     q = rng.standard_normal((slots.size, heads, 1, e)).astype(dtype)
     flash_runs = []
     runs = attention._slot_runs_attention

@@ -303,9 +303,13 @@ class LLMEngine:
         try:
             step(generations)
         except Exception as e:  # a kernel or input failure must not stop the server
-            log.exception("generation step failed")
-            for generation in generations:
-                self._finish(generation, "error", f"{type(e).__name__}: {e}")
+            self._fail(generations, e)
+
+    def _fail(self, generations: list[Generation], error: Exception) -> None:
+        """A failed step's generations end with its error (logged once); the engine goes on."""
+        log.exception("generation step failed")
+        for generation in generations:
+            self._finish(generation, "error", f"{type(error).__name__}: {error}")
 
     def _prefill_chunk(self, generations: list[Generation]) -> None:
         (generation,) = generations
@@ -328,10 +332,14 @@ class LLMEngine:
         """One decode call over rows of (token, position, slot); the backend's logits, a row each (and the
         padding's after them). Where graphs are captured, the rows are padded (padded_rows) with repeats of the
         last row: the same keys written to the same place."""
-        if self._pad_batches:
-            rows = rows + rows[-1:] * (padded_rows(len(rows), most) - len(rows))
-        tokens, positions, slots = zip(*rows)
+        tokens, positions, slots = zip(*self._padded(rows, most))
         return decode_batch(self.session, tokens, positions, slots, self.info, host=False)
+
+    def _padded(self, rows: list[tuple[int, int, int]], most: int) -> list[tuple[int, int, int]]:
+        """Where graphs are captured, rows padded to padded_rows(len(rows), most) with repeats of the last row."""
+        if not self._pad_batches:
+            return rows
+        return rows + rows[-1:] * (padded_rows(len(rows), most) - len(rows))
 
     def _step_with_prompts(self) -> None:
         """One decode step carrying every decoding sequence's token and up to prefill_tokens prompt tokens (the
@@ -409,9 +417,7 @@ class LLMEngine:
         try:
             step = self._launch(rows, sampled, len(decoding), previous)
         except Exception as e:  # as _guarded: the step's generations end with the error, the engine goes on
-            log.exception("generation step failed")
-            for generation in sampled + [g for g, _, _ in chunks]:
-                self._finish(generation, "error", f"{type(e).__name__}: {e}")
+            self._fail(sampled + [g for g, _, _ in chunks], e)
             self._drain()
             return
         for generation, count, ends in chunks:
@@ -434,10 +440,9 @@ class LLMEngine:
         """Queue one decode call over rows of (token, position, slot), a token below 0 standing for pick -1 - t
         of the step in flight, and the greedy pick of its first len(sampled) rows; nothing waits for the device."""
         started = time.perf_counter()
-        if self._pad_batches:
-            rows = rows + rows[-1:] * (padded_rows(len(rows), self.max_rows) - len(rows))
         backend = self.session.backend
-        tokens, positions, slots = (np.asarray(column, dtype=np.int64) for column in zip(*rows))
+        tokens, positions, slots = (np.asarray(column, dtype=np.int64)
+                                    for column in zip(*self._padded(rows, self.max_rows)))
         ahead = np.flatnonzero(tokens < 0)
         token_input = backend.upload(np.where(tokens < 0, 0, tokens))
         if ahead.size:
@@ -456,9 +461,7 @@ class LLMEngine:
         try:
             picks = np.asarray(self._check_picks(step.fetch().tolist()))
         except Exception as e:
-            log.exception("generation step failed")
-            for generation in step.sampled:
-                self._finish(generation, "error", f"{type(e).__name__}: {e}")
+            self._fail(step.sampled, e)
             return
         if step.decoding:
             self.metrics.step(step.decoding, time.perf_counter() - step.started)
