@@ -535,6 +535,7 @@ def test_slot_decode_on_the_tensor_cores_matches_float64(dtype, heads, kv_heads,
     from kiln.runtime.backends.cuda.kernels import attention
 
     monkeypatch.setattr(attention, "DECODE_MMA", True)
+    monkeypatch.setattr(attention, "DECODE_MMA_PACKED_RUNS", False)  # this batch has more rows than slots
     looked_up = _decode_kernels(attention, monkeypatch)
     q, k_cache, v_cache, slots, positions = _slot_batch(heads + e + window, dtype, heads, kv_heads, e, (9, 20))
     got = cp.asnumpy(attention.slot_attention(*(cp.asarray(a) for a in (q, k_cache, v_cache, slots, positions)),
