@@ -317,7 +317,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_chunk(const typename
 // P = 16 / groups rows that is such a run (common.cuh's slot_run) is served by its first row's block alone, the
 // tile's rows holding its P queries' heads (tile row m: query m / groups of the run, head m % groups), each row
 // seeing keys up to its own position: the run's keys and values are read once, not P times. The other rows'
-// blocks return; rows outside such groups are served as before (the tile's rows past the group idle).
+// blocks return; rows outside such groups are served as before (the tile's rows past the group idle, and their
+// half of the online softmax is skipped: a block-uniform test, so the shuffles stay whole).
 #define MMA_STEP 16  // keys a warp takes per step
 // attend_mma<S>: F16 BF16
 // attend_mma<N>: 64 128 1064 1128 2064 2128 3064 3128 4064 4128 5064 5128 8064 9064 10064 11064 12064 13064 16064 16128 24064
@@ -452,6 +453,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) attend_mma(
         unsigned pa[4] = {0u, 0u, 0u, 0u};  // the A fragment of p v: rows g, g + 8 at keys 2 t .., then 2 t + 8 ..
 #pragma unroll
         for (int r = 0; r < (WIDE ? 2 : 1); ++r) {
+            if (PACK && r == 1 && !per) break;  // a block of one row: the tile's rows 8-15 hold no head (block-uniform)
             float x[4], top = -KILN_INF;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
