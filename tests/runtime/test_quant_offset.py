@@ -113,7 +113,8 @@ def test_mlx_format_holds_offsets(bits, group):
 @pytest.mark.parametrize("bits,group,offset", [(4, 32, True), (4, 64, False), (8, 32, False)])
 def test_refined_int8_inputs_for_logits(bits, group, offset, monkeypatch):
     """A linear that yields a method's output (an LM head) rounds its int8 inputs twice (value and residual):
-    within ~1/100 of what one rounding moves an output, at the same weights read once."""
+    within ~1/100 of what one rounding moves an output, at the same weights read once; each row's logits have
+    the same bits alone as batched (qdot.c)."""
     from kiln.runtime.backends.cpu.quant import bound_linear
 
     if not native.integer_dot():
@@ -128,6 +129,10 @@ def test_refined_int8_inputs_for_logits(bits, group, offset, monkeypatch):
     errors = [np.abs(run(x, q, scale, offset_or_zero, bias, bits=bits, group_size=group, offset=offset) - want).max()
               for run in (once, twice)]
     assert errors[1] < errors[0] / 30 and errors[1] < 1e-3 * np.abs(want).max()
+    batched = twice(x, q, scale, offset_or_zero, bias, bits=bits, group_size=group, offset=offset)
+    alone = [twice(x[i:i + 1], q, scale, offset_or_zero, bias, bits=bits, group_size=group, offset=offset)
+             for i in range(len(x))]
+    assert np.array_equal(batched, np.concatenate(alone))
 
 
 def test_lm_heads_are_the_linears_that_yield_an_output():
