@@ -212,7 +212,8 @@ def _cores() -> int:
 QUANT_OFFSET = 256
 """quant.h's flag: the zero array holds additive offsets (the op's offset attribute)."""
 QUANT_REFINE = 512
-"""quant.h's flag: int8 inputs rounded twice, value and residual (a language model's logits)."""
+"""quant.h's flag: inputs more exact than one rounding to int8 (a language model's logits): rounded twice (value and
+residual), or float32 for int8 weights on AVX-512."""
 
 
 def quant_format(bits: int, offset: bool, refine: bool = False) -> int:

@@ -277,6 +277,78 @@ static void qdot_part(const void *ctx, i64 begin, i64 end) {
 }
 #endif
 
+#if defined(__AVX512F__)
+#define QFLOAT_COLS 4 /* input rows a pass of q8_float_rows holds accumulators for */
+/* A refined int8 linear (a language model's logits) in float32: weight rows o..o+R-1, each 16 weights converted
+ * and scaled once (quant_value's rounding) and multiplied into up to QFLOAT_COLS input rows at a time, each output
+ * one FMA chain over k in order, then one horizontal sum: the same arithmetic whatever the batch. The refined
+ * integer form rounds every input twice and runs two integer products for each row; at several rows this takes
+ * a weight's conversion once for all of them, and it does not round the inputs at all. */
+static inline __attribute__((always_inline)) void q8_float_rows(const float *restrict x, i64 m,
+                                                                const signed char *restrict q,
+                                                                const float *restrict scale,
+                                                                const float *restrict zero, const float *bias,
+                                                                i64 format, i64 k, i64 group, float *out, i64 n,
+                                                                const int R) {
+    const i64 ngroups = k / group;
+    const int offset = (format & QUANT_OFFSET) != 0;
+    for (i64 r0 = 0; r0 < m; r0 += QFLOAT_COLS) {
+        const int M = m - r0 < QFLOAT_COLS ? (int)(m - r0) : QFLOAT_COLS;
+        __m512 acc[QDOT_ROWS][QFLOAT_COLS];
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < QFLOAT_COLS; c++) acc[i][c] = _mm512_setzero_ps();
+        for (i64 g = 0; g < ngroups; g++) {
+            __m512 sv[QDOT_ROWS], zv[QDOT_ROWS];
+            for (int i = 0; i < R; i++) {
+                sv[i] = _mm512_set1_ps(scale[i * ngroups + g]);
+                zv[i] = _mm512_set1_ps(zero ? zero[i * ngroups + g] : 0.0f);
+            }
+            for (i64 j = g * group; j < (g + 1) * group; j += 16) {
+                __m512 w[QDOT_ROWS];
+                if (j % 64 == 0) /* the rows AHEAD passes on stream in (as q8_rows) */
+                    for (int i = 0; i < R; i++) _mm_prefetch((const char *)q + (i + AHEAD * R) * k + j, _MM_HINT_T0);
+                for (int i = 0; i < R; i++) {
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(q + i * k + j))));
+                    w[i] = offset ? _mm512_fmadd_ps(v, sv[i], zv[i]) : _mm512_mul_ps(_mm512_sub_ps(v, zv[i]), sv[i]);
+                }
+                for (int c = 0; c < M; c++) {
+                    const __m512 xv = _mm512_loadu_ps(x + (r0 + c) * k + j);
+                    for (int i = 0; i < R; i++) acc[i][c] = _mm512_fmadd_ps(xv, w[i], acc[i][c]);
+                }
+            }
+        }
+        for (int c = 0; c < M; c++)
+            for (int i = 0; i < R; i++)
+                out[(r0 + c) * n + i] = _mm512_reduce_add_ps(acc[i][c]) + (bias ? bias[i] : 0.0f);
+    }
+}
+
+typedef struct {
+    const float *x, *scale, *zero, *bias;
+    const signed char *q;
+    float *out;
+    i64 m, n, k, format, group;
+} qfloat_args;
+
+/* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) of q8_float_rows, the last n % QDOT_ROWS one by one */
+static void qfloat_part(const void *ctx, i64 begin, i64 end) {
+    const qfloat_args *a = ctx;
+    const i64 n = a->n, k = a->k, ngroups = k / a->group;
+    const i64 stop = end * QDOT_ROWS < n ? end * QDOT_ROWS : n;
+    for (i64 o = begin * QDOT_ROWS; o < stop;) {
+        const int R = o + QDOT_ROWS <= stop ? QDOT_ROWS : 1;
+        const float *s = a->scale + o * ngroups, *z = a->zero ? a->zero + o * ngroups : 0;
+        const float *bias = a->bias ? a->bias + o : 0;
+        if (R == QDOT_ROWS)
+            q8_float_rows(a->x, a->m, a->q + o * k, s, z, bias, a->format, k, a->group, a->out + o, n, QDOT_ROWS);
+        else
+            q8_float_rows(a->x, a->m, a->q + o * k, s, z, bias, a->format, k, a->group, a->out + o, n, 1);
+        o += R;
+    }
+}
+#endif
+
 /* 2: VNNI byte dot products; 1: AVX2's (the same integers, three instructions for one); 0: none (the caller runs
  * the float kernel) */
 i64 kiln_qdot_level(void) {
@@ -301,6 +373,14 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
     if (!shapes || group <= 0 || k % group != 0) return 0;
     const i64 stride = 4 * (k + k / group);
     const int refine = (format & QUANT_REFINE) != 0;
+#if defined(__AVX512F__)
+    if (refine && bits == 8) { /* in float32: see q8_float_rows */
+        const qfloat_args args = {x, scale, zero, bias, (const signed char *)q, out, m, n, k, format, group};
+        const i64 blocks = (n + QDOT_ROWS - 1) / QDOT_ROWS, most = n * k / LINEAR_MIN_PART;
+        parallel_for(qfloat_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
+        return 1;
+    }
+#endif
     float *residual = refine ? malloc(sizeof(float) * k) : 0;
     if (refine && !residual) return 0;
     for (i64 r = 0; r < m; r++) {

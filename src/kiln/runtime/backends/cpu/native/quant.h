@@ -8,8 +8,10 @@
 #include "pool.h"
 
 #define QUANT_OFFSET 256
-/* int8 inputs (qdot.c) rounded twice: the value and what its rounding left, for ~2^-14 of the input instead of
- * ~2^-8, at twice the integer work on weights read once (a language model's logits: quant.py's yields_output) */
+/* inputs more exact than one rounding to int8 (a language model's logits: quant.py's yields_output). qdot.c rounds
+ * them twice, the value and what its rounding left (~2^-14 of the input instead of ~2^-8, twice the integer work on
+ * weights read once); an int8 weight on AVX-512 is instead multiplied in float32, its conversion shared by the
+ * step's rows (q8_float_rows). */
 #define QUANT_REFINE 512
 #define QUANT_BITS(format) ((format) & 255)
 
