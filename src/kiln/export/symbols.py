@@ -97,12 +97,11 @@ class SymbolTable:
             return f"{self._operand(e.args[0])}%{self._operand(e.args[1])}"
         if name == "CeilDiv" and len(e.args) == 2:
             return f"-((-{self._operand(e.args[0])})//{self._operand(e.args[1])})"
-        if isinstance(e, (sympy.Max, sympy.Min)) or name in ("Max", "Min"):  # (torch's own Min/Max too)
-            fn = "max" if isinstance(e, sympy.Max) or name == "Max" else "min"
-            return f"{fn}({', '.join(self.text(a) for a in e.args)})"
+        if name in ("Max", "Min"):  # (sympy's and torch's own)
+            return f"{name.lower()}({', '.join(self.text(a) for a in e.args)})"
         raise Unsupported(f"symbolic expression {e} ({name}) has no kiln form")
 
     def _operand(self, e: Any) -> str:
         text = self.text(e)
-        return text if (e.is_Integer and int(e) >= 0) or e.is_Symbol or isinstance(e, (sympy.Max, sympy.Min)) \
-            or type(e).__name__ in ("Max", "Min") else f"({text})"
+        return text if (e.is_Integer and int(e) >= 0) or e.is_Symbol or type(e).__name__ in ("Max", "Min") \
+            else f"({text})"

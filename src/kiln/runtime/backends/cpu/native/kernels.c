@@ -781,23 +781,20 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
 }
 
 #if defined(__AVX512F__)
-#define DEQUANTIZE_INT4_VECTORS 1
 /* One int4 group's 16-byte pieces (32 weights each) to floats in element order: a byte's low nibble is element
- * 2j, its high nibble 2j + 1; each value rounded as quant_value defines it (offset: q * s + b; else (q - z) * s).
- * (GCC's vector extensions lowered the byte-to-float conversion lane by lane: slower than the scalar loop.) */
+ * 2j, its high nibble 2j + 1; each value rounded as quant_value defines it. (GCC's vector extensions lowered the
+ * byte-to-float conversion lane by lane: slower than the scalar loop.) */
 static inline void dequantize_int4_group(const unsigned char *restrict qg, float *restrict wg, i64 group, float s,
-                                         float z, float b, int offset) {
+                                         float point, i64 format) {
     const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8)), low = _mm512_set1_epi32(15);
-    const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z), bv = _mm512_set1_ps(b);
+    const __m512 sv = _mm512_set1_ps(s), pv = _mm512_set1_ps(point);
     for (i64 j = 0; j < group / 2; j += 16) {
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-        const __m512 a = _mm512_permutex2var_ps(lo, first, hi), c = _mm512_permutex2var_ps(lo, second, hi);
-        _mm512_storeu_ps(wg + 2 * j, offset ? _mm512_fmadd_ps(a, sv, bv) : _mm512_mul_ps(_mm512_sub_ps(a, zv), sv));
-        _mm512_storeu_ps(wg + 2 * j + 16,
-                         offset ? _mm512_fmadd_ps(c, sv, bv) : _mm512_mul_ps(_mm512_sub_ps(c, zv), sv));
+        _mm512_storeu_ps(wg + 2 * j, quant_value16(_mm512_permutex2var_ps(lo, first, hi), sv, pv, format));
+        _mm512_storeu_ps(wg + 2 * j + 16, quant_value16(_mm512_permutex2var_ps(lo, second, hi), sv, pv, format));
     }
 }
 #endif
@@ -813,26 +810,26 @@ void kiln_dequantize_f32(const void *restrict qv, const float *restrict scale, c
         for (i64 g = 0; g < ngroups; g++) {
             const float *zo = zero ? zero + o * ngroups : 0;
             const float s = scale[o * ngroups + g];
-            const float z = zo ? zo[g] : (bits == 4 ? 8.0f : 0.0f), b = zo ? zo[g] : 0.0f; /* (b: offsets) */
+            const float point = quant_point(zo, g, format);
             float *wg = w + o * k + g * group;
             if (bits == 8) {
                 const signed char *qg = (const signed char *)qv + o * k + g * group;
                 if (offset)
-                    for (i64 j = 0; j < group; j++) wg[j] = (float)qg[j] * s + b;
+                    for (i64 j = 0; j < group; j++) wg[j] = (float)qg[j] * s + point;
                 else
-                    for (i64 j = 0; j < group; j++) wg[j] = ((float)qg[j] - z) * s;
+                    for (i64 j = 0; j < group; j++) wg[j] = ((float)qg[j] - point) * s;
             } else {
                 const unsigned char *qg = (const unsigned char *)qv + o * (k / 2) + g * (group / 2);
-#if defined(DEQUANTIZE_INT4_VECTORS)
+#if defined(__AVX512F__)
                 if (group % 32 == 0) {
-                    dequantize_int4_group(qg, wg, group, s, z, b, offset);
+                    dequantize_int4_group(qg, wg, group, s, point, format);
                     continue;
                 }
 #endif
                 for (i64 j = 0; j < group / 2; j++) {
                     const float lo = (float)(qg[j] & 15), hi = (float)(qg[j] >> 4);
-                    wg[2 * j] = offset ? lo * s + b : (lo - z) * s;
-                    wg[2 * j + 1] = offset ? hi * s + b : (hi - z) * s;
+                    wg[2 * j] = offset ? lo * s + point : (lo - point) * s;
+                    wg[2 * j + 1] = offset ? hi * s + point : (hi - point) * s;
                 }
             }
         }

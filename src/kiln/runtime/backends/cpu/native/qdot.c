@@ -130,12 +130,12 @@ static inline float finish(__m256 total, const float *restrict s, const float *r
                            const float *restrict xz, i64 ngroups, const float *restrict bias) {
     const int offset = (format & QUANT_OFFSET) != 0;
     float terms = 0.0f;
-    if (z || (!offset && QUANT_BITS(format) == 4)) { /* (otherwise every term is 0) */
-        const __m256 centre = _mm256_set1_ps(8.0f), minus = _mm256_set1_ps(-0.0f);
+    if (z || quant_point(z, 0, format) != 0.0f) { /* (otherwise every term is 0) */
+        const __m256 absent = _mm256_set1_ps(quant_point(z, 0, format)), minus = _mm256_set1_ps(-0.0f);
         __m256 sum = _mm256_setzero_ps();
         i64 g = 0;
         for (; g + 8 <= ngroups; g += 8) {
-            const __m256 zv = z ? _mm256_loadu_ps(z + g) : centre;
+            const __m256 zv = z ? _mm256_loadu_ps(z + g) : absent;
             const __m256 t = offset ? zv : _mm256_mul_ps(_mm256_xor_ps(_mm256_loadu_ps(s + g), minus), zv);
             sum = _mm256_fmadd_ps(t, _mm256_loadu_ps(xz + g), sum);
         }
@@ -291,27 +291,25 @@ static inline __attribute__((always_inline)) void q8_float_rows(const float *res
                                                                 i64 format, i64 k, i64 group, float *out, i64 n,
                                                                 const int R) {
     const i64 ngroups = k / group;
-    const int offset = (format & QUANT_OFFSET) != 0;
     for (i64 r0 = 0; r0 < m; r0 += QFLOAT_COLS) {
         const int M = m - r0 < QFLOAT_COLS ? (int)(m - r0) : QFLOAT_COLS;
         __m512 acc[QDOT_ROWS][QFLOAT_COLS];
         for (int i = 0; i < R; i++)
             for (int c = 0; c < QFLOAT_COLS; c++) acc[i][c] = _mm512_setzero_ps();
         for (i64 g = 0; g < ngroups; g++) {
-            __m512 sv[QDOT_ROWS], zv[QDOT_ROWS];
+            __m512 sv[QDOT_ROWS], pv[QDOT_ROWS];
             for (int i = 0; i < R; i++) {
                 sv[i] = _mm512_set1_ps(scale[i * ngroups + g]);
-                zv[i] = _mm512_set1_ps(zero ? zero[i * ngroups + g] : 0.0f);
+                pv[i] = _mm512_set1_ps(quant_point(zero ? zero + i * ngroups : 0, g, format));
             }
             for (i64 j = g * group; j < (g + 1) * group; j += 16) {
                 __m512 w[QDOT_ROWS];
                 if (j % 64 == 0) /* the rows AHEAD passes on stream in (as q8_rows) */
                     for (int i = 0; i < R; i++) _mm_prefetch((const char *)q + (i + AHEAD * R) * k + j, _MM_HINT_T0);
-                for (int i = 0; i < R; i++) {
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(q + i * k + j))));
-                    w[i] = offset ? _mm512_fmadd_ps(v, sv[i], zv[i]) : _mm512_mul_ps(_mm512_sub_ps(v, zv[i]), sv[i]);
-                }
+                for (int i = 0; i < R; i++)
+                    w[i] = quant_value16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                             _mm_loadu_si128((const __m128i *)(q + i * k + j)))),
+                                         sv[i], pv[i], format);
                 for (int c = 0; c < M; c++) {
                     const __m512 xv = _mm512_loadu_ps(x + (r0 + c) * k + j);
                     for (int i = 0; i < R; i++) acc[i][c] = _mm512_fmadd_ps(xv, w[i], acc[i][c]);

@@ -15,17 +15,30 @@
 #define QUANT_REFINE 512
 #define QUANT_BITS(format) ((format) & 255)
 
-/* b of W = q * s + b for group g: the offset, or -z * s for a zero point z (absent: 8 for int4, 0 for int8; an
- * absent offset is 0) */
+/* group g's offset (the offset form; absent: 0) or zero point (absent: 8 for int4, 0 for int8) */
+static inline float quant_point(const float *zero, i64 g, i64 format) {
+    if (zero) return zero[g];
+    return (format & QUANT_OFFSET) || QUANT_BITS(format) != 4 ? 0.0f : 8.0f;
+}
+
+/* b of W = q * s + b for group g: the offset, or -z * s for a zero point z */
 static inline float quant_term(const float *zero, i64 g, float s, i64 format) {
-    if (format & QUANT_OFFSET) return zero ? zero[g] : 0.0f;
-    return -s * (zero ? zero[g] : (QUANT_BITS(format) == 4 ? 8.0f : 0.0f));
+    const float point = quant_point(zero, g, format);
+    return format & QUANT_OFFSET ? point : -s * point;
 }
 
 /* one weight's value, rounded once in either form (the offset form as GGUF's own dequantization rounds it) */
 static inline float quant_value(float q, const float *zero, i64 g, float s, i64 format) {
-    if (format & QUANT_OFFSET) return q * s + (zero ? zero[g] : 0.0f);
-    return (q - (zero ? zero[g] : (QUANT_BITS(format) == 4 ? 8.0f : 0.0f))) * s;
+    const float point = quant_point(zero, g, format);
+    return format & QUANT_OFFSET ? q * s + point : (q - point) * s;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* quant_value of 16 weights of one group, point = the group's quant_point */
+static inline __m512 quant_value16(__m512 q, __m512 s, __m512 point, i64 format) {
+    return format & QUANT_OFFSET ? _mm512_fmadd_ps(q, s, point) : _mm512_mul_ps(_mm512_sub_ps(q, point), s);
+}
+#endif
 
 #endif
