@@ -52,6 +52,7 @@ static inline __m256i dot2_u4s8(__m256i acc, __m256i u1, __m256i s1, __m256i u2,
 
 #define QDOT_ROWS 4 /* weight rows a pass: each input vector loaded once feeds four dot products */
 #define AHEAD 4     /* passes ahead that the weights are prefetched */
+#define QDOT_INPUTS 4 /* input rows an int4 pass multiplies each unpacked weight vector into */
 
 static inline float hsum8(__m256 v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -122,42 +123,73 @@ static inline void prefetch_rows(const float *p, i64 count) {
     for (i64 byte = 0; byte < 4 * count; byte += 64) _mm_prefetch((const char *)p + byte, _MM_HINT_T0);
 }
 
-/* out = the lanes of total, plus the groups' additive terms (quant.h's quant_term) times their input sums, plus
- * the bias. The terms are summed 8 groups a vector, and not at all where every one is 0 (int8 without zero
- * points): summed one by one, a chain of 18-48 dependent adds an output, they cost as much as a fifth to a third
- * of the few-row linears' time (SmolLM2's layers and head on one core, measured with and without). */
-static inline float finish(__m256 total, const float *restrict s, const float *restrict z, i64 format,
-                           const float *restrict xz, i64 ngroups, const float *restrict bias) {
+/* out[i] (i < R) = the lanes of total[i], plus the groups' additive terms (quant.h's quant_term) times their input
+ * sums, plus the bias. The terms are summed 8 groups a vector into total's own vector (one horizontal sum for both),
+ * and not at all where every one is 0 (int8 without zero points: the LM head's bits are unchanged); with 4 rows the
+ * four horizontal sums are taken together (two rounds of pairwise adds for the four). Summed one group at a time the
+ * terms were a chain of 18-48 dependent adds an output, a fifth to a third of the few-row linears' time; summed 8 a
+ * vector but each output's terms and total apart, still ~1/4 of SmolLM2's int4 layers (K = 576; measured against
+ * the terms left out), of which taking them together saves about half. */
+static inline void finish_rows(__m256 *total, const int R, const float *restrict s, const float *restrict z,
+                               i64 format, const float *restrict xz, i64 ngroups, const float *restrict bias,
+                               float *restrict out) {
     const int offset = (format & QUANT_OFFSET) != 0;
-    float terms = 0.0f;
     if (z || quant_point(z, 0, format) != 0.0f) { /* (otherwise every term is 0) */
         const __m256 absent = _mm256_set1_ps(quant_point(z, 0, format)), minus = _mm256_set1_ps(-0.0f);
-        __m256 sum = _mm256_setzero_ps();
-        i64 g = 0;
-        for (; g + 8 <= ngroups; g += 8) {
-            const __m256 zv = z ? _mm256_loadu_ps(z + g) : absent;
-            const __m256 t = offset ? zv : _mm256_mul_ps(_mm256_xor_ps(_mm256_loadu_ps(s + g), minus), zv);
-            sum = _mm256_fmadd_ps(t, _mm256_loadu_ps(xz + g), sum);
+        for (int i = 0; i < R; i++) {
+            const float *si = s + i * ngroups, *zi = z ? z + i * ngroups : 0;
+            __m256 sum = total[i];
+            i64 g = 0;
+            for (; g + 8 <= ngroups; g += 8) {
+                const __m256 zv = zi ? _mm256_loadu_ps(zi + g) : absent;
+                const __m256 t = offset ? zv : _mm256_mul_ps(_mm256_xor_ps(_mm256_loadu_ps(si + g), minus), zv);
+                sum = _mm256_fmadd_ps(t, _mm256_loadu_ps(xz + g), sum);
+            }
+            if (g < ngroups) { /* the last ngroups % 8 */
+#if defined(__AVX512VL__)
+                const __mmask8 live = (__mmask8)((1u << (ngroups - g)) - 1u);
+                const __m256 zv = zi ? _mm256_maskz_loadu_ps(live, zi + g) : _mm256_maskz_mov_ps(live, absent);
+                const __m256 t = offset ? zv
+                                        : _mm256_mul_ps(_mm256_xor_ps(_mm256_maskz_loadu_ps(live, si + g), minus), zv);
+                sum = _mm256_fmadd_ps(t, _mm256_maskz_loadu_ps(live, xz + g), sum);
+#else
+                float rest = 0.0f;
+                for (; g < ngroups; g++) rest += quant_term(zi, g, si[g], format) * xz[g];
+                sum = _mm256_add_ps(sum, _mm256_setr_ps(rest, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f));
+#endif
+            }
+            total[i] = sum;
         }
-        terms = hsum8(sum);
-        for (; g < ngroups; g++) terms += quant_term(z, g, s[g], format) * xz[g];
     }
-    return hsum8(total) + terms + (bias ? *bias : 0.0f);
+    if (R == 4) {
+        const __m256 a = _mm256_hadd_ps(total[0], total[1]), b = _mm256_hadd_ps(total[2], total[3]);
+        const __m256 c = _mm256_hadd_ps(a, b); /* lanes 0-3: rows 0-3's low halves; 4-7: their high halves */
+        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+        if (bias) sums = _mm_add_ps(sums, _mm_loadu_ps(bias));
+        _mm_storeu_ps(out, sums);
+        return;
+    }
+    for (int i = 0; i < R; i++) out[i] = hsum8(total[i]) + (bias ? bias[i] : 0.0f);
 }
 
-/* int4 weight rows o..o+R-1 for one input row. Each 64 weights (32 bytes) are unpacked to their low nibbles
- * (the even elements of both 32-blocks) and high nibbles (the odd ones): two dot products into one int32 vector
- * whose lanes 0-3 hold block 2c and lanes 4-7 block 2c + 1, scaled by [d 2c x4, d 2c+1 x4] times the weight
- * scale (with groups of 32, [s 2c x4, s 2c+1 x4]). */
-static inline __attribute__((always_inline)) void q4_rows(const signed char *restrict xq, const float *restrict d,
-                                                          const float *restrict xz, const unsigned char *restrict q,
+/* int4 weight rows o..o+R-1 against M input rows (the work area's rows, `stride` bytes apart: quantize_row's
+ * layout), outputs out[r * n + i]. Each 64 weights (32 bytes) are unpacked to their low nibbles (the even elements of
+ * both 32-blocks) and high nibbles (the odd ones) once for the M rows: two dot products into one int32 vector whose
+ * lanes 0-3 hold block 2c and lanes 4-7 block 2c + 1, scaled by [d 2c x4, d 2c+1 x4] times the weight scale (with
+ * groups of 32, [s 2c x4, s 2c+1 x4]). Per 64 weights and row the unpack's 3 instructions and the scale's broadcast
+ * are shared by the M rows and the input's scale by the R weight rows: ~6 vector instructions a row where one row
+ * at a time took ~9. Each output's arithmetic is the same whatever M. */
+static inline __attribute__((always_inline)) void q4_rows(const char *restrict work, i64 stride, const int M,
+                                                          const unsigned char *restrict q,
                                                           const float *restrict scale, const float *restrict zero,
-                                                          const float *restrict bias, float *restrict out, i64 k,
-                                                          i64 group, i64 format, const int R, const int pairs) {
+                                                          const float *restrict bias, float *restrict out, i64 n,
+                                                          i64 k, i64 group, i64 format, const int R,
+                                                          const int pairs) {
     const i64 ngroups = k / group, per_scale = pairs ? 1 : group / 64; /* 64-weight steps under one scale */
     const __m256i low = _mm256_set1_epi8(15);
-    __m256 total[QDOT_ROWS];
-    for (int i = 0; i < R; i++) total[i] = _mm256_setzero_ps();
+    __m256 total[QDOT_INPUTS][QDOT_ROWS];
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < R; i++) total[r][i] = _mm256_setzero_ps();
     /* the weights of the blocks AHEAD passes on (rows o+R*AHEAD..) stream in while this one computes: the
      * hardware prefetcher alone left a decode step's layers at 6-11 GB/s of the core's ~27 */
     const char *next = (const char *)q + AHEAD * R * (k / 2);
@@ -172,20 +204,28 @@ static inline __attribute__((always_inline)) void q4_rows(const signed char *res
         for (const i64 end = c + per_scale; c < end; c++) {
             for (int line = 0; line < R / 2 + 1; line++)
                 _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
-            const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
-            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
-            const __m256 dv = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
+            __m256 dv[QDOT_INPUTS];
+            for (int r = 0; r < M; r++) {
+                const float *d = (const float *)(work + r * stride + k);
+                dv[r] = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
+            }
             for (int i = 0; i < R; i++) {
                 const __m256i b = _mm256_loadu_si256((const __m256i *)(q + i * (k / 2) + 32 * c));
-                const __m256i acc = dot2_u4s8(_mm256_setzero_si256(), _mm256_and_si256(b, low), xa,
-                                              _mm256_and_si256(_mm256_srli_epi16(b, 4), low), xb);
-                total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sv[i]), total[i]);
+                const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+                for (int r = 0; r < M; r++) {
+                    const signed char *xq = (const signed char *)(work + r * stride);
+                    const __m256i acc = dot2_u4s8(_mm256_setzero_si256(), lo,
+                                                  _mm256_loadu_si256((const __m256i *)(xq + 64 * c)), hi,
+                                                  _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
+                    total[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv[r], sv[i]), total[r][i]);
+                }
             }
         }
     }
-    for (int i = 0; i < R; i++)
-        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, format, xz, ngroups,
-                        bias ? bias + i : 0);
+    for (int r = 0; r < M; r++) {
+        const float *xz = (const float *)(work + r * stride + k) + k / 32;
+        finish_rows(total[r], R, scale, zero, format, xz, ngroups, bias, out + r * n);
+    }
 }
 
 /* int8 weight rows o..o+R-1 for one input row, a 32-block at a time: |w| (unsigned) times x with w's sign, so
@@ -218,9 +258,7 @@ static inline __attribute__((always_inline)) void q8_rows(const signed char *res
         for (int i = 0; i < R; i++)
             total[i] = _mm256_fmadd_ps(sum[i], _mm256_set1_ps(scale[i * ngroups + g]), total[i]);
     }
-    for (int i = 0; i < R; i++)
-        out[i] = finish(total[i], scale + i * ngroups, zero ? zero + i * ngroups : 0, format, xz, ngroups,
-                        bias ? bias + i : 0);
+    finish_rows(total, R, scale, zero, format, xz, ngroups, bias, out);
 }
 
 typedef struct {
@@ -231,30 +269,41 @@ typedef struct {
     i64 m, n, k, format, group, stride;
 } qdot_args;
 
-/* out[0..R) = weight rows o.. times input row `r` of the work area (quantize_row's layout) */
-static inline void rows_times(const qdot_args *a, i64 o, int R, i64 r, const float *bias, float *out) {
-    const i64 k = a->k, group = a->group, ngroups = k / group;
+/* out[r * n + i] (r < M, i < R) = weight rows o.. times input rows r0.. of the work area (quantize_row's layout) */
+static inline void rows_times(const qdot_args *a, i64 o, int R, i64 r0, int M, const float *bias, float *out) {
+    const i64 k = a->k, group = a->group, ngroups = k / group, n = a->n;
     const float *s = a->scale + o * ngroups, *z = a->zero ? a->zero + o * ngroups : 0;
-    const signed char *xq = (const signed char *)(a->work + r * a->stride);
-    const float *d = (const float *)(xq + k), *xz = d + k / 32;
+    const char *work = a->work + r0 * a->stride;
     const i64 f = a->format;
-    const int pairs = group == 32;
     if (QUANT_BITS(f) == 4) {
         const unsigned char *q = (const unsigned char *)a->q + o * (k / 2);
-        if (R == QDOT_ROWS && pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 1);
-        else if (R == QDOT_ROWS) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS, 0);
-        else if (pairs) q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 1);
-        else q4_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1, 0);
-    } else {
-        const signed char *q = (const signed char *)a->q + o * k;
-        if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, QDOT_ROWS);
-        else q8_rows(xq, d, xz, q, s, z, bias, out, k, group, f, 1);
+        const i64 st = a->stride;
+#define Q4_ROWS(M_, R_, PAIRS) q4_rows(work, st, M_, q, s, z, bias, out, n, k, group, f, R_, PAIRS)
+#define Q4_BY_ROWS(M_)                                                                                                \
+    (R == QDOT_ROWS ? (group == 32 ? Q4_ROWS(M_, QDOT_ROWS, 1) : Q4_ROWS(M_, QDOT_ROWS, 0))                           \
+                    : (group == 32 ? Q4_ROWS(M_, 1, 1) : Q4_ROWS(M_, 1, 0)))
+        switch (M) {
+        case 4: Q4_BY_ROWS(4); break;
+        case 3: Q4_BY_ROWS(3); break;
+        case 2: Q4_BY_ROWS(2); break;
+        default: Q4_BY_ROWS(1); break;
+        }
+#undef Q4_BY_ROWS
+#undef Q4_ROWS
+        return;
+    }
+    const signed char *q = (const signed char *)a->q + o * k;
+    for (int r = 0; r < M; r++) {
+        const signed char *xq = (const signed char *)(work + r * a->stride);
+        const float *d = (const float *)(xq + k), *xz = d + k / 32;
+        if (R == QDOT_ROWS) q8_rows(xq, d, xz, q, s, z, bias, out + r * n, k, group, f, QDOT_ROWS);
+        else q8_rows(xq, d, xz, q, s, z, bias, out + r * n, k, group, f, 1);
     }
 }
 
-/* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) for every input row; the last n % QDOT_ROWS rows one by one.
- * With QUANT_REFINE the work area holds two quantized rows per input row (the value, then its residual): the second
- * product, without the bias, is added while the weight rows are still in L1. */
+/* weight rows [begin * QDOT_ROWS, end * QDOT_ROWS) for every input row, QDOT_INPUTS rows at a time; the last
+ * n % QDOT_ROWS weight rows one by one. With QUANT_REFINE the work area holds two quantized rows per input row (the
+ * value, then its residual): the second product, without the bias, is added while the weight rows are still in L1. */
 static void qdot_part(const void *ctx, i64 begin, i64 end) {
     const qdot_args *a = ctx;
     const i64 n = a->n;
@@ -263,12 +312,17 @@ static void qdot_part(const void *ctx, i64 begin, i64 end) {
     for (i64 o = begin * QDOT_ROWS; o < stop;) {
         const int R = o + QDOT_ROWS <= stop ? QDOT_ROWS : 1;
         const float *bias = a->bias ? a->bias + o : 0;
-        for (i64 r = 0; r < a->m; r++) {
-            float *out = a->out + r * n + o;
-            rows_times(a, o, R, refine ? 2 * r : r, bias, out);
-            if (refine) {
+        if (!refine) {
+            for (i64 r0 = 0; r0 < a->m; r0 += QDOT_INPUTS) {
+                const int M = a->m - r0 < QDOT_INPUTS ? (int)(a->m - r0) : QDOT_INPUTS;
+                rows_times(a, o, R, r0, M, bias, a->out + r0 * n + o);
+            }
+        } else {
+            for (i64 r = 0; r < a->m; r++) {
+                float *out = a->out + r * n + o;
                 float extra[QDOT_ROWS];
-                rows_times(a, o, R, 2 * r + 1, 0, extra);
+                rows_times(a, o, R, 2 * r, 1, bias, out);
+                rows_times(a, o, R, 2 * r + 1, 1, 0, extra);
                 for (int i = 0; i < R; i++) out[i] += extra[i];
             }
         }
