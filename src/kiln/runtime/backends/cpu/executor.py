@@ -633,8 +633,8 @@ def _slot_attention(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     sinks = _sinks(lw, sinks, Hq)
     q, slots, positions = lw.contiguous(q), lw.contiguous(slots), lw.contiguous(positions)
     out = lw.new((B, Hq, T, v_cache.shape[3]), F32)
-    lw.emit("slot_attention", q, k_cache, v_cache, slots, positions, sinks, out, lw.work(4 * max(S, 1)), B, Hq, Hkv,
-            T, S, D, v_cache.shape[3], count, int(attrs["window"]), as_float_word(attrs["scale"]))
+    lw.emit("slot_attention", q, k_cache, v_cache, slots, positions, sinks, out, B, Hq, Hkv, T, S, D,
+            v_cache.shape[3], count, int(attrs["window"]), as_float_word(attrs["scale"]))
     lw.output(node, out)
 
 

@@ -73,7 +73,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
     "kiln_attention_f32": (_ptr,) * 7 + (_i64,) * 18 + (ctypes.c_float, _i64),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
-    "kiln_slot_attention_f32": (_ptr,) * 8 + (_i64,) * 9 + (ctypes.c_float,),
+    "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float, _i64),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
     "kiln_execute": (_ptr, _i64, _ptr, _i64),
     "kiln_execute_timed": (_ptr, _i64, _ptr, _i64, _ptr),
@@ -468,12 +468,10 @@ def slot_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
         return None
     q, slots, positions = (a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (q, slots, positions))
     out = np.empty((B, Hq, T, v_cache.shape[3]), dtype=np.float32)
-    work = np.empty(max(S, 1), dtype=np.float32)
     if out.size and not lib.kiln_slot_attention_f32(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
                                                     slots.ctypes.data, positions.ctypes.data,
-                                                    address(_float32(sinks)),
-                                                    out.ctypes.data, work.ctypes.data, B, Hq, Hkv, T, S, D,
-                                                    v_cache.shape[3], count, int(window), float(scale)):
+                                                    address(_float32(sinks)), out.ctypes.data, B, Hq, Hkv, T, S, D,
+                                                    v_cache.shape[3], count, int(window), float(scale), threads()):
         return None
     return out
 

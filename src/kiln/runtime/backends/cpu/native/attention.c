@@ -22,6 +22,8 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
+enum { ATTEND_AHEAD = 8 }; /* key rows ahead that attend asks the cache for */
+
 static inline float sum_lanes(v16 v) {
     typedef float v8 __attribute__((vector_size(32)));
     typedef float v4 __attribute__((vector_size(16)));
@@ -48,6 +50,8 @@ static inline void weighted_sum(float *restrict o, const float *restrict p, i64 
     for (; e + 64 <= n; e += 64) {
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (i64 j = 0; j < count; j++) {
+            if (j + ATTEND_AHEAD < count)
+                for (i64 f = 0; f < 64; f += 16) __builtin_prefetch(x + (j + ATTEND_AHEAD) * stride + e + f);
             if (p[j] == 0.0f) continue;
             const v16 pv = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j],
                             p[j]};
@@ -72,6 +76,9 @@ static void attend(const float *restrict qi, const float *restrict kq, i64 ks, c
                    float *restrict work, float *restrict oi) {
     float top = sink;
     for (i64 j = 0; j < count; j++) {
+        if (j + ATTEND_AHEAD < count) /* (the rows are a kv head's of a cache row: strided, and the step's reads
+                                        * are few enough that the hardware prefetcher does not get ahead) */
+            for (i64 e = 0; e < D; e += 16) __builtin_prefetch(kq + (j + ATTEND_AHEAD) * ks + e);
         work[j] = mq && !mq[j * ms] ? -INFINITY : dot(qi, kq + j * ks, D) * scale;
         top = work[j] > top ? work[j] : top;
     }
@@ -249,29 +256,57 @@ void kiln_attention_f32(const float *restrict q, const float *restrict k, const 
             }
 }
 
+typedef struct {
+    const float *q, *k, *v, *sinks;
+    const i64 *slots, *positions;
+    float *out;
+    i64 Hq, Hkv, T, S, D, Dv, window;
+    float scale;
+} slot_args;
+
+/* the queries of tasks [begin, end) of slot_attention, a task a (sequence, q head): each query its keys one by one
+ * (attend), the scores in this thread's scratch */
+static void slot_heads(const void *ctx, i64 begin, i64 end) {
+    const slot_args *a = ctx;
+    const i64 T = a->T, S = a->S, D = a->D, Dv = a->Dv, group = a->Hq / a->Hkv;
+    float *work = (float *)thread_scratch(SCRATCH_ATTENTION, S * (i64)sizeof(float));
+    if (!work) return; /* (the caller asked for it first: not reached) */
+    for (i64 bh = begin; bh < end; bh++) {
+        const i64 b = bh / a->Hq, h = bh % a->Hq;
+        for (i64 t = 0; t < T; t++) {
+            const i64 p = a->positions[b * T + t], lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+            const i64 row = (a->slots[b] * S + lo) * a->Hkv + h / group;
+            attend(a->q + ((b * a->Hq + h) * T + t) * D, a->k + row * D, a->Hkv * D, a->v + row * Dv, a->Hkv * Dv, 0,
+                   0, p - lo + 1, D, Dv, a->scale, a->sinks ? a->sinks[h] : -INFINITY, work,
+                   a->out + ((b * a->Hq + h) * T + t) * Dv);
+        }
+    }
+}
+
 /* slot_attention for a few queries a sequence: query t of sequence b sees the cache positions lo..p of its slot,
  * p = positions[b][t] and lo = p - window + 1 (window > 0) or 0, and no others. q [B, Hq, T, D], caches
  * [slots, S, Hkv, D] and [slots, S, Hkv, Dv], out [B, Hq, T, Dv], all contiguous; slots [B], positions [B, T]
- * int64; sinks [Hq] or none, as kiln_attention_f32's. Returns 0, writing nothing, when a slot or a position is
- * outside the cache (the caller raises). */
+ * int64; sinks [Hq] or none, as kiln_attention_f32's. The (sequence, q head) pairs are split over up to `threads`
+ * of the pool where the keys read come to LINEAR_MIN_PART values (one thread took a sixth of SmolLM2's 4-row
+ * decode step on this project's 2-core machine); each query's arithmetic is the same on any thread. Returns 0,
+ * writing nothing, when a slot or a position is outside the cache (the caller raises). */
 i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
                             const i64 *restrict slots, const i64 *restrict positions, const float *restrict sinks,
-                            float *restrict out, float *restrict work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv, i64 slot_count,
-                            i64 window, float scale) {
+                            float *restrict out, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv, i64 slot_count,
+                            i64 window, float scale, i64 threads) {
+    i64 keys = 0;
     for (i64 b = 0; b < B; b++) {
         if (slots[b] < 0 || slots[b] >= slot_count) return 0;
-        for (i64 t = 0; t < T; t++)
-            if (positions[b * T + t] < 0 || positions[b * T + t] >= S) return 0;
+        for (i64 t = 0; t < T; t++) {
+            const i64 p = positions[b * T + t];
+            if (p < 0 || p >= S) return 0;
+            keys += window > 0 && p + 1 > window ? window : p + 1;
+        }
     }
-    const i64 group = Hq / Hkv;
-    for (i64 b = 0; b < B; b++)
-        for (i64 h = 0; h < Hq; h++)
-            for (i64 t = 0; t < T; t++) {
-                const i64 p = positions[b * T + t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-                const i64 row = (slots[b] * S + lo) * Hkv + h / group;
-                attend(q + ((b * Hq + h) * T + t) * D, k + row * D, Hkv * D, v + row * Dv, Hkv * Dv, 0, 0, p - lo + 1,
-                       D, Dv, scale, sinks ? sinks[h] : -INFINITY, work, out + ((b * Hq + h) * T + t) * Dv);
-            }
+    if (!thread_scratch(SCRATCH_ATTENTION, S * (i64)sizeof(float))) return 0; /* (the caller's portable path) */
+    const slot_args args = {q, k, v, sinks, slots, positions, out, Hq, Hkv, T, S, D, Dv, window, scale};
+    const i64 values = keys * Hq * (D + Dv), most = values / (LINEAR_MIN_PART / 4);
+    parallel_for(slot_heads, &args, B * Hq, threads < most ? threads : (most > 1 ? most : 1));
     return 1;
 }
 

@@ -119,8 +119,8 @@ void kiln_attention_f32(const float *q, const float *k, const float *v, const un
                         i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms,
                         i64 causal, float scale, i64 threads);
 i64 kiln_slot_attention_f32(const float *q, const float *k, const float *v, const i64 *slots, const i64 *positions,
-                            const float *sinks, float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D,
-                            i64 Dv, i64 slot_count, i64 window, float scale);
+                            const float *sinks, float *out, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
+                            i64 slot_count, i64 window, float scale, i64 threads);
 i64 kiln_rope_slot_update_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
                               float *k_cache, float *v_cache, const i64 *slots, const i64 *positions, float *q_out,
                               i64 B, i64 Hq, i64 Hkv, i64 D, i64 S, i64 slot_count, i64 qsb, i64 qsh, i64 ksb,
@@ -305,9 +305,9 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
             return 1;
         }
         case OP_SLOT_ATTENTION: {
-            const i64 *s = a + 17;
-            return (int)kiln_slot_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), PTR(15), s[0],
-                                                s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], as_float(s[9]));
+            const i64 *s = a + 15;
+            return (int)kiln_slot_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), s[0], s[1],
+                                                s[2], s[3], s[4], s[5], s[6], s[7], s[8], as_float(s[9]), threads);
         }
         case OP_ROPE_SLOT: {
             const i64 *s = a + 21;
