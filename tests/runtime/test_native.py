@@ -497,6 +497,25 @@ def test_compiled_attention_matches_float64(B, Hq, Hkv, L, S, D, Dv, mask_kind, 
 
 
 @needs_native
+@pytest.mark.parametrize("mask_kind", ["none", "per_head", "prefix"])
+def test_compiled_decode_attention_is_the_same_on_any_thread_count(mask_kind, monkeypatch):
+    """kiln_attention_f32's few queries (a decode step) split their (batch, q head) pairs over the pool's threads
+    where they read enough keys (SmolLM2's heads over 300 keys do): the same bits on 1, 2 and 3 threads."""
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, L, S, D = 2, 9, 3, 2, 300, 64
+    q = rng.standard_normal((B, Hq, L, D), dtype=np.float32)
+    k, v = (rng.standard_normal((B, Hkv, S, D), dtype=np.float32) for _ in range(2))
+    mask = {"none": None, "per_head": rng.random((B, Hq, L, S)) < 0.5,
+            "prefix": (np.arange(S) < 250)[None, None, None, :]}[mask_kind]
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("KILN_THREADS", threads)
+        results.append(native.attention(q, k, v, mask, False, 0.125))
+    assert all(r is not None and np.array_equal(r, results[0]) for r in results)
+    np.testing.assert_allclose(results[0], _attention_reference(q, k, v, mask, False, 0.125), rtol=1e-5, atol=1e-6)
+
+
+@needs_native
 def test_compiled_attention_declines_what_it_cannot_take():
     q = np.zeros((1, 2, 1, 16), np.float32)
     k = v = np.zeros((1, 1, 4, 16), np.float32)

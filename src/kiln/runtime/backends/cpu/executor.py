@@ -654,7 +654,7 @@ def _sdpa(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     q = lw.contiguous(q)
     scale = attrs["scale"] if attrs["scale"] is not None else 1 / math.sqrt(D)
     out = lw.new((B, Hq, L, Dv), F32)
-    lw.emit("attention", q, k, v, mask, sinks, out, lw.work(4 * S), B, Hq, Hkv, L, S, D, Dv, *elements(k)[:3],
+    lw.emit("attention", q, k, v, mask, sinks, out, B, Hq, Hkv, L, S, D, Dv, *elements(k)[:3],
             *elements(v)[:3], *mask_strides, int(bool(attrs["causal"])), as_float_word(scale))
     lw.output(node, out)
 

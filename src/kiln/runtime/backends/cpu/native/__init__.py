@@ -71,7 +71,7 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_gathered_qlinear_f32": (_ptr,) * 9 + (_i64,) * 9,
     "kiln_layer_norm_f32": (_ptr,) * 4 + (_i64, _i64, ctypes.c_float),
     "kiln_sum_rows_f32": (_ptr, _ptr, _i64, _i64, ctypes.c_float),
-    "kiln_attention_f32": (_ptr,) * 7 + (_i64,) * 18 + (ctypes.c_float, _i64),
+    "kiln_attention_f32": (_ptr,) * 6 + (_i64,) * 18 + (ctypes.c_float, _i64),
     "kiln_rope_cache_update_f32": (_ptr,) * 9 + (_i64,) * 18,
     "kiln_slot_attention_f32": (_ptr,) * 7 + (_i64,) * 9 + (ctypes.c_float, _i64),
     "kiln_rope_slot_update_f32": (_ptr,) * 10 + (_i64,) * 14,
@@ -91,7 +91,7 @@ SIGNATURES: dict[str, tuple] = {
 RESULTS: dict[str, type] = {name: _i64 for name in (
     "kiln_qdot_level", "kiln_conv2d_f32", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32", "kiln_rope_cache_update_f32",
     "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32",
-    "kiln_gathered_linear_f32", "kiln_gathered_qlinear_f32")}
+    "kiln_gathered_linear_f32", "kiln_gathered_qlinear_f32", "kiln_attention_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()
@@ -388,12 +388,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         mask_strides = (0, 0, 0, 0)
     q = q if q.flags.c_contiguous else np.ascontiguousarray(q)
     out = np.empty((B, Hq, L, v.shape[3]), dtype=np.float32)
-    if out.size:
-        work = np.empty(S, dtype=np.float32)
-        lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask), address(_float32(sinks)),
-                               out.ctypes.data, work.ctypes.data, B, Hq, Hkv, L, S, D, v.shape[3],
-                               *(s // 4 for s in k.strides[:3]), *(s // 4 for s in v.strides[:3]), *mask_strides,
-                               int(causal), float(scale), threads())
+    if out.size and not lib.kiln_attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, address(mask),
+                                               address(_float32(sinks)), out.ctypes.data, B, Hq, Hkv, L, S, D,
+                                               v.shape[3], *(s // 4 for s in k.strides[:3]),
+                                               *(s // 4 for s in v.strides[:3]), *mask_strides, int(causal),
+                                               float(scale), threads()):
+        return None
     return out
 
 

@@ -10,7 +10,7 @@
  * broadcasts), or none; causal: query i sees keys j <= i (the reference's tril(ones(L, S))). A query that sees
  * no key gets NaN, as the reference (softmax of all -inf) gives. sinks [Hq], or none: each q head's sink logit,
  * one more term in its softmax's sum with no value (gpt-oss); a query that sees no key then gets zeros. Scores are
- * kept for one query at a time in `work` (S floats).
+ * kept for one query at a time in the thread's scratch (S floats).
  */
 #include <math.h>
 #include <stdint.h>
@@ -231,29 +231,52 @@ static void attention_tiles(const void *ctx, i64 begin, i64 end) {
 /* Queries a head from which the tiles run (below, one query at a time: a decode step's few rows) */
 enum { TILED_MIN_QUERIES = 16 };
 
-void kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
-                        const unsigned char *restrict mask, const float *restrict sinks, float *restrict out,
-                        float *restrict work, i64 B, i64 Hq,
-                        i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb,
-                        i64 mh, i64 ml, i64 ms, i64 causal, float scale, i64 threads) {
-    const i64 group = Hq / Hkv;
-    if (L >= TILED_MIN_QUERIES && Dv % 64 == 0) {
-        const attention_args a = {q, k, v, mask, sinks, out, Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh,
-                                  ml, ms, causal, scale};
-        parallel_for(attention_tiles, &a, B * Hq, threads);
-        return;
+/* The queries of tasks [begin, end) of a decode step's attention, a task a (batch, q head): each query its visible
+ * keys one by one (attend), the scores in this thread's scratch. */
+static void attention_rows(const void *ctx, i64 begin, i64 end) {
+    const attention_args *a = ctx;
+    const i64 group = a->Hq / a->Hkv;
+    float *work = (float *)thread_scratch(SCRATCH_ATTENTION, a->S * (i64)sizeof(float));
+    if (!work) return; /* (the caller asked for it first: not reached) */
+    for (i64 bh = begin; bh < end; bh++) {
+        const i64 b = bh / a->Hq, h = bh % a->Hq;
+        const float *kh0 = a->k + b * a->kb + (h / group) * a->kh, *vh0 = a->v + b * a->vb + (h / group) * a->vh;
+        for (i64 i = 0; i < a->L; i++) {
+            const unsigned char *mi = a->mask ? a->mask + b * a->mb + h * a->mh + i * a->ml : 0;
+            i64 first, seen;
+            visible(mi, a->ms, i, a->S, a->causal, &first, &seen);
+            attend(a->q + ((b * a->Hq + h) * a->L + i) * a->D, kh0 + first * a->ks, a->ks, vh0 + first * a->vs, a->vs,
+                   mi ? mi + first * a->ms : 0, a->ms, seen - first, a->D, a->Dv, a->scale,
+                   a->sinks ? a->sinks[h] : -INFINITY, work, a->out + ((b * a->Hq + h) * a->L + i) * a->Dv);
+        }
     }
+}
+
+/* Few queries (a decode step) go one query at a time over the keys each sees, the (batch, q head) pairs split over
+ * up to `threads` of the pool where the keys the first head's queries see, over all heads, come to a quarter of
+ * LINEAR_MIN_PART values (memory-bound: the slot attention's measurement, d046acc); each query's arithmetic is the
+ * same on any thread. Returns 0, writing nothing, when the scratch cannot be had. */
+i64 kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
+                       const unsigned char *restrict mask, const float *restrict sinks, float *restrict out, i64 B,
+                       i64 Hq, i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs,
+                       i64 mb, i64 mh, i64 ml, i64 ms, i64 causal, float scale, i64 threads) {
+    const attention_args a = {q, k, v, mask, sinks, out, Hq, Hkv, L, S, D, Dv, kb, kh, ks, vb, vh, vs, mb, mh,
+                              ml, ms, causal, scale};
+    if (L >= TILED_MIN_QUERIES && Dv % 64 == 0) {
+        parallel_for(attention_tiles, &a, B * Hq, threads);
+        return 1;
+    }
+    if (!thread_scratch(SCRATCH_ATTENTION, S * (i64)sizeof(float))) return 0;
+    i64 keys = 0;
     for (i64 b = 0; b < B; b++)
-        for (i64 h = 0; h < Hq; h++)
-            for (i64 i = 0; i < L; i++) {
-                const float *qi = q + ((b * Hq + h) * L + i) * D;
-                const float *kh0 = k + b * kb + (h / group) * kh, *vh0 = v + b * vb + (h / group) * vh;
-                const unsigned char *mi = mask ? mask + b * mb + h * mh + i * ml : 0;
-                i64 first, seen;
-                visible(mi, ms, i, S, causal, &first, &seen);
-                attend(qi, kh0 + first * ks, ks, vh0 + first * vs, vs, mi ? mi + first * ms : 0, ms, seen - first, D,
-                       Dv, scale, sinks ? sinks[h] : -INFINITY, work, out + ((b * Hq + h) * L + i) * Dv);
-            }
+        for (i64 i = 0; i < L; i++) {
+            i64 first, seen;
+            visible(mask ? mask + b * mb + i * ml : 0, ms, i, S, causal, &first, &seen);
+            keys += seen > first ? seen - first : 0;
+        }
+    const i64 most = keys * Hq * (D + Dv) / (LINEAR_MIN_PART / 4);
+    parallel_for(attention_rows, &a, B * Hq, threads < most ? threads : (most > 1 ? most : 1));
+    return 1;
 }
 
 typedef struct {

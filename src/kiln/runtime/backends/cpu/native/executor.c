@@ -26,14 +26,14 @@ enum {
     OP_LINEAR = 2,    /* x w bias out | m n k */
     OP_RMS_NORM = 3,  /* x residual weight total out | rows n eps(float bits) */
     OP_ROPE_CACHE = 4,/* q k v cos sin k_cache v_cache positions q_out | 18 sizes and strides (attention.c) */
-    OP_ATTENTION = 5, /* q k v mask sinks out work | 18 sizes and strides, scale(float bits) */
+    OP_ATTENTION = 5, /* q k v mask sinks out | 18 sizes and strides, scale(float bits) */
     OP_GATED = 6,     /* gate up out | n activation (0 silu, 1 gelu_tanh, 2 gelu_erf) */
     OP_QEMBED = 7,    /* q scale zero ids out | count vocab k format group */
     OP_GATHER = 8,    /* table ids out | count rows row_bytes */
     OP_COMPARE = 9,   /* a b out | kind dtype(0 int64, 1 float32) shape[4] a_strides[4] b_strides[4] (elements) */
     OP_COPY = 10,     /* src dst | item shape[4] src_strides[4] (bytes); dst contiguous */
     OP_BINARY = 11,   /* a b out | kind dtype(0 int64, 1 float32, 2 bool) shape[4] a_strides[4] b_strides[4] */
-    OP_SLOT_ATTENTION = 12, /* q k_cache v_cache slots positions sinks out work | 9 sizes, scale(float bits) */
+    OP_SLOT_ATTENTION = 12, /* q k_cache v_cache slots positions sinks out | 9 sizes, scale(float bits) */
     OP_ROPE_SLOT = 13,      /* q k v cos sin k_cache v_cache slots positions q_out | 14 sizes and strides */
     OP_LAYER_NORM = 14,     /* x weight bias out | rows n eps(float bits) */
     OP_UNARY = 15,          /* x out | n function (native.UNARY's order) */
@@ -114,10 +114,10 @@ i64 kiln_rope_cache_update_f32(const float *q, const float *k, const float *v, c
                                float *k_cache, float *v_cache, const i64 *positions, float *q_out, i64 B, i64 Hq,
                                i64 Hkv, i64 L, i64 D, i64 S, i64 qsb, i64 qsh, i64 qsl, i64 ksb, i64 ksh, i64 ksl,
                                i64 vsb, i64 vsh, i64 vsl, i64 csb, i64 csl, i64 interleaved);
-void kiln_attention_f32(const float *q, const float *k, const float *v, const unsigned char *mask,
-                        const float *sinks, float *out, float *work, i64 B, i64 Hq, i64 Hkv, i64 L, i64 S, i64 D,
-                        i64 Dv, i64 kb, i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms,
-                        i64 causal, float scale, i64 threads);
+i64 kiln_attention_f32(const float *q, const float *k, const float *v, const unsigned char *mask,
+                       const float *sinks, float *out, i64 B, i64 Hq, i64 Hkv, i64 L, i64 S, i64 D, i64 Dv, i64 kb,
+                       i64 kh, i64 ks, i64 vb, i64 vh, i64 vs, i64 mb, i64 mh, i64 ml, i64 ms, i64 causal,
+                       float scale, i64 threads);
 i64 kiln_slot_attention_f32(const float *q, const float *k, const float *v, const i64 *slots, const i64 *positions,
                             const float *sinks, float *out, i64 B, i64 Hq, i64 Hkv, i64 T, i64 S, i64 D, i64 Dv,
                             i64 slot_count, i64 window, float scale, i64 threads);
@@ -199,11 +199,10 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
                                                    s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], s[17]);
         }
         case OP_ATTENTION: {
-            const i64 *s = a + 15;
-            kiln_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), PTR(13), s[0], s[1], s[2], s[3], s[4],
-                               s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15], s[16], s[17],
-                               as_float(s[18]), threads);
-            return 1;
+            const i64 *s = a + 13;
+            return (int)kiln_attention_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), PTR(11), s[0], s[1], s[2], s[3],
+                                           s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14],
+                                           s[15], s[16], s[17], as_float(s[18]), threads);
         }
         case OP_GATED: {
             const float *up = PTR(3);
