@@ -23,6 +23,9 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 enum { ATTEND_AHEAD = 8 }; /* key rows ahead that attend asks the cache for */
+/* keys x heads x (D + Dv) values a thread's part of a decode step's attention reads at least (memory-bound: a
+ * quarter of the linear layers' LINEAR_MIN_PART) */
+enum { ATTENTION_MIN_PART = LINEAR_MIN_PART / 4 };
 
 static inline float sum_lanes(v16 v) {
     typedef float v8 __attribute__((vector_size(32)));
@@ -253,8 +256,8 @@ static void attention_rows(const void *ctx, i64 begin, i64 end) {
 }
 
 /* Few queries (a decode step) go one query at a time over the keys each sees, the (batch, q head) pairs split over
- * up to `threads` of the pool where the keys the first head's queries see, over all heads, come to a quarter of
- * LINEAR_MIN_PART values (memory-bound: the slot attention's measurement, d046acc); each query's arithmetic is the
+ * up to `threads` of the pool where the keys the first head's queries see, over all heads, come to
+ * ATTENTION_MIN_PART values (memory-bound: the slot attention's measurement, d046acc); each query's arithmetic is the
  * same on any thread. Returns 0, writing nothing, when the scratch cannot be had. */
 i64 kiln_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
                        const unsigned char *restrict mask, const float *restrict sinks, float *restrict out, i64 B,
@@ -274,8 +277,8 @@ i64 kiln_attention_f32(const float *restrict q, const float *restrict k, const f
             visible(mask ? mask + b * mb + i * ml : 0, ms, i, S, causal, &first, &seen);
             keys += seen > first ? seen - first : 0;
         }
-    const i64 most = keys * Hq * (D + Dv) / (LINEAR_MIN_PART / 4);
-    parallel_for(attention_rows, &a, B * Hq, threads < most ? threads : (most > 1 ? most : 1));
+    const i64 most = keys * Hq * (D + Dv) / ATTENTION_MIN_PART;
+    parallel_for(attention_rows, &a, B * Hq, threads_for(threads, most));
     return 1;
 }
 
@@ -310,7 +313,7 @@ static void slot_heads(const void *ctx, i64 begin, i64 end) {
  * p = positions[b][t] and lo = p - window + 1 (window > 0) or 0, and no others. q [B, Hq, T, D], caches
  * [slots, S, Hkv, D] and [slots, S, Hkv, Dv], out [B, Hq, T, Dv], all contiguous; slots [B], positions [B, T]
  * int64; sinks [Hq] or none, as kiln_attention_f32's. The (sequence, q head) pairs are split over up to `threads`
- * of the pool where the keys read come to LINEAR_MIN_PART values (one thread took a sixth of SmolLM2's 4-row
+ * of the pool where the keys read come to ATTENTION_MIN_PART values (one thread took a sixth of SmolLM2's 4-row
  * decode step on this project's 2-core machine); each query's arithmetic is the same on any thread. Returns 0,
  * writing nothing, when a slot or a position is outside the cache (the caller raises). */
 i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, const float *restrict v,
@@ -328,8 +331,8 @@ i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, co
     }
     if (!thread_scratch(SCRATCH_ATTENTION, S * (i64)sizeof(float))) return 0; /* (the caller's portable path) */
     const slot_args args = {q, k, v, sinks, slots, positions, out, Hq, Hkv, T, S, D, Dv, window, scale};
-    const i64 values = keys * Hq * (D + Dv), most = values / (LINEAR_MIN_PART / 4);
-    parallel_for(slot_heads, &args, B * Hq, threads < most ? threads : (most > 1 ? most : 1));
+    const i64 most = keys * Hq * (D + Dv) / ATTENTION_MIN_PART;
+    parallel_for(slot_heads, &args, B * Hq, threads_for(threads, most));
     return 1;
 }
 

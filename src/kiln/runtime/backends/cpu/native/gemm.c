@@ -254,7 +254,7 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
                    (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 0};
     const i64 work = m * n * (k > 0 ? k : 1);
     const i64 most = work / (1 << 18); /* a part worth at least ~0.25M multiply-adds */
-    threads = threads < most ? threads : (most > 1 ? most : 1);
+    threads = threads_for(threads, most);
     const i64 b_bytes = g.col_blocks * NR * k * (i64)sizeof(float);
     float *whole = m * k * (i64)sizeof(float) > BIG_A_BYTES && b_bytes <= WHOLE_B_BYTES
                        ? (float *)thread_scratch(SCRATCH_GEMM_B, b_bytes + 64)

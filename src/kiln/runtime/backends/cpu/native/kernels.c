@@ -426,7 +426,7 @@ void kiln_linear_rows_f32(const float *restrict x, const float *restrict w, cons
                           float *restrict out, i64 m, i64 n, i64 k, i64 threads) {
     const linear_args args = {x, w, bias, out, m, n, k};
     const i64 blocks = (n + LINEAR_ALIGN - 1) / LINEAR_ALIGN, most = n * k / LINEAR_MIN_PART;
-    parallel_for(linear_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
+    parallel_for(linear_part, &args, blocks, threads_for(threads, most));
 }
 
 /* ---------------------------------------------------------------------------------------------------------
@@ -777,7 +777,7 @@ void kiln_qlinear_f32(const float *restrict x, const void *restrict qv, const fl
     }
     const qlinear_args args = {x, qv, scale, zero, bias, out, xs, m, n, k, format, group};
     const i64 blocks = (n + QROWS - 1) / QROWS, most = n * k / LINEAR_MIN_PART;
-    parallel_for(qlinear_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
+    parallel_for(qlinear_part, &args, blocks, threads_for(threads, most));
 }
 
 #if defined(__AVX512F__)

@@ -26,4 +26,7 @@ __attribute__((visibility("hidden"))) void *thread_scratch(int slot, i64 bytes);
 
 enum { LINEAR_MIN_PART = 1 << 16 }; /* weight elements a thread's part reads at least: smaller calls run alone */
 
+/* The threads a call whose work fills `parts` minimum parts may use: at most `threads`, at least 1 */
+static inline i64 threads_for(i64 threads, i64 parts) { return threads < parts ? threads : (parts > 1 ? parts : 1); }
+
 #endif

@@ -429,7 +429,7 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
     if (refine && bits == 8) { /* in float32: see q8_float_rows */
         const qfloat_args args = {x, scale, zero, bias, (const signed char *)q, out, m, n, k, format, group};
         const i64 blocks = (n + QDOT_ROWS - 1) / QDOT_ROWS, most = n * k / LINEAR_MIN_PART;
-        parallel_for(qfloat_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
+        parallel_for(qfloat_part, &args, blocks, threads_for(threads, most));
         return 1;
     }
 #endif
@@ -452,7 +452,7 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
     free(residual);
     const qdot_args args = {q, scale, zero, bias, out, (const char *)work, m, n, k, format, group, stride};
     const i64 blocks = (n + QDOT_ROWS - 1) / QDOT_ROWS, most = n * k / LINEAR_MIN_PART;
-    parallel_for(qdot_part, &args, blocks, threads < most ? threads : (most > 1 ? most : 1));
+    parallel_for(qdot_part, &args, blocks, threads_for(threads, most));
     return 1;
 #else
     (void)x, (void)q, (void)scale, (void)zero, (void)bias, (void)out, (void)work, (void)m, (void)n, (void)k;
