@@ -410,6 +410,45 @@ def test_quantized_few_row_linear_splits_over_threads_without_changing_a_bit(bit
 
 
 @needs_native
+@pytest.mark.parametrize("bits,group,offset", [(8, 64, False), (8, 200, False), (4, 32, False), (4, 32, True),
+                                              (4, 64, False), (4, 128, True)],
+                         ids=["int8-g64", "int8-channel", "int4-g32", "int4-g32-offset", "int4-g64",
+                              "int4-g128-offset"])
+@pytest.mark.parametrize("rows", [9, 37, 130])
+def test_quantized_many_row_linear_is_the_packed_gemm_on_any_thread_count(bits, group, offset, rows, monkeypatch):
+    """Past FEW_ROWS (a prompt, an encoder) quantized_linear is gemm.c's kiln_qgemm_f32, dequantizing 32 weight
+    rows at a time as it packs them: the same bits on 1, 2 and 3 threads, and the dequantized weight's float64
+    product within float32 rounding; weight rows past a multiple of 32 and input rows past a multiple of 12
+    included, with and without zero points and bias."""
+    from kiln.runtime.backends.array_api.quant import dequantize
+    from kiln.runtime.backends.cpu import quant
+
+    n, k = 1030, 200 if group == 200 else 256
+    q, scale, zero, bias = _quantized_case(bits, group, n, k, bits + group + rows)
+    x = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
+    kernel = CPU_KERNELS.kernels["quantized_linear"]
+    for z, b in ((zero, bias), (None, None)):
+        results = []
+        for threads in ("1", "2", "3"):
+            monkeypatch.setenv("KILN_THREADS", threads)
+            results.append(kernel(x, q, scale, z, b, bits, group, offset))
+        assert all(np.array_equal(results[0], r) for r in results[1:])
+        weight = dequantize(np, q, scale, z, bits, group, offset).astype(np.float64)
+        want = x.astype(np.float64) @ weight.T + (0 if b is None else b)
+        np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-3)
+    lib, calls = native.library(), []
+
+    class Spy:  # (what ran past FEW_ROWS was the GEMM)
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return (lambda *args: calls.append(args) or fn(*args)) if name == "kiln_qgemm_f32" else fn
+
+    monkeypatch.setattr(native, "library", Spy)
+    assert np.array_equal(kernel(x, q, scale, None, None, bits, group, offset), results[0])
+    assert len(calls) == (rows > quant.FEW_ROWS)
+
+
+@needs_native
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 256), (4, 32), (4, 64), (4, 128)],
                          ids=["int8-g64", "int8-channel", "int4-g32", "int4-g64", "int4-g128"])
 def test_integer_dot_is_its_definition(bits, group, monkeypatch):
@@ -658,6 +697,39 @@ def test_compiled_slot_attention_is_the_same_on_any_thread_count(monkeypatch):
     want = reference(np, q.astype(np.float64), k_cache[slots].astype(np.float64), v_cache[slots].astype(np.float64),
                      positions, 0, 0.125, 0)
     np.testing.assert_allclose(results[0], want, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("slots,window,with_sinks", [([2], 0, False), ([1], 5, True), ([3, 0], 0, False)],
+                         ids=["one-slot", "window-sinks", "two-slots"])
+def test_prompt_slot_attention_is_the_compiled_attention(slots, window, with_sinks, monkeypatch):
+    """slot_attention's many queries a sequence (a prompt's chunk at some offset in its slot) go to the compiled
+    attention with the slot visibility as its mask, the slot's keys read in place: the float64 reference within
+    float32 rounding, the same bits on 1, 2 and 3 threads; the portable path agrees."""
+    from kiln.runtime.backends.array_api.attention import slot_attention as reference
+    from kiln.runtime.backends.cpu.attention import slot_attention
+
+    rng = np.random.default_rng(len(slots) + window)
+    Hq, Hkv, T, S, D, offset = 6, 2, 40, 128, 64, 23
+    slots = np.array(slots, dtype=np.int64)
+    B = len(slots)
+    q = rng.standard_normal((B, Hq, T, D), dtype=np.float32)
+    k_cache, v_cache = (rng.standard_normal((4, S, Hkv, D), dtype=np.float32) for _ in range(2))
+    positions = np.tile(np.arange(offset, offset + T, dtype=np.int64), (B, 1))
+    sinks = rng.standard_normal(Hq, dtype=np.float32) if with_sinks else None
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("KILN_THREADS", threads)
+        results.append(slot_attention(q, k_cache, v_cache, slots, positions, sinks, scale=0.125, window=window))
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
+    last = offset + T
+    want = reference(np, q.astype(np.float64), k_cache[slots, :last].astype(np.float64),
+                     v_cache[slots, :last].astype(np.float64), positions, 0, 0.125, window,
+                     sinks=None if sinks is None else sinks.astype(np.float64))
+    np.testing.assert_allclose(results[0], want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(native, "library", lambda: None)
+    portable = slot_attention(q, k_cache, v_cache, slots, positions, sinks, scale=0.125, window=window)
+    np.testing.assert_allclose(portable, want, rtol=1e-5, atol=1e-6)
 
 
 @needs_native

@@ -2,9 +2,10 @@
 quantized_linear; the embedding and the reference dequantization are portable: kiln.runtime.backends.array_api.quant).
 
 Few rows (a decode step): the compiled kernel reads each quantized weight row once and converts it in registers,
-so the step reads 4x (int8) or 8x (int4) fewer weight bytes than float32. Many rows (prefill, encoders): bands of
-weight rows are dequantized to float32 and multiplied with BLAS, so a prefill costs about what float32 does
-without ever holding the whole float32 weight.
+so the step reads 4x (int8) or 8x (int4) fewer weight bytes than float32. Many rows (prefill, encoders): the packed
+GEMM dequantizes blocks of 32 weight rows as it packs them (gemm.c's kiln_qgemm_f32), so a prefill costs about
+what float32 does without ever holding the whole float32 weight; without the helpers, bands of dequantized rows
+go to BLAS.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
         work = np.empty(2 * rows * (k + k // group_size), dtype=np.float32)
         _few_rows(lib, (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
                         out.ctypes.data, work.ctypes.data, rows, n, k, form, group_size, native.threads()))
+    elif compiled and lib.kiln_qgemm_f32(x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
+                                         out.ctypes.data, rows, n, k, form, group_size, native.threads()):
+        if bias is not None:
+            out += bias
     else:
         band = max(1, _BAND_BYTES // (4 * k))
         weight = np.empty((min(band, n), k), dtype=np.float32)

@@ -86,12 +86,13 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_execute_words": (),
     "kiln_qdot_level": (),
     "kiln_qlinear_dot_f32": (_ptr,) * 7 + (_i64,) * 6,
+    "kiln_qgemm_f32": (_ptr,) * 5 + (_i64,) * 6,
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 RESULTS: dict[str, type] = {name: _i64 for name in (
     "kiln_qdot_level", "kiln_conv2d_f32", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32", "kiln_rope_cache_update_f32",
     "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32",
-    "kiln_gathered_linear_f32", "kiln_gathered_qlinear_f32", "kiln_attention_f32")}
+    "kiln_gathered_linear_f32", "kiln_gathered_qlinear_f32", "kiln_attention_f32", "kiln_qgemm_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()

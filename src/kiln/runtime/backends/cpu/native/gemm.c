@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "quant.h"
 #include "vec16.h"
 
 
@@ -91,10 +92,19 @@ static void columns(const float *restrict a, const float *restrict b, i64 k, i64
     }
 }
 
+/* A quantized weight [n][k] as B's rows (kiln_qgemm_f32): B[p][j] = W[j][p], each block of NR rows dequantized
+ * (kiln_dequantize_f32) when its panel is packed, never the whole weight at once. */
+typedef struct {
+    const unsigned char *q;
+    const float *scale, *zero;
+    i64 row_bytes, format, group;
+} quant_rows;
+
 typedef struct {
     const float *packed, *b, *bias;
     float *c;
     const float *b_packed; /* B packed whole (by_panels), or NULL */
+    const quant_rows *quant; /* B as a quantized weight's rows (B_ROWS), or NULL */
     i64 m, n, k, ldb, ldc, act, layout; /* B_ROWS and C_ROWS bits, below */
     float lo, hi;
     i64 col_blocks, panel_groups;
@@ -132,16 +142,27 @@ static inline void store(const gemm_args *g, v16 acc[MR][2], int vecs, i64 row0,
     }
 }
 
-/* B's columns [c0, c0 + cols) as a contiguous k x NR panel, zero past them */
-static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel) {
+/* B's columns [c0, c0 + cols) as a contiguous k x NR panel, zero past them. A quantized B's rows are first
+ * dequantized into `rows` (NR x k floats). */
+static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel, float *restrict rows) {
     const i64 k = g->k;
     if (g->layout & B_ROWS) { /* panel[p][j] = B[c0 + j][p]: 16 rows x 16 of their elements at a time, transposed */
+        const float *b = g->b;
+        i64 ldb = g->ldb;
+        if (g->quant) {
+            const quant_rows *w = g->quant;
+            const i64 ngroups = k / w->group;
+            kiln_dequantize_f32(w->q + c0 * w->row_bytes, w->scale + c0 * ngroups,
+                                w->zero ? w->zero + c0 * ngroups : NULL, rows, cols, k, w->format, w->group);
+            b = rows - c0 * k;
+            ldb = k;
+        }
         for (i64 j0 = 0; j0 < NR; j0 += 16)
             for (i64 p0 = 0; p0 < k; p0 += 16) {
                 const int count = k - p0 < 16 ? (int)(k - p0) : 16;
                 v16 t[16];
                 for (i64 j = 0; j < 16; j++) {
-                    const float *src = g->b + (c0 + j0 + j) * g->ldb + p0;
+                    const float *src = b + (c0 + j0 + j) * ldb + p0;
                     t[j] = j0 + j >= cols ? splat16(0.0f) : count == 16 ? *(const v16u *)src : load16_first(src, count);
                 }
                 transpose16(t);
@@ -212,7 +233,8 @@ static void by_columns(const void *ctx, i64 begin, i64 end) {
     const gemm_args *g = (const gemm_args *)ctx;
     const i64 panels = (g->m + MR - 1) / MR, span = g->span;
     float *panels_b = (float *)thread_scratch(SCRATCH_GEMM_SPAN, (span * g->k * NR + 16) * (i64)sizeof(float));
-    if (!panels_b) return;
+    float *rows = g->quant ? (float *)thread_scratch(SCRATCH_GEMM_ROWS, NR * g->k * (i64)sizeof(float)) : NULL;
+    if (!panels_b || (g->quant && !rows)) return;
     i64 packed_span = -1;
     const v16 lo = splat16(g->lo), hi = splat16(g->hi);
     for (i64 task = begin; task < end; task++) {
@@ -221,7 +243,7 @@ static void by_columns(const void *ctx, i64 begin, i64 end) {
         if (sp != packed_span) {
             for (i64 block = b0; block < b1; block++)
                 pack_b(g, block * NR, g->n - block * NR < NR ? g->n - block * NR : NR,
-                       panels_b + (block - b0) * g->k * NR);
+                       panels_b + (block - b0) * g->k * NR, rows);
             packed_span = sp;
         }
         const i64 p1 = (group + 1) * PANELS_PER_TASK < panels ? (group + 1) * PANELS_PER_TASK : panels;
@@ -244,13 +266,22 @@ static void by_panels(const void *ctx, i64 begin, i64 end) {
 
 enum { WHOLE_B_BYTES = 512 << 10, BIG_A_BYTES = 512 << 10, SPAN_BYTES = 256 << 10, SPAN_BLOCKS = 8 };
 
+/* by_columns over the pool: a span's B panels in about half of L2, at most SPAN_BLOCKS of them, and at least two
+ * tasks a thread where the columns allow it (a span of everything would leave one) */
+static void columns_outer(gemm_args *g, i64 threads) {
+    g->span = SPAN_BYTES / (g->k * NR * (i64)sizeof(float) + 1);
+    g->span = g->span < 1 ? 1 : (g->span > SPAN_BLOCKS ? SPAN_BLOCKS : g->span);
+    while (g->span > 1 && (g->col_blocks + g->span - 1) / g->span * g->panel_groups < 2 * threads) g->span /= 2;
+    parallel_for(by_columns, g, (g->col_blocks + g->span - 1) / g->span * g->panel_groups, threads);
+}
+
 /* C = A B (+ bias[row], then act: 0 none, 1 clamp to [lo, hi], 2 hardswish), A packed by kiln_gemm_pack_f32; B
  * [k][n] with rows ldb apart and C [m][n] with rows ldc apart, or either transposed (layout: B_ROWS, C_ROWS). */
 void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias, float *c, i64 m, i64 n, i64 k,
                           i64 ldb, i64 layout, i64 ldc, i64 act, float lo, float hi, i64 threads) {
     if (m <= 0 || n <= 0) return;
     const i64 panels = (m + MR - 1) / MR;
-    gemm_args g = {packed, b, bias, c, NULL, m, n, k, ldb, ldc, act, layout, lo, hi, (n + NR - 1) / NR,
+    gemm_args g = {packed, b, bias, c, NULL, NULL, m, n, k, ldb, ldc, act, layout, lo, hi, (n + NR - 1) / NR,
                    (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 0};
     const i64 work = m * n * (k > 0 ? k : 1);
     const i64 most = work / (1 << 18); /* a part worth at least ~0.25M multiply-adds */
@@ -261,15 +292,31 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
                        : NULL;
     if (whole) {
         for (i64 block = 0; block < g.col_blocks; block++)
-            pack_b(&g, block * NR, n - block * NR < NR ? n - block * NR : NR, whole + block * k * NR);
+            pack_b(&g, block * NR, n - block * NR < NR ? n - block * NR : NR, whole + block * k * NR, NULL);
         g.b_packed = whole;
         parallel_for(by_panels, &g, panels, threads);
         return;
     }
-    /* a span's B panels in about half of L2, at most SPAN_BLOCKS of them */
-    g.span = SPAN_BYTES / (k * NR * (i64)sizeof(float) + 1);
-    g.span = g.span < 1 ? 1 : (g.span > SPAN_BLOCKS ? SPAN_BLOCKS : g.span);
-    /* at least two tasks a thread where the columns allow it (a span of everything would leave one) */
-    while (g.span > 1 && (g.col_blocks + g.span - 1) / g.span * g.panel_groups < 2 * threads) g.span /= 2;
-    parallel_for(by_columns, &g, (g.col_blocks + g.span - 1) / g.span * g.panel_groups, threads);
+    columns_outer(&g, threads);
+}
+
+/* out[m][n] = x[m][k] W^T for a quantized weight W [n][k] (q, scale, zero in kiln_qlinear_f32's formats): the
+ * packed GEMM with x as A (packed here) and W's rows as B, each block of NR rows dequantized as its panel is
+ * packed, so a prompt's many rows (prefill) multiply in one call over the pool at the GEMM's speed without the
+ * float32 weight ever existing whole: BLAS over dequantized bands of rows (quant.py's former path) packed each band
+ * on every call and ran as many small products (SmolLM2's int4 layers at 128 rows: 92-97 GFLOP/s where this
+ * GEMM runs the float32 weights at 160-210). Every output is one sum over k in order (the tile's), whatever the
+ * thread count. Returns 0 (nothing written) where the scratch cannot be had. */
+i64 kiln_qgemm_f32(const float *x, const void *q, const float *scale, const float *zero, float *out, i64 m, i64 n,
+                   i64 k, i64 format, i64 group, i64 threads) {
+    if (m <= 0 || n <= 0) return 1;
+    float *packed = (float *)thread_scratch(SCRATCH_GEMM_A, kiln_gemm_packed_size(m, k) * (i64)sizeof(float));
+    if (!packed) return 0;
+    kiln_gemm_pack_f32(x, packed, m, k, k);
+    const quant_rows w = {(const unsigned char *)q, scale, zero, k * QUANT_BITS(format) / 8, format, group};
+    const i64 panels = (m + MR - 1) / MR;
+    gemm_args g = {packed, NULL, NULL, out, NULL, &w, m, n, k, k, n, 0, B_ROWS, 0.0f, 0.0f, (n + NR - 1) / NR,
+                   (panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 0};
+    columns_outer(&g, threads_for(threads, m * n * k / (1 << 18)));
+    return 1;
 }

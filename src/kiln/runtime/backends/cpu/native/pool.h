@@ -20,7 +20,7 @@ __attribute__((visibility("hidden"))) void conv_activate(float *y, i64 n, int ac
  * allocated per call they paid page faults each time and, freed while the pool's threads ran, TLB shootdowns
  * (the packed GEMM at 2 threads: 163 -> 120 us on a 1536 x 384 layer with them kept). A slot is one use, so
  * a helper that calls another never shares a buffer with it. */
-enum { SCRATCH_GEMM_B, SCRATCH_GEMM_SPAN, SCRATCH_DEPTHWISE, SCRATCH_DIRECT_INPUT, SCRATCH_DIRECT_WEIGHTS,
+enum { SCRATCH_GEMM_A, SCRATCH_GEMM_B, SCRATCH_GEMM_SPAN, SCRATCH_GEMM_ROWS, SCRATCH_DEPTHWISE, SCRATCH_DIRECT_INPUT, SCRATCH_DIRECT_WEIGHTS,
        SCRATCH_WINOGRAD, SCRATCH_ATTENTION, SCRATCH_SLOTS };
 __attribute__((visibility("hidden"))) void *thread_scratch(int slot, i64 bytes);
 

@@ -15,6 +15,10 @@
 #define QUANT_REFINE 512
 #define QUANT_BITS(format) ((format) & 255)
 
+/* rows [0, rows) of a quantized weight as float32 w [rows, k] (kernels.c) */
+void kiln_dequantize_f32(const void *restrict qv, const float *restrict scale, const float *restrict zero,
+                         float *restrict w, i64 rows, i64 k, i64 format, i64 group);
+
 /* group g's offset (the offset form; absent: 0) or zero point (absent: 8 for int4, 0 for int8) */
 static inline float quant_point(const float *zero, i64 g, i64 format) {
     if (zero) return zero[g];
