@@ -1,8 +1,8 @@
 /* Quantized linear for few rows (a decode step) by integer dot products, as llama.cpp runs its quantized types
  * on the CPU: each input row is quantized to int8 in blocks of 32 (one float scale per block, max |x| -> 127),
  * and each block's products with int4 or int8 weights are summed exactly in int32 by the CPU's byte dot product
- * (AVX-512 VNNI's vpdpbusd, 32 products a 256-bit instruction; AVX2's vpmaddubsw + vpmaddwd where VNNI is
- * missing, the same integers). The float kernel in kernels.c converts every weight to float and spends about
+ * (AVX-512 VNNI's vpdpbusd, 32 products a 256-bit instruction, 64 a 512-bit one for int4 where AVX-512BW is there
+ * too; AVX2's vpmaddubsw + vpmaddwd where VNNI is missing, the same integers). The float kernel in kernels.c converts every weight to float and spends about
  * four vector instructions per 8 weights; this spends about one per 6 and reads the same bytes, so a decode
  * step on one core stops being bound by arithmetic.
  *
@@ -53,6 +53,12 @@ static inline __m256i dot2_u4s8(__m256i acc, __m256i u1, __m256i s1, __m256i u2,
 #define QDOT_ROWS 4 /* weight rows a pass: each input vector loaded once feeds four dot products */
 #define AHEAD 4     /* passes ahead that the weights are prefetched */
 #define QDOT_INPUTS 4 /* input rows an int4 pass multiplies each unpacked weight vector into */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* int4 products 128 weights a 512-bit step (q4_rows): the inputs' codes laid out by 128 (quantize_row) */
+#define Q4_WIDE 1
+#else
+#define Q4_WIDE 0
+#endif
 
 static inline float hsum8(__m256 v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -106,14 +112,27 @@ static int quantize_row(const float *restrict x, i64 k, i64 group, int split, si
     if (!split) return 1;
     const __m256i gather = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                             0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (i64 c = 0; c < k / 64; c++) {
-        /* per half: [evens | odds] of its 32 bytes; then the evens of both halves, then the odds */
-        const __m256i a = _mm256_permute4x64_epi64(
-            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xq + 64 * c)), gather), 0xd8);
-        const __m256i b = _mm256_permute4x64_epi64(
-            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)), gather), 0xd8);
-        _mm256_storeu_si256((__m256i *)(xq + 64 * c), _mm256_permute2x128_si256(a, b, 0x20));
-        _mm256_storeu_si256((__m256i *)(xq + 64 * c + 32), _mm256_permute2x128_si256(a, b, 0x31));
+    /* by 64 (blocks 2c, 2c + 1): [E 2c | E 2c+1 | O 2c | O 2c+1], E the evens' 16 codes and O the odds'; by 128
+     * (Q4_WIDE, blocks 4c'..4c'+3, every whole 128 of k): the four blocks' evens, then their odds. In place: the
+     * 64-chunks of a 128 are both read before either is written. */
+    const i64 wide = Q4_WIDE ? k / 128 * 2 : 0; /* 64-chunks laid out by 128 */
+    for (i64 c = 0; c < k / 64; c += c < wide ? 2 : 1) {
+        __m256i evens[2], odds[2];
+        const int chunks = c < wide ? 2 : 1;
+        for (int h = 0; h < chunks; h++) {
+            /* per half: [evens | odds] of its 32 bytes; then the evens of both halves, then the odds */
+            const signed char *at = xq + 64 * (c + h);
+            const __m256i a = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)at), gather), 0xd8);
+            const __m256i b = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(at + 32)), gather), 0xd8);
+            evens[h] = _mm256_permute2x128_si256(a, b, 0x20);
+            odds[h] = _mm256_permute2x128_si256(a, b, 0x31);
+        }
+        for (int h = 0; h < chunks; h++) {
+            _mm256_storeu_si256((__m256i *)(xq + 64 * c + 32 * h), evens[h]);
+            _mm256_storeu_si256((__m256i *)(xq + 64 * c + 32 * chunks + 32 * h), odds[h]);
+        }
     }
     return 1;
 }
@@ -172,53 +191,115 @@ static inline void finish_rows(__m256 *total, const int R, const float *restrict
     for (int i = 0; i < R; i++) out[i] = hsum8(total[i]) + (bias ? bias[i] : 0.0f);
 }
 
+/* The scale of 64-chunk c's two 32-blocks as [s 2c x4, s 2c+1 x4] (groups of 32, `pairs`), or its group's. */
+static inline __m256 q4_scale64(const float *restrict s, i64 c, i64 group, const int pairs) {
+    return pairs ? _mm256_set_m128(_mm_set1_ps(s[2 * c + 1]), _mm_set1_ps(s[2 * c])) : _mm256_set1_ps(s[64 * c / group]);
+}
+
+#if Q4_WIDE
+/* q4_rows' 512-bit step: 64-chunks c and c + 1 (blocks 2c..2c+3, the inputs' codes laid out by 128: evens at 64 c,
+ * odds at 64 c + 64) into wide[r][i], lanes 4b..4b+3 block 2c + b; or (`tail`) chunk c alone (laid out by 64: evens
+ * at 64 c, odds at 64 c + 32) in the low half, the high half's codes, scales and so products zero. */
+static inline __attribute__((always_inline)) void q4_wide_step(__m512 (*wide)[QDOT_ROWS], const char *restrict work,
+                                                               i64 stride, const int M,
+                                                               const unsigned char *restrict q,
+                                                               const float *restrict scale, i64 ngroups, i64 k,
+                                                               i64 group, const int R, const int pairs, i64 c,
+                                                               const char *next, const int tail) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __mmask16 blocks = tail ? 0x3 : 0xF;
+    for (int line = 0; line < (tail ? 1 : 2) * (R / 2 + 1); line++)
+        _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
+    __m512 sv[QDOT_ROWS], dv[QDOT_INPUTS];
+    for (int i = 0; i < R; i++) {
+        const float *s = scale + i * ngroups;
+        sv[i] = pairs ? _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, s + 2 * c))
+                      : _mm512_insertf32x8(_mm512_set1_ps(s[64 * c / group]),
+                                           _mm256_set1_ps(s[(tail ? 64 * c : 64 * (c + 1)) / group]), 1);
+    }
+    for (int r = 0; r < M; r++)
+        dv[r] = _mm512_permutexvar_ps(spread,
+                                      _mm512_maskz_loadu_ps(blocks, (const float *)(work + r * stride + k) + 2 * c));
+    for (int i = 0; i < R; i++) {
+        const unsigned char *qi = q + i * (k / 2) + 32 * c;
+        const __m512i b = tail ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)qi))
+                               : _mm512_loadu_si512((const void *)qi);
+        const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+        for (int r = 0; r < M; r++) {
+            const signed char *xq = (const signed char *)(work + r * stride) + 64 * c;
+            const __m512i xe = tail ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xq))
+                                    : _mm512_loadu_si512((const void *)xq);
+            const __m512i xo = tail ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + 32)))
+                                    : _mm512_loadu_si512((const void *)(xq + 64));
+            const __m512i acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+            wide[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dv[r], sv[i]), wide[r][i]);
+        }
+    }
+}
+#endif
+
 /* int4 weight rows o..o+R-1 against M input rows (the work area's rows, `stride` bytes apart: quantize_row's
  * layout), outputs out[r * n + i]. Each 64 weights (32 bytes) are unpacked to their low nibbles (the even elements of
  * both 32-blocks) and high nibbles (the odd ones) once for the M rows: two dot products into one int32 vector whose
  * lanes 0-3 hold block 2c and lanes 4-7 block 2c + 1, scaled by [d 2c x4, d 2c+1 x4] times the weight scale (with
  * groups of 32, [s 2c x4, s 2c+1 x4]). Per 64 weights and row the unpack's 3 instructions and the scale's broadcast
  * are shared by the M rows and the input's scale by the R weight rows: ~6 vector instructions a row where one row
- * at a time took ~9. Each output's arithmetic is the same whatever M. */
+ * at a time took ~9. With Q4_WIDE the same 128 weights at a time in 512-bit vectors (four blocks, lanes 4b..4b+3
+ * block b), half the instructions: 1.5-1.8x in a harness at 4 rows (3.8 -> 2.1-2.4 cycles per 64 weights and row
+ * at K = 512-1536); the last 64 of a K that is not a multiple of 128 as before, and the wide sums folded into the
+ * 256-bit ones before it. Each output's arithmetic is the same whatever M. */
 static inline __attribute__((always_inline)) void q4_rows(const char *restrict work, i64 stride, const int M,
                                                           const unsigned char *restrict q,
                                                           const float *restrict scale, const float *restrict zero,
                                                           const float *restrict bias, float *restrict out, i64 n,
                                                           i64 k, i64 group, i64 format, const int R,
                                                           const int pairs) {
-    const i64 ngroups = k / group, per_scale = pairs ? 1 : group / 64; /* 64-weight steps under one scale */
+    const i64 ngroups = k / group;
     const __m256i low = _mm256_set1_epi8(15);
     __m256 total[QDOT_INPUTS][QDOT_ROWS];
-    for (int r = 0; r < M; r++)
-        for (int i = 0; i < R; i++) total[r][i] = _mm256_setzero_ps();
+    (void)low;
     /* the weights of the blocks AHEAD passes on (rows o+R*AHEAD..) stream in while this one computes: the
      * hardware prefetcher alone left a decode step's layers at 6-11 GB/s of the core's ~27 */
     const char *next = (const char *)q + AHEAD * R * (k / 2);
     prefetch_rows(scale + AHEAD * R * ngroups, R * ngroups);
     if (zero) prefetch_rows(zero + AHEAD * R * ngroups, R * ngroups);
-    for (i64 c = 0, g = 0; c < k / 64; g++) {
-        __m256 sv[QDOT_ROWS];
-        for (int i = 0; i < R; i++) {
-            const float *s = scale + i * ngroups;
-            sv[i] = pairs ? _mm256_set_m128(_mm_set1_ps(s[2 * c + 1]), _mm_set1_ps(s[2 * c])) : _mm256_set1_ps(s[g]);
+    i64 c = 0;
+#if Q4_WIDE
+    {
+        __m512 wide[QDOT_INPUTS][QDOT_ROWS];
+        for (int r = 0; r < M; r++)
+            for (int i = 0; i < R; i++) wide[r][i] = _mm512_setzero_ps();
+        for (; c + 2 <= k / 64; c += 2)
+            q4_wide_step(wide, work, stride, M, q, scale, ngroups, k, group, R, pairs, c, next, 0);
+        if (c < k / 64) /* the last 64 (laid out by 64) in the low half, the high half zero */
+            q4_wide_step(wide, work, stride, M, q, scale, ngroups, k, group, R, pairs, c++, next, 1);
+        for (int r = 0; r < M; r++)
+            for (int i = 0; i < R; i++)
+                total[r][i] = _mm256_add_ps(_mm512_castps512_ps256(wide[r][i]), _mm512_extractf32x8_ps(wide[r][i], 1));
+    }
+#else
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < R; i++) total[r][i] = _mm256_setzero_ps();
+#endif
+    for (; c < k / 64; c++) {
+        for (int line = 0; line < R / 2 + 1; line++)
+            _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
+        __m256 sv[QDOT_ROWS], dv[QDOT_INPUTS];
+        for (int i = 0; i < R; i++) sv[i] = q4_scale64(scale + i * ngroups, c, group, pairs);
+        for (int r = 0; r < M; r++) {
+            const float *d = (const float *)(work + r * stride + k);
+            dv[r] = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
         }
-        for (const i64 end = c + per_scale; c < end; c++) {
-            for (int line = 0; line < R / 2 + 1; line++)
-                _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
-            __m256 dv[QDOT_INPUTS];
+        for (int i = 0; i < R; i++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(q + i * (k / 2) + 32 * c));
+            const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
             for (int r = 0; r < M; r++) {
-                const float *d = (const float *)(work + r * stride + k);
-                dv[r] = _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
-            }
-            for (int i = 0; i < R; i++) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(q + i * (k / 2) + 32 * c));
-                const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-                for (int r = 0; r < M; r++) {
-                    const signed char *xq = (const signed char *)(work + r * stride);
-                    const __m256i acc = dot2_u4s8(_mm256_setzero_si256(), lo,
-                                                  _mm256_loadu_si256((const __m256i *)(xq + 64 * c)), hi,
-                                                  _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
-                    total[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv[r], sv[i]), total[r][i]);
-                }
+                const signed char *xq = (const signed char *)(work + r * stride);
+                const __m256i acc = dot2_u4s8(_mm256_setzero_si256(), lo,
+                                              _mm256_loadu_si256((const __m256i *)(xq + 64 * c)), hi,
+                                              _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
+                total[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv[r], sv[i]), total[r][i]);
             }
         }
     }
