@@ -303,9 +303,9 @@ void kiln_gemm_packed_f32(const float *packed, const float *b, const float *bias
 /* out[m][n] = x[m][k] W^T for a quantized weight W [n][k] (q, scale, zero in kiln_qlinear_f32's formats): the
  * packed GEMM with x as A (packed here) and W's rows as B, each block of NR rows dequantized as its panel is
  * packed, so a prompt's many rows (prefill) multiply in one call over the pool at the GEMM's speed without the
- * float32 weight ever existing whole: BLAS over dequantized bands of rows (quant.py's former path) packed each band
- * on every call and ran as many small products (SmolLM2's int4 layers at 128 rows: 92-97 GFLOP/s where this
- * GEMM runs the float32 weights at 160-210). Every output is one sum over k in order (the tile's), whatever the
+ * float32 weight ever existing whole. BLAS over dequantized bands of rows (quant.py's path without the helpers)
+ * packs each band on every call and runs many small products (SmolLM2's int4 layers at 128 rows: 92-97 GFLOP/s
+ * where this GEMM runs the float32 weights at 160-210), and OpenBLAS's threads then spin on the pool's cores. Every output is one sum over k in order (the tile's), whatever the
  * thread count. Returns 0 (nothing written) where the scratch cannot be had. */
 i64 kiln_qgemm_f32(const float *x, const void *q, const float *scale, const float *zero, float *out, i64 m, i64 n,
                    i64 k, i64 format, i64 group, i64 threads) {
