@@ -3,7 +3,7 @@ latency (p50/p99) at several concurrency levels, and the single-stream decode sp
 server (what `kiln generate` gets), as the reference for concurrency 1.
 
     .venv/bin/python benchmarks/serve_load.py PROGRAM.kiln [--backend cpu] [--concurrency 1,4]
-        [--requests 8] [--prompt-lengths 32,96] [--output-lengths 48,96] [--seed 0]
+        [--requests 8] [--passes 1] [--prompt-lengths 32,96] [--output-lengths 48,96] [--seed 0]
 
 The server runs in its own process (`kiln serve`, as users run it); the load generator is asyncio with the
 official openai client (AsyncOpenAI), closed loop: C workers each send a request, read its stream to the end,
@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=8, help="requests per level, at least (default: 8)")
     p.add_argument("--rounds", type=int, default=1,
                    help="at least this many requests per worker at each level (default: 1)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run the levels this many times in turn on the one server (1, 4, 1, 4, ...) and report "
+                        "each pass against its own first level, then the medians: on a machine whose speed drifts, "
+                        "a ratio between levels measured minutes apart moves with the drift (default: 1)")
     p.add_argument("--prompt-lengths", default="32,96", help="prompt lengths of the mix (default: 32,96)")
     p.add_argument("--output-lengths", default="48,96", help="output lengths of the mix (default: 48,96)")
     p.add_argument("--client", choices=("openai", "raw"), default="openai",
@@ -355,9 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:  # warm-up: every batch size's plan (and graph) before anything is timed
             asyncio.run(run_level(port, "bench", c, [(p, 4) for p, _ in level_work(c)[:c]], raw))
         results = []
-        for c in levels:
-            print(f"concurrency {c}: {len(level_work(c))} requests ...", file=sys.stderr, flush=True)
-            results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw, cpu=True)))
+        for number in range(args.passes):
+            for c in levels:
+                print(f"pass {number + 1}, concurrency {c}: {len(level_work(c))} requests ...", file=sys.stderr,
+                      flush=True)
+                results.append(asyncio.run(run_level(port, "bench", c, level_work(c), raw, cpu=True)))
     finally:
         server.terminate()
         server.wait(60)
@@ -401,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, ignore_eos. Single-stream decode "
           f"without "
           f"a server (Generator): {reference:.1f} tokens/s.\n")
-    table("server", results, show_client=True)
+    for number in range(args.passes):
+        if args.passes > 1:
+            print(f"{'' if number == 0 else chr(10)}Pass {number + 1} of {args.passes}:")
+        table("server", results[number * len(levels):(number + 1) * len(levels)], show_client=True)
+    if args.passes > 1:
+        passes_summary(results, levels, args.passes)
     if any(r.server_cpu for r in results):
         print()
         server_cpu_table(results)
@@ -426,6 +437,20 @@ def server_cpu_table(results: list[Level]) -> None:
         cells = [f"{r.server_cpu[n] / r.wall:.0%} | {r.server_cpu[n] / max(r.output_tokens, 1) * 1e6:.1f}"
                  for n in names]
         print(f"| {r.concurrency} | " + " | ".join(cells) + " |")
+
+
+def passes_summary(results: list[Level], levels: list[int], passes: int) -> None:
+    """Each level's median output tokens/s over the passes, and against the first level: the median of the passes'
+    own ratios (each pass's levels ran minutes apart, not a whole run apart) and their range."""
+    rates = [[r.output_tokens / r.wall for r in results[n * len(levels):(n + 1) * len(levels)]]
+             for n in range(passes)]
+    print(f"\n| medians of {passes} passes: concurrency | output tokens/s | x concurrency {levels[0]} (median of "
+          f"the passes' ratios) | range of the passes' ratios |")
+    print("|---:|---:|---:|---:|")
+    for i, c in enumerate(levels):
+        ratios = [rate[i] / rate[0] for rate in rates]
+        print(f"| {c} | {statistics.median(rate[i] for rate in rates):.1f} | {statistics.median(ratios):.2f} | "
+              f"{min(ratios):.2f}-{max(ratios):.2f} |")
 
 
 def table(title: str, results: list[Level], show_client: bool) -> None:
