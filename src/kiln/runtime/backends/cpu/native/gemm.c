@@ -76,8 +76,50 @@ static void tile1(const float *restrict a, const float *restrict b, i64 k, v16 a
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
     TILE_BODY(1)
 }
+
+/* A panel's first 8 or 4 rows only (its rows past m are padding): the last panel of a product whose rows are not a
+ * multiple of MR, where a full tile multiplied up to 11 rows of zeros (a 16-row prompt chunk: 24 rows of work).
+ * Each row's sums are the same products in the same order as a full tile's. */
+#define TILE_ROWS_BODY(VECS, ROWS)                                                                              \
+    const int vecs = VECS;                                                                                     \
+    for (i64 p = 0; p < k; p++) {                                                                              \
+        const float *ap = a + p * MR;                                                                          \
+        const v16 b0 = *(const v16 *)(b + p * NR);                                                             \
+        const v16 b1 = vecs > 1 ? *(const v16 *)(b + p * NR + 16) : b0;                                        \
+        ROWS                                                                                                   \
+    }
+#define FOUR ROW(0) ROW(1) ROW(2) ROW(3)
+#define EIGHT ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+static void tile2_8(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
+    TILE_ROWS_BODY(2, EIGHT)
+}
+static void tile2_4(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
+    TILE_ROWS_BODY(2, FOUR)
+}
+static void tile1_8(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
+    TILE_ROWS_BODY(1, EIGHT)
+}
+static void tile1_4(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
+    TILE_ROWS_BODY(1, FOUR)
+}
+#undef FOUR
+#undef EIGHT
+#undef TILE_ROWS_BODY
 #undef ROW
 #undef TILE_BODY
+
+typedef void (*tile_fn)(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]);
+
+/* the tile kernel for a panel of `rows` live rows and `vecs` vectors of columns */
+static inline tile_fn tile_for(i64 rows, int vecs) {
+    if (rows <= 4) return vecs > 1 ? tile2_4 : tile1_4;
+    if (rows <= 8) return vecs > 1 ? tile2_8 : tile1_8;
+    return vecs > 1 ? tile2 : tile1;
+}
 
 /* The sums of up to TAIL_COLUMNS columns for a panel's MR rows (lanes 0..MR-1; the rest read the next step's
  * values and are dropped): the same products in the same order as a tile's, so an output does not depend on which
@@ -193,18 +235,18 @@ static void panel_block(const gemm_args *g, i64 pi, i64 block, const float *pane
     v16 acc[MR][2];
     i64 done = 0;
     if (cols == NR) {
-        tile2(a, panel, k, acc);
+        tile_for(rows, 2)(a, panel, k, acc);
         store(g, acc, 2, pi * MR, rows, out, NR, lo, hi);
         return;
     }
     if (cols >= 16 || cols > TAIL_COLUMNS) {
-        tile1(a, panel, k, acc);
+        tile_for(rows, 1)(a, panel, k, acc);
         done = cols < 16 ? cols : 16;
         store(g, acc, 1, pi * MR, rows, out, done, lo, hi);
     }
     float *rest = out + (g->layout & C_ROWS ? done * g->ldc : done);
     if (cols - done > TAIL_COLUMNS) {
-        tile1(a, panel + done, k, acc);
+        tile_for(rows, 1)(a, panel + done, k, acc);
         store(g, acc, 1, pi * MR, rows, rest, cols - done, lo, hi);
         return;
     }
