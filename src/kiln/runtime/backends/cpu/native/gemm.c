@@ -50,67 +50,42 @@ void kiln_gemm_pack_f32(const float *restrict a, float *restrict packed, i64 m, 
     }
 }
 
-/* One tile's sums: acc[i][v] = sum_k a[k][i] * b[k][16 v ..], VECS vectors of columns. Unrolled by hand over the
- * rows so that the 24 accumulators are registers. */
-#define TILE_BODY(VECS)                                                                                        \
-    const int vecs = VECS;                                                                                     \
-    for (i64 p = 0; p < k; p++) {                                                                              \
-        const float *ap = a + p * MR;                                                                          \
-        const v16 b0 = *(const v16 *)(b + p * NR);                                                             \
-        const v16 b1 = vecs > 1 ? *(const v16 *)(b + p * NR + 16) : b0;                                        \
-        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)                  \
-    }
+/* One tile's sums: acc[i][v] = sum_k a[k][i] * b[k][16 v ..], VECS vectors of columns, for the panel's first
+ * 12, 8 or 4 rows (ROWS). Unrolled by hand over the rows so that the 24 accumulators are registers. The 8- and 4-row
+ * tiles are for the last panel of a product whose rows are not a multiple of MR, where a full tile multiplied up
+ * to 11 rows of zeros (a 16-row prompt chunk: 24 rows of work); each row's sums are the same products in the same
+ * order whichever tile runs. */
 #define ROW(i)                                                                                                 \
     {                                                                                                          \
         const v16 ai = splat16(ap[i]);                                                                           \
         acc[i][0] += ai * b0;                                                                                  \
         if (vecs > 1) acc[i][1] += ai * b1;                                                                    \
     }
-
-static void tile2(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
-    TILE_BODY(2)
-}
-
-static void tile1(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
-    TILE_BODY(1)
-}
-
-/* A panel's first 8 or 4 rows only (its rows past m are padding): the last panel of a product whose rows are not a
- * multiple of MR, where a full tile multiplied up to 11 rows of zeros (a 16-row prompt chunk: 24 rows of work).
- * Each row's sums are the same products in the same order as a full tile's. */
-#define TILE_ROWS_BODY(VECS, ROWS)                                                                              \
-    const int vecs = VECS;                                                                                     \
-    for (i64 p = 0; p < k; p++) {                                                                              \
-        const float *ap = a + p * MR;                                                                          \
-        const v16 b0 = *(const v16 *)(b + p * NR);                                                             \
-        const v16 b1 = vecs > 1 ? *(const v16 *)(b + p * NR + 16) : b0;                                        \
-        ROWS                                                                                                   \
-    }
 #define FOUR ROW(0) ROW(1) ROW(2) ROW(3)
-#define EIGHT ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
-static void tile2_8(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
-    TILE_ROWS_BODY(2, EIGHT)
-}
-static void tile2_4(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
-    TILE_ROWS_BODY(2, FOUR)
-}
-static void tile1_8(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
-    TILE_ROWS_BODY(1, EIGHT)
-}
-static void tile1_4(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
-    TILE_ROWS_BODY(1, FOUR)
-}
-#undef FOUR
+#define EIGHT FOUR ROW(4) ROW(5) ROW(6) ROW(7)
+#define TWELVE EIGHT ROW(8) ROW(9) ROW(10) ROW(11)
+#define TILE(NAME, VECS, ROWS)                                                                                 \
+    static void NAME(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]) {               \
+        const int vecs = VECS;                                                                                 \
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splat16(0.0f);                                   \
+        for (i64 p = 0; p < k; p++) {                                                                          \
+            const float *ap = a + p * MR;                                                                      \
+            const v16 b0 = *(const v16 *)(b + p * NR);                                                         \
+            const v16 b1 = vecs > 1 ? *(const v16 *)(b + p * NR + 16) : b0;                                    \
+            ROWS                                                                                               \
+        }                                                                                                      \
+    }
+TILE(tile2, 2, TWELVE)
+TILE(tile1, 1, TWELVE)
+TILE(tile2_8, 2, EIGHT)
+TILE(tile1_8, 1, EIGHT)
+TILE(tile2_4, 2, FOUR)
+TILE(tile1_4, 1, FOUR)
+#undef TILE
+#undef TWELVE
 #undef EIGHT
-#undef TILE_ROWS_BODY
+#undef FOUR
 #undef ROW
-#undef TILE_BODY
 
 typedef void (*tile_fn)(const float *restrict a, const float *restrict b, i64 k, v16 acc[MR][2]);
 
@@ -189,14 +164,14 @@ static inline void store(const gemm_args *g, v16 acc[MR][2], int vecs, i64 row0,
 static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel, float *restrict rows) {
     const i64 k = g->k;
     if (g->layout & B_ROWS) { /* panel[p][j] = B[c0 + j][p]: 16 rows x 16 of their elements at a time, transposed */
-        const float *b = g->b;
+        const float *b = g->b + c0 * g->ldb; /* B's row c0 */
         i64 ldb = g->ldb;
         if (g->quant) {
             const quant_rows *w = g->quant;
             const i64 ngroups = k / w->group;
             kiln_dequantize_f32(w->q + c0 * w->row_bytes, w->scale + c0 * ngroups,
                                 w->zero ? w->zero + c0 * ngroups : NULL, rows, cols, k, w->format, w->group);
-            b = rows - c0 * k;
+            b = rows;
             ldb = k;
         }
         for (i64 j0 = 0; j0 < NR; j0 += 16)
@@ -204,7 +179,7 @@ static void pack_b(const gemm_args *g, i64 c0, i64 cols, float *restrict panel, 
                 const int count = k - p0 < 16 ? (int)(k - p0) : 16;
                 v16 t[16];
                 for (i64 j = 0; j < 16; j++) {
-                    const float *src = b + (c0 + j0 + j) * ldb + p0;
+                    const float *src = b + (j0 + j) * ldb + p0;
                     t[j] = j0 + j >= cols ? splat16(0.0f) : count == 16 ? *(const v16u *)src : load16_first(src, count);
                 }
                 transpose16(t);

@@ -247,8 +247,8 @@ static inline __attribute__((always_inline)) void q4_wide_step(__m512 (*wide)[QD
  * are shared by the M rows and the input's scale by the R weight rows: ~6 vector instructions a row where one row
  * at a time took ~9. With Q4_WIDE the same 128 weights at a time in 512-bit vectors (four blocks, lanes 4b..4b+3
  * block b), half the instructions: 1.5-1.8x in a harness at 4 rows (3.8 -> 2.1-2.4 cycles per 64 weights and row
- * at K = 512-1536); the last 64 of a K that is not a multiple of 128 as before, and the wide sums folded into the
- * 256-bit ones before it. Each output's arithmetic is the same whatever M. */
+ * at K = 512-1536); the last 64 of a K that is not a multiple of 128 in a step's low half, and the wide sums
+ * folded into 256-bit ones for the finish. Each output's arithmetic is the same whatever M. */
 static inline __attribute__((always_inline)) void q4_rows(const char *restrict work, i64 stride, const int M,
                                                           const unsigned char *restrict q,
                                                           const float *restrict scale, const float *restrict zero,
@@ -256,9 +256,7 @@ static inline __attribute__((always_inline)) void q4_rows(const char *restrict w
                                                           i64 k, i64 group, i64 format, const int R,
                                                           const int pairs) {
     const i64 ngroups = k / group;
-    const __m256i low = _mm256_set1_epi8(15);
     __m256 total[QDOT_INPUTS][QDOT_ROWS];
-    (void)low;
     /* the weights of the blocks AHEAD passes on (rows o+R*AHEAD..) stream in while this one computes: the
      * hardware prefetcher alone left a decode step's layers at 6-11 GB/s of the core's ~27 */
     const char *next = (const char *)q + AHEAD * R * (k / 2);
@@ -273,15 +271,15 @@ static inline __attribute__((always_inline)) void q4_rows(const char *restrict w
         for (; c + 2 <= k / 64; c += 2)
             q4_wide_step(wide, work, stride, M, q, scale, ngroups, k, group, R, pairs, c, next, 0);
         if (c < k / 64) /* the last 64 (laid out by 64) in the low half, the high half zero */
-            q4_wide_step(wide, work, stride, M, q, scale, ngroups, k, group, R, pairs, c++, next, 1);
+            q4_wide_step(wide, work, stride, M, q, scale, ngroups, k, group, R, pairs, c, next, 1);
         for (int r = 0; r < M; r++)
             for (int i = 0; i < R; i++)
                 total[r][i] = _mm256_add_ps(_mm512_castps512_ps256(wide[r][i]), _mm512_extractf32x8_ps(wide[r][i], 1));
     }
 #else
+    const __m256i low = _mm256_set1_epi8(15);
     for (int r = 0; r < M; r++)
         for (int i = 0; i < R; i++) total[r][i] = _mm256_setzero_ps();
-#endif
     for (; c < k / 64; c++) {
         for (int line = 0; line < R / 2 + 1; line++)
             _mm_prefetch(next + (R / 2 + 1) * 64 * c + 64 * line, _MM_HINT_T0);
@@ -303,6 +301,7 @@ static inline __attribute__((always_inline)) void q4_rows(const char *restrict w
             }
         }
     }
+#endif
     for (int r = 0; r < M; r++) {
         const float *xz = (const float *)(work + r * stride + k) + k / 32;
         finish_rows(total[r], R, scale, zero, format, xz, ngroups, bias, out + r * n);
