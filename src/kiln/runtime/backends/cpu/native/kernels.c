@@ -156,8 +156,12 @@ typedef unsigned char v16u8u __attribute__((vector_size(16), aligned(1))); /* 16
 static inline v16 to_float16u(v16u8u b) { return __builtin_convertvector(__builtin_convertvector(b, v16i32), v16); }
 
 /* ---------------------------------------------------------------------------------------------------------
- * A pool of worker threads for the helpers that split their outputs (`parallel_for`, pool.h). A call hands out
- * contiguous ranges, runs the first itself and waits for the rest. Workers spin briefly between calls (a decode step
+ * A pool of worker threads for the helpers that split their outputs (`parallel_for`, pool.h). A call cuts its range
+ * into CHUNKS_PER_THREAD contiguous chunks a thread, which the calling thread and the workers take in order from one
+ * counter until none are left, then waits for the workers to check in. Taken rather than dealt out: on a machine
+ * whose cores also run other work (a server's HTTP process and client on the same two cores, another tenant's
+ * threads), a thread that loses its core for a while no longer holds back the whole call by what it was dealt; the
+ * others take its chunks. Workers spin briefly between calls (a decode step
  * calls the linear kernels back to back, tens of microseconds apart) and then sleep on a condition variable. One call
  * at a time uses the pool; a second thread calling meanwhile runs its work alone rather than wait. Every helper that
  * uses it computes each output the same way whatever the split, so results do not depend on the thread count.
@@ -170,22 +174,33 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-enum { MAX_THREADS = 64, SPIN_NS = 100000 };
+enum { MAX_THREADS = 64, SPIN_NS = 100000, CHUNKS_PER_THREAD = 4 };
 
 static struct {
     pthread_mutex_t lock;      /* guards sleeping and the wake-up */
     pthread_cond_t wake;
     pthread_mutex_t busy;      /* held by the call that owns the pool */
     int started;               /* workers running (threads - 1 of the largest call so far) */
-    long generation;           /* bumped per call: workers wait for it to change */
+    long call;                 /* generation << 8 | parts, published once a call's fields are set: workers wait for
+                                * the generation to change and take part if their index is below its parts (one
+                                * word, so that a worker never reads one call's parts and another's fields) */
     int sleepers;
     int remaining;             /* workers yet to finish the current call */
     task_fn fn;
     const void *ctx;
-    i64 count, parts;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0};
+    i64 count, chunks;
+    i64 next;                  /* the next chunk to take */
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .busy = PTHREAD_MUTEX_INITIALIZER};
 
-static inline i64 part_begin(i64 part) { return pool.count * part / pool.parts; }
+/* the current call's chunks, taken one at a time until none are left */
+static void run_chunks(void) {
+    const i64 count = pool.count, chunks = pool.chunks;
+    for (;;) {
+        const i64 c = __atomic_fetch_add(&pool.next, 1, __ATOMIC_RELAXED);
+        if (c >= chunks) return;
+        pool.fn(pool.ctx, count * c / chunks, count * (c + 1) / chunks);
+    }
+}
 
 static i64 now_ns(void) {
     struct timespec t;
@@ -200,20 +215,21 @@ static void *pool_worker(void *arg) {
     for (;;) {
         const i64 until = now_ns() + SPIN_NS;
         int polls = 0;
-        while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
+        while (__atomic_load_n(&pool.call, __ATOMIC_ACQUIRE) >> 8 == seen) {
             cpu_relax();
             if (++polls % 256 == 0 && now_ns() > until) {
                 pthread_mutex_lock(&pool.lock);
                 __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
-                while (__atomic_load_n(&pool.generation, __ATOMIC_SEQ_CST) == seen)
+                while (__atomic_load_n(&pool.call, __ATOMIC_SEQ_CST) >> 8 == seen)
                     pthread_cond_wait(&pool.wake, &pool.lock);
                 __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
                 pthread_mutex_unlock(&pool.lock);
             }
         }
-        seen = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
-        if (index < pool.parts) {
-            pool.fn(pool.ctx, part_begin(index), part_begin(index + 1));
+        const long call = __atomic_load_n(&pool.call, __ATOMIC_ACQUIRE);
+        seen = call >> 8;
+        if (index < (call & 255)) { /* (the call's fields stay as they are until this worker checks in) */
+            run_chunks();
             __atomic_sub_fetch(&pool.remaining, 1, __ATOMIC_RELEASE);
         }
     }
@@ -238,14 +254,13 @@ static void pool_grow(int threads) {
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         const int failed = pthread_create(&thread, &attr, pool_worker,
-                                          (void *)(((intptr_t)pool.generation << 8) | (pool.started + 1)));
+                                          (void *)(((intptr_t)(pool.call >> 8) << 8) | (pool.started + 1)));
         pthread_attr_destroy(&attr);
         if (failed) break;
         pool.started++;
     }
 }
 
-/* fn(ctx, begin, end) over [0, count) in up to `threads` contiguous parts */
 static __thread struct {
     void *memory;
     i64 bytes;
@@ -274,17 +289,19 @@ void parallel_for(task_fn fn, const void *ctx, i64 count, i64 threads) {
     }
     pool_grow((int)threads);
     const i64 parts = pool.started + 1 < threads ? pool.started + 1 : threads;
-    pool.fn = fn, pool.ctx = ctx, pool.count = count, pool.parts = parts;
+    pool.fn = fn, pool.ctx = ctx, pool.count = count;
+    pool.chunks = count < parts * CHUNKS_PER_THREAD ? count : parts * CHUNKS_PER_THREAD;
+    __atomic_store_n(&pool.next, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.remaining, (int)parts - 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&pool.call, ((pool.call >> 8) + 1) << 8 | parts, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    fn(ctx, 0, part_begin(1));
-    /* the workers' parts take about as long as this one: spin a little, then yield, so that on a machine with more
-     * runnable threads than cores the worker being waited for can have this core */
+    run_chunks();
+    /* the workers' last chunks take about as long as this one's: spin a little, then yield, so that on a machine
+     * with more runnable threads than cores the worker being waited for can have this core */
     for (int polls = 0; __atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE) > 0; polls++) {
         if (polls < 4096) cpu_relax();
         else sched_yield();

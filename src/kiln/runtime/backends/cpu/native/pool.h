@@ -9,7 +9,8 @@ typedef int64_t i64;
 
 typedef void (*task_fn)(const void *ctx, i64 begin, i64 end);
 
-/* fn(ctx, begin, end) over [0, count) in up to `threads` contiguous parts, the first on the calling thread */
+/* fn(ctx, begin, end) over [0, count) on up to `threads` threads (the calling one among them), in contiguous chunks
+ * that the threads take in turn: fn may be called several times a thread, on ranges of any size and in any order */
 __attribute__((visibility("hidden"))) void parallel_for(task_fn fn, const void *ctx, i64 count, i64 threads);
 
 /* a convolution's fused activation over n outputs in place: 0 none, 1 clamp to [lo, hi], 2 hardswish */
