@@ -101,6 +101,119 @@ static void attend(const float *restrict qi, const float *restrict kq, i64 ks, c
     for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
 }
 
+/* sixteen vectors' lane sums in one vector (lane m: v[m]'s), each by sum_lanes' tree (j + (j + 8), then + 4, + 2,
+ * + 1), pairs of vectors a level: an add serves two sums where one sum at a time left most lanes idle */
+static inline v16 sum_lanes16(const v16 *v) {
+#define PAIR(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+#define LEVEL(a, b, LO, HI) (PAIR(a, b, LO) + PAIR(a, b, HI))
+#define L1LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define L1HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define L2LO 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define L2HI 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define L3LO 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define L3HI 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define L4LO 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define L4HI 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+    v16 l1[8], l2[4], l3[2];
+    for (int j = 0; j < 8; j++) l1[j] = LEVEL(v[2 * j], v[2 * j + 1], L1LO, L1HI);
+    for (int j = 0; j < 4; j++) l2[j] = LEVEL(l1[2 * j], l1[2 * j + 1], L2LO, L2HI);
+    for (int j = 0; j < 2; j++) l3[j] = LEVEL(l2[2 * j], l2[2 * j + 1], L3LO, L3HI);
+    const v16 sums = LEVEL(l3[0], l3[1], L4LO, L4HI); /* v[4r + i]'s sum in lane 4 p(i) + p(r), p swapping 1, 2 */
+    return __builtin_shufflevector(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+#undef L1LO
+#undef L1HI
+#undef L2LO
+#undef L2HI
+#undef L3LO
+#undef L3HI
+#undef L4LO
+#undef L4HI
+#undef LEVEL
+#undef PAIR
+}
+
+/* keys a block of scores; q heads a pass over the values holds; q heads a group at most (bits of a mask) */
+enum { GROUP_KEYS = 16, GROUP_HEADS = 4, MAX_GROUP = 64 };
+
+/* attend for the `heads` q heads of one kv head (GQA's group: q rows qs apart, outputs os apart), every key and
+ * value row read once for all of them, where one head at a time read the group's cache rows `heads` times (the
+ * second and third from L2, but at 3x the instructions); the scores 16 keys a block, their sums across lanes
+ * taken 16 at a time (sum_lanes16). Each head's result is attend's, bit for bit (the same products, sums and
+ * order; a value row whose weight is 0 skipped for that head, as weighted_sum skips it). work: heads * count
+ * floats. D a multiple of 16, Dv of 64. */
+static void attend_group(const float *restrict q, i64 qs, int heads, const float *restrict kq, i64 ks,
+                         const float *restrict vq, i64 vs, i64 count, i64 D, i64 Dv, float scale,
+                         const float *restrict sinks, float *restrict work, float *restrict o, i64 os) {
+    i64 j = 0;
+    for (; j + GROUP_KEYS <= count; j += GROUP_KEYS) {
+        for (i64 m = 0; m < GROUP_KEYS; m++) /* the next block's rows (ATTEND_AHEAD's reason) */
+            if (j + GROUP_KEYS + m < count)
+                for (i64 e = 0; e < D; e += 16) __builtin_prefetch(kq + (j + GROUP_KEYS + m) * ks + e);
+        for (int h = 0; h < heads; h++) {
+            const float *qh = q + h * qs;
+            v16 acc[GROUP_KEYS];
+            for (int m = 0; m < GROUP_KEYS; m++) {
+                v16 a = {0};
+                for (i64 e = 0; e < D; e += 16) a += *(const v16u *)(qh + e) * *(const v16u *)(kq + (j + m) * ks + e);
+                acc[m] = a;
+            }
+            *(v16u *)(work + h * count + j) = sum_lanes16(acc) * scale;
+        }
+    }
+    for (; j < count; j++)
+        for (int h = 0; h < heads; h++) work[h * count + j] = dot(q + h * qs, kq + j * ks, D) * scale;
+    float inverse[MAX_GROUP];
+    unsigned long long live = 0; /* heads that saw a key: bit h */
+    for (int h = 0; h < heads; h++) {
+        float *w = work + h * count;
+        const float sink = sinks ? sinks[h] : -INFINITY;
+        float top = sink;
+        for (i64 i = 0; i < count; i++) top = w[i] > top ? w[i] : top;
+        if (!(top > -INFINITY)) { /* no key seen (or NaN scores): NaN, as attend */
+            for (i64 e = 0; e < Dv; e++) o[h * os + e] = NAN;
+            continue;
+        }
+        live |= 1ull << h;
+        for (i64 i = 0; i < count; i++) w[i] = exp_f32(w[i] - top);
+        v16 sums = {0};
+        i64 i = 0;
+        for (; i + 16 <= count; i += 16) sums += *(const v16u *)(w + i);
+        float total = sum_lanes(sums);
+        for (; i < count; i++) total += w[i];
+        total += exp_f32(sink - top);
+        inverse[h] = 1.0f / total;
+    }
+    for (int h0 = 0; h0 < heads; h0 += GROUP_HEADS) {
+        const int hn = heads - h0 < GROUP_HEADS ? heads - h0 : GROUP_HEADS;
+        for (i64 e = 0; e < Dv; e += 64) {
+            v16 acc[GROUP_HEADS][4];
+            for (int h = 0; h < hn; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = (v16){0};
+            for (i64 i = 0; i < count; i++) {
+                if (i + ATTEND_AHEAD < count)
+                    for (i64 f = 0; f < 64; f += 16) __builtin_prefetch(vq + (i + ATTEND_AHEAD) * vs + e + f);
+                const float *xi = vq + i * vs + e;
+                const v16 x0 = *(const v16u *)xi, x1 = *(const v16u *)(xi + 16), x2 = *(const v16u *)(xi + 32),
+                          x3 = *(const v16u *)(xi + 48);
+                for (int h = 0; h < hn; h++) {
+                    const float p = work[(h0 + h) * count + i];
+                    if (p == 0.0f || !(live >> (h0 + h) & 1)) continue;
+                    const v16 pv = {p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p};
+                    acc[h][0] += pv * x0, acc[h][1] += pv * x1, acc[h][2] += pv * x2, acc[h][3] += pv * x3;
+                }
+            }
+            for (int h = 0; h < hn; h++) {
+                if (!(live >> (h0 + h) & 1)) continue;
+                float *oh = o + (h0 + h) * os + e;
+                for (int c = 0; c < 4; c++) {
+                    float lanes[16];
+                    *(v16u *)lanes = acc[h][c];
+                    for (int l = 0; l < 16; l++) oh[16 * c + l] = lanes[l] * inverse[h0 + h];
+                }
+            }
+        }
+    }
+}
+
 /* The keys query i may see, [first, seen): causal and the mask's first and last true entries bound them. */
 static inline void visible(const unsigned char *mi, i64 ms, i64 i, i64 S, i64 causal, i64 *first, i64 *seen) {
     const i64 last = causal ? i : S - 1; /* the last key this query may see (causal: as tril(ones(L, S))) */
@@ -309,6 +422,24 @@ static void slot_heads(const void *ctx, i64 begin, i64 end) {
     }
 }
 
+/* slot_heads with the tasks (sequence, kv head), each attend_group over its q heads */
+static void slot_groups(const void *ctx, i64 begin, i64 end) {
+    const slot_args *a = ctx;
+    const i64 T = a->T, S = a->S, D = a->D, Dv = a->Dv, group = a->Hq / a->Hkv;
+    float *work = (float *)thread_scratch(SCRATCH_ATTENTION, group * S * (i64)sizeof(float));
+    if (!work) return; /* (the caller asked for it first: not reached) */
+    for (i64 bg = begin; bg < end; bg++) {
+        const i64 b = bg / a->Hkv, g = bg % a->Hkv, h = g * group;
+        for (i64 t = 0; t < T; t++) {
+            const i64 p = a->positions[b * T + t], lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+            const i64 row = (a->slots[b] * S + lo) * a->Hkv + g;
+            attend_group(a->q + ((b * a->Hq + h) * T + t) * D, T * D, (int)group, a->k + row * D, a->Hkv * D,
+                         a->v + row * Dv, a->Hkv * Dv, p - lo + 1, D, Dv, a->scale, a->sinks ? a->sinks + h : 0, work,
+                         a->out + ((b * a->Hq + h) * T + t) * Dv, T * Dv);
+        }
+    }
+}
+
 /* slot_attention for a few queries a sequence: query t of sequence b sees the cache positions lo..p of its slot,
  * p = positions[b][t] and lo = p - window + 1 (window > 0) or 0, and no others. q [B, Hq, T, D], caches
  * [slots, S, Hkv, D] and [slots, S, Hkv, Dv], out [B, Hq, T, Dv], all contiguous; slots [B], positions [B, T]
@@ -329,10 +460,16 @@ i64 kiln_slot_attention_f32(const float *restrict q, const float *restrict k, co
             keys += window > 0 && p + 1 > window ? window : p + 1;
         }
     }
-    if (!thread_scratch(SCRATCH_ATTENTION, S * (i64)sizeof(float))) return 0; /* (the caller's portable path) */
+    const i64 group = Hq / Hkv;
+    const int grouped = group > 1 && group <= MAX_GROUP && D % 16 == 0 && Dv % 64 == 0;
+    if (!thread_scratch(SCRATCH_ATTENTION, (grouped ? group : 1) * S * (i64)sizeof(float)))
+        return 0; /* (the caller's portable path) */
     const slot_args args = {q, k, v, sinks, slots, positions, out, Hq, Hkv, T, S, D, Dv, window, scale};
     const i64 most = keys * Hq * (D + Dv) / ATTENTION_MIN_PART;
-    parallel_for(slot_heads, &args, B * Hq, threads_for(threads, most));
+    if (grouped)
+        parallel_for(slot_groups, &args, B * Hkv, threads_for(threads, most));
+    else
+        parallel_for(slot_heads, &args, B * Hq, threads_for(threads, most));
     return 1;
 }
 
