@@ -61,7 +61,8 @@ def test_quantized_linear_matches_reference(bits, group, symmetric, rows, path, 
     assert got.shape == (1, rows, 37) and got.dtype == np.float32
     slack = 1e-4 * np.sqrt(k)
     taken = k % 64 == 0 and (group == 32 or group % 64 == 0) if bits == 4 else k % 32 == 0 and group % 32 == 0
-    if path == "int8-dot" and rows <= quant.FEW_ROWS and taken:  # (other shapes run the float kernel)
+    dot_rows = quant.INT4_DOT_ROWS if bits == 4 else quant.FEW_ROWS  # (int4 past FEW_ROWS too: quant.py)
+    if path == "int8-dot" and rows <= dot_rows and taken:  # (other shapes run the float kernel)
         step = np.repeat(np.abs(x.reshape(rows, k // 32, 32)).max(axis=-1) / 127, 32, axis=-1)
         bound = step @ np.abs(weight).T / 2 * (1 + 1e-5) + slack
         assert np.all(np.abs(got[0] - want) <= bound)

@@ -423,6 +423,7 @@ def test_quantized_many_row_linear_is_the_packed_gemm_on_any_thread_count(bits, 
     from kiln.runtime.backends.array_api.quant import dequantize
     from kiln.runtime.backends.cpu import quant
 
+    monkeypatch.setenv("KILN_QUANT_DOT", "float")  # (int4 at 9-32 rows otherwise takes the integer dot products)
     n, k = 1030, 200 if group == 200 else 256
     q, scale, zero, bias = _quantized_case(bits, group, n, k, bits + group + rows)
     x = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
@@ -446,6 +447,39 @@ def test_quantized_many_row_linear_is_the_packed_gemm_on_any_thread_count(bits, 
     monkeypatch.setattr(native, "library", Spy)
     assert np.array_equal(kernel(x, q, scale, None, None, bits, group, offset), results[0])
     assert len(calls) == (rows > quant.FEW_ROWS)
+
+
+@needs_native
+@pytest.mark.parametrize("group,offset", [(32, True), (32, False), (64, False)], ids=["g32-offset", "g32", "g64"])
+def test_int4_rows_past_few_rows_take_the_integer_dot_products(group, offset, monkeypatch):
+    """int4 past FEW_ROWS up to INT4_DOT_ROWS (a short prompt's chunk) runs the integer dot products, not the GEMM:
+    each row the same bits as the same row among at most FEW_ROWS (a decode step's), so a prompt's rows and a
+    decode step's are one computation; one row more is the GEMM's again."""
+    from kiln.runtime.backends.cpu import quant
+
+    if not native.integer_dot():
+        pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
+    q, scale, zero, bias = _quantized_case(4, group, 1030, 256, group + offset)
+    x = np.random.default_rng(group).standard_normal((quant.INT4_DOT_ROWS + 1, 256), dtype=np.float32)
+    kernel = CPU_KERNELS.kernels["quantized_linear"]
+    lib, calls = native.library(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return (lambda *args: calls.append(name) or fn(*args)) if name.startswith("kiln_q") else fn
+
+    monkeypatch.setattr(native, "library", Spy)
+    for rows in (quant.FEW_ROWS + 1, quant.INT4_DOT_ROWS):
+        calls.clear()
+        many = kernel(x[:rows], q, scale, zero, bias, 4, group, offset)
+        assert calls == ["kiln_qlinear_dot_f32"]
+        for r0 in range(0, rows, quant.FEW_ROWS):
+            few = kernel(x[r0:min(r0 + quant.FEW_ROWS, rows)], q, scale, zero, bias, 4, group, offset)
+            assert np.array_equal(many[r0:r0 + quant.FEW_ROWS], few)
+    calls.clear()
+    kernel(x, q, scale, zero, bias, 4, group, offset)
+    assert calls == ["kiln_qgemm_f32"]
 
 
 @needs_native

@@ -20,7 +20,13 @@ from kiln.runtime.backends.cpu import native
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 FEW_ROWS = 8
-"""Up to this many input rows the compiled row-streaming kernel runs; above, dequantized bands + BLAS."""
+"""Up to this many input rows the compiled row-streaming kernel runs; above, the packed GEMM (or bands + BLAS)."""
+
+INT4_DOT_ROWS = 32
+"""int4 weights: up to this many rows the integer dot products (qdot.c, where native.integer_dot) run past
+FEW_ROWS too, as a short prompt's chunk: the packed GEMM dequantizes every weight panel for the rows it has, which
+at 16-32 rows costs as much as their products. SmolLM2's int4 layers, 2 threads: the dot kernel took 0.44-0.59x the
+GEMM's time at 16 rows, 0.68-0.81x at 32, 0.71-1.02x at 48 (int8: 1.5-2.7x, its rows taken one at a time)."""
 
 _BAND_BYTES = 1 << 20
 """Float32 bytes of dequantized weight per band (fits in L2 next to the input rows)."""
@@ -86,6 +92,19 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
     return run
 
 
+def _dot_rows(lib, x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
+              bias: np.ndarray | None, out: np.ndarray, form: int, group_size: int) -> bool:
+    """out = the product by integer dot products (qdot.c) for more rows than FEW_ROWS (INT4_DOT_ROWS); False,
+    nothing written, where the helpers or the shapes do not allow them (the caller then runs the GEMM)."""
+    if not native.integer_dot():
+        return False
+    rows, k = x.shape
+    work = np.empty(rows * (k + k // group_size), dtype=np.float32)  # (quantized rows: qdot.c's work area)
+    return bool(lib.kiln_qlinear_dot_f32(x.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
+                                         native.address(bias), out.ctypes.data, work.ctypes.data, rows, q.shape[0],
+                                         k, form, group_size, native.threads()))
+
+
 @kernel("quantized_linear")
 def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
                      bias: np.ndarray | None, bits: int, group_size: int, offset: bool = False) -> np.ndarray:
@@ -102,6 +121,9 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
         work = np.empty(2 * rows * (k + k // group_size), dtype=np.float32)
         _few_rows(lib, (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
                         out.ctypes.data, work.ctypes.data, rows, n, k, form, group_size, native.threads()))
+    elif compiled and bits == 4 and rows <= INT4_DOT_ROWS and _dot_rows(lib, x2, q, scale, zero, bias, out, form,
+                                                                        group_size):
+        pass  # (the integer dot products took them)
     elif compiled and lib.kiln_qgemm_f32(x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero),
                                          out.ctypes.data, rows, n, k, form, group_size, native.threads()):
         if bias is not None:
