@@ -17,10 +17,9 @@
 #include <string.h>
 
 #include "pool.h"
+#include "vec16.h"
 #include "vmath.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 enum { ATTEND_AHEAD = 8 }; /* key rows ahead that attend asks the cache for */
 /* keys x heads x (D + Dv) values a thread's part of a decode step's attention reads at least (memory-bound: a
@@ -99,37 +98,6 @@ static void attend(const float *restrict qi, const float *restrict kq, i64 ks, c
     weighted_sum(oi, work, count, vq, vs, Dv);
     const float inverse = 1.0f / total;
     for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
-}
-
-/* sixteen vectors' lane sums in one vector (lane m: v[m]'s), each by sum_lanes' tree (j + (j + 8), then + 4, + 2,
- * + 1), pairs of vectors a level: an add serves two sums where one sum at a time left most lanes idle */
-static inline v16 sum_lanes16(const v16 *v) {
-#define PAIR(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
-#define LEVEL(a, b, LO, HI) (PAIR(a, b, LO) + PAIR(a, b, HI))
-#define L1LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define L1HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define L2LO 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define L2HI 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define L3LO 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define L3HI 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define L4LO 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define L4HI 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
-    v16 l1[8], l2[4], l3[2];
-    for (int j = 0; j < 8; j++) l1[j] = LEVEL(v[2 * j], v[2 * j + 1], L1LO, L1HI);
-    for (int j = 0; j < 4; j++) l2[j] = LEVEL(l1[2 * j], l1[2 * j + 1], L2LO, L2HI);
-    for (int j = 0; j < 2; j++) l3[j] = LEVEL(l2[2 * j], l2[2 * j + 1], L3LO, L3HI);
-    const v16 sums = LEVEL(l3[0], l3[1], L4LO, L4HI); /* v[4r + i]'s sum in lane 4 p(i) + p(r), p swapping 1, 2 */
-    return __builtin_shufflevector(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-#undef L1LO
-#undef L1HI
-#undef L2LO
-#undef L2HI
-#undef L3LO
-#undef L3HI
-#undef L4LO
-#undef L4HI
-#undef LEVEL
-#undef PAIR
 }
 
 /* keys a block of scores; q heads a pass over the values holds; q heads a group at most (bits of a mask) */

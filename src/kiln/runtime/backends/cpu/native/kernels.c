@@ -158,7 +158,8 @@ static inline v16 to_float16u(v16u8u b) { return __builtin_convertvector(__built
 /* ---------------------------------------------------------------------------------------------------------
  * A pool of worker threads for the helpers that split their outputs (`parallel_for`, pool.h). A call cuts its range
  * into CHUNKS_PER_THREAD contiguous chunks a thread, which the calling thread and the workers take in order from one
- * counter until none are left, then waits for the workers to check in. Taken rather than dealt out: on a machine
+ * counter until none are left; the caller then closes the call and waits for the workers inside it (a worker that
+ * comes late stays out). Taken rather than dealt out: on a machine
  * whose cores also run other work (a server's HTTP process and client on the same two cores, another tenant's
  * threads), a thread that loses its core for a while no longer holds back the whole call by what it was dealt; the
  * others take its chunks. Workers spin briefly between calls (a decode step

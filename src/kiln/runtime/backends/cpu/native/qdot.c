@@ -19,6 +19,7 @@
  */
 #include "pool.h"
 #include "quant.h"
+#include "vec16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -237,7 +238,8 @@ static inline __attribute__((always_inline)) void q4_wide_step(__m512 (*wide)[QD
         }
     }
 }
-/* v's 16 lanes summed by the tree the reduction below uses for every lane: j + (j + 8), then + 4, + 2, + 1 */
+
+/* v's 16 lanes summed by sum_lanes16's tree: j + (j + 8), then + 4, + 2, + 1 */
 static inline float sum16(__m512 v) {
     const __m256 t1 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     const __m128 t2 = _mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1));
@@ -247,9 +249,9 @@ static inline float sum16(__m512 v) {
 
 /* out[r * n + i] for the wide sums: each of wide[r][i]'s 16 lanes summed, plus the groups' additive terms
  * (quant_term) times their input sums, plus the bias. The terms go into the wide sums 16 groups a vector before
- * they are reduced (one reduction for both), and the M x R sums are reduced together, two vectors into one by a
- * pair of permutes and an add, level by level, so that one add serves every pair of lanes: 45 instructions
- * for 16 outputs where folding each to 8 lanes and taking four horizontal sums a row took 76, and the terms 32
+ * they are reduced (one reduction for both), and the M x R sums are reduced together (vec16.h's sum_lanes16: two
+ * vectors into one by a pair of permutes and an add, level by level): 46 instructions for 16 outputs where
+ * folding each to 8 lanes and taking four horizontal sums a row took 76, and the terms 32
  * multiply-adds and 16 loads where 8 groups a vector took 48 and 96. Each output is still one fixed tree of adds
  * over its own lanes, the same whatever M, R or the thread count. */
 static inline __attribute__((always_inline)) void q4_wide_finish(__m512 (*wide)[QDOT_ROWS], const int M, const int R,
@@ -275,25 +277,10 @@ static inline __attribute__((always_inline)) void q4_wide_finish(__m512 (*wide)[
         }
     }
     if (R == QDOT_ROWS && M == QDOT_INPUTS) {
-        /* level l adds vectors 2j and 2j + 1: lanes [a's lanes that the level keeps | b's], the kept half of each
-         * lane pair added to the other; after four levels lane 4r + i holds row r's output i */
-        const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-        const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-        const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-        const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-        const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-        const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-        const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-        const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-#define PAIR(a, b, lo, hi) _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b))
-        __m512 l1[8], l2[4], l3[2];
-        for (int j = 0; j < 8; j++) l1[j] = PAIR(wide[j / 2][(2 * j) % 4], wide[j / 2][(2 * j) % 4 + 1], lo1, hi1);
-        for (int j = 0; j < 4; j++) l2[j] = PAIR(l1[2 * j], l1[2 * j + 1], lo2, hi2);
-        for (int j = 0; j < 2; j++) l3[j] = PAIR(l2[2 * j], l2[2 * j + 1], lo3, hi3);
-        const __m512 sums = PAIR(l3[0], l3[1], lo4, hi4);
-#undef PAIR
-        /* the levels leave output (r, i) in lane 4 p(i) + p(r), p swapping 1 and 2: one permute to lane 4 r + i */
-        const __m512 ordered = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15), sums);
+        v16 sums[QDOT_INPUTS * QDOT_ROWS];
+        for (int r = 0; r < QDOT_INPUTS; r++)
+            for (int i = 0; i < QDOT_ROWS; i++) sums[QDOT_ROWS * r + i] = (v16)wide[r][i];
+        const __m512 ordered = (__m512)sum_lanes16(sums); /* lane 4 r + i: output (r, i) */
         const __m128 b = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
         _mm_storeu_ps(out, _mm_add_ps(_mm512_castps512_ps128(ordered), b));
         _mm_storeu_ps(out + n, _mm_add_ps(_mm512_extractf32x4_ps(ordered, 1), b));

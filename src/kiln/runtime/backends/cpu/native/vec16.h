@@ -56,6 +56,15 @@ static inline void store16_first(float *p, v16 v, int count) {
  * and 1 lanes between rows i and i + d, one two-source shuffle per row and round (64 in all, vpermt2ps on
  * AVX-512), where element by element it takes 256 loads and stores. */
 #define KILN_LANES(...) __VA_ARGS__
+/* the two shuffles of each round, d = 8, 4, 2, 1: the top row's new lanes, then the bottom row's */
+#define KILN_TOP8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define KILN_BOTTOM8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define KILN_TOP4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define KILN_BOTTOM4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define KILN_TOP2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define KILN_BOTTOM2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define KILN_TOP1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define KILN_BOTTOM1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 #define KILN_SWAP_BLOCKS(d, top, bottom)                                                                         \
     for (int i = 0; i < 16; i++)                                                                              \
         if ((i & (d)) == 0) {                                                                                 \
@@ -66,15 +75,35 @@ static inline void store16_first(float *p, v16 v, int count) {
 static inline void transpose16(v16 r[16]) {
     /* top row: its own lanes where lane & d is 0, else the bottom row's lane - d; bottom row: the top's lane + d,
      * else its own */
-    KILN_SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                     (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-    KILN_SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
-                     (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-    KILN_SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
-                     (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-    KILN_SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
-                     (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+    KILN_SWAP_BLOCKS(8, (KILN_TOP8), (KILN_BOTTOM8))
+    KILN_SWAP_BLOCKS(4, (KILN_TOP4), (KILN_BOTTOM4))
+    KILN_SWAP_BLOCKS(2, (KILN_TOP2), (KILN_BOTTOM2))
+    KILN_SWAP_BLOCKS(1, (KILN_TOP1), (KILN_BOTTOM1))
 }
 #undef KILN_SWAP_BLOCKS
+
+/* Sixteen vectors' lane sums in one vector (lane m: v[m]'s), each by the tree j + (j + 8), then + 4, + 2, + 1 (a
+ * 16-lane horizontal sum's: attention.c's sum_lanes): each round adds the two shuffles of transpose16's (half its
+ * rows' worth), so that an add serves every lane where one sum at a time left most lanes idle (attention's scores
+ * 16 keys at a time, qdot.c's 4 x 4 outputs of a pass). */
+static inline v16 sum_lanes16(const v16 *v) {
+#define KILN_ROUND(a, b, d)                                                                                     \
+    (__builtin_shufflevector(a, b, KILN_TOP##d) + __builtin_shufflevector(a, b, KILN_BOTTOM##d))
+    v16 l1[8], l2[4], l3[2];
+    for (int j = 0; j < 8; j++) l1[j] = KILN_ROUND(v[2 * j], v[2 * j + 1], 8);
+    for (int j = 0; j < 4; j++) l2[j] = KILN_ROUND(l1[2 * j], l1[2 * j + 1], 4);
+    for (int j = 0; j < 2; j++) l3[j] = KILN_ROUND(l2[2 * j], l2[2 * j + 1], 2);
+    const v16 sums = KILN_ROUND(l3[0], l3[1], 1); /* v[4r + i]'s sum in lane 4 p(i) + p(r), p swapping 1 and 2 */
+#undef KILN_ROUND
+    return __builtin_shufflevector(sums, sums, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+#undef KILN_TOP8
+#undef KILN_BOTTOM8
+#undef KILN_TOP4
+#undef KILN_BOTTOM4
+#undef KILN_TOP2
+#undef KILN_BOTTOM2
+#undef KILN_TOP1
+#undef KILN_BOTTOM1
 #undef KILN_LANES
 #endif
