@@ -20,7 +20,6 @@
 #include "vec16.h"
 #include "vmath.h"
 
-
 enum { ATTEND_AHEAD = 8 }; /* key rows ahead that attend asks the cache for */
 /* keys x heads x (D + Dv) values a thread's part of a decode step's attention reads at least (memory-bound: a
  * quarter of the linear layers' LINEAR_MIN_PART) */
@@ -70,6 +69,19 @@ static inline void weighted_sum(float *restrict o, const float *restrict p, i64 
     }
 }
 
+/* The scores w[0..count) (top their maximum with the sink) into exp(w - top), the softmax's weights before its
+ * division; returns 1 / (their sum + the sink's term) */
+static inline float softmax_weights(float *restrict w, i64 count, float top, float sink) {
+    for (i64 j = 0; j < count; j++) w[j] = exp_f32(w[j] - top); /* (vectorized; hidden keys: 0) */
+    v16 sums = {0};
+    i64 j = 0;
+    for (; j + 16 <= count; j += 16) sums += *(const v16u *)(w + j);
+    float total = sum_lanes(sums);
+    for (; j < count; j++) total += w[j];
+    total += exp_f32(sink - top); /* (0 without a sink) */
+    return 1.0f / total;
+}
+
 /* softmax(q . k_j * scale) over keys j < count (k_j at kq + j * ks; mq, when given, hides key j where mq[j * ms]
  * is 0) and the sink logit (-inf: none) times the values at vq + j * vs, into oi; NaN where no key (and no sink)
  * is seen, as the reference's softmax gives */
@@ -88,15 +100,8 @@ static void attend(const float *restrict qi, const float *restrict kq, i64 ks, c
         for (i64 e = 0; e < Dv; e++) oi[e] = NAN;
         return;
     }
-    for (i64 j = 0; j < count; j++) work[j] = exp_f32(work[j] - top); /* (vectorized; hidden keys: 0) */
-    v16 sums = {0};
-    i64 j = 0;
-    for (; j + 16 <= count; j += 16) sums += *(const v16u *)(work + j);
-    float total = sum_lanes(sums);
-    for (; j < count; j++) total += work[j];
-    total += exp_f32(sink - top); /* (0 without a sink) */
+    const float inverse = softmax_weights(work, count, top, sink);
     weighted_sum(oi, work, count, vq, vs, Dv);
-    const float inverse = 1.0f / total;
     for (i64 e = 0; e < Dv; e++) oi[e] *= inverse;
 }
 
@@ -142,14 +147,7 @@ static void attend_group(const float *restrict q, i64 qs, int heads, const float
             continue;
         }
         live |= 1ull << h;
-        for (i64 i = 0; i < count; i++) w[i] = exp_f32(w[i] - top);
-        v16 sums = {0};
-        i64 i = 0;
-        for (; i + 16 <= count; i += 16) sums += *(const v16u *)(w + i);
-        float total = sum_lanes(sums);
-        for (; i < count; i++) total += w[i];
-        total += exp_f32(sink - top);
-        inverse[h] = 1.0f / total;
+        inverse[h] = softmax_weights(w, count, top, sink);
     }
     for (int h0 = 0; h0 < heads; h0 += GROUP_HEADS) {
         const int hn = heads - h0 < GROUP_HEADS ? heads - h0 : GROUP_HEADS;
@@ -371,6 +369,14 @@ typedef struct {
     float scale;
 } slot_args;
 
+/* the cache row (of [slots * S * Hkv]) of kv head `kv`'s first key that query t of sequence b sees; *count: the
+ * keys it sees (its window's, or all up to its position) */
+static inline i64 slot_row(const slot_args *a, i64 b, i64 t, i64 kv, i64 *count) {
+    const i64 p = a->positions[b * a->T + t], lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+    *count = p - lo + 1;
+    return (a->slots[b] * a->S + lo) * a->Hkv + kv;
+}
+
 /* the queries of tasks [begin, end) of slot_attention, a task a (sequence, q head): each query its keys one by one
  * (attend), the scores in this thread's scratch */
 static void slot_heads(const void *ctx, i64 begin, i64 end) {
@@ -381,10 +387,10 @@ static void slot_heads(const void *ctx, i64 begin, i64 end) {
     for (i64 bh = begin; bh < end; bh++) {
         const i64 b = bh / a->Hq, h = bh % a->Hq;
         for (i64 t = 0; t < T; t++) {
-            const i64 p = a->positions[b * T + t], lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
-            const i64 row = (a->slots[b] * S + lo) * a->Hkv + h / group;
+            i64 count;
+            const i64 row = slot_row(a, b, t, h / group, &count);
             attend(a->q + ((b * a->Hq + h) * T + t) * D, a->k + row * D, a->Hkv * D, a->v + row * Dv, a->Hkv * Dv, 0,
-                   0, p - lo + 1, D, Dv, a->scale, a->sinks ? a->sinks[h] : -INFINITY, work,
+                   0, count, D, Dv, a->scale, a->sinks ? a->sinks[h] : -INFINITY, work,
                    a->out + ((b * a->Hq + h) * T + t) * Dv);
         }
     }
@@ -399,10 +405,10 @@ static void slot_groups(const void *ctx, i64 begin, i64 end) {
     for (i64 bg = begin; bg < end; bg++) {
         const i64 b = bg / a->Hkv, g = bg % a->Hkv, h = g * group;
         for (i64 t = 0; t < T; t++) {
-            const i64 p = a->positions[b * T + t], lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
-            const i64 row = (a->slots[b] * S + lo) * a->Hkv + g;
+            i64 count;
+            const i64 row = slot_row(a, b, t, g, &count);
             attend_group(a->q + ((b * a->Hq + h) * T + t) * D, T * D, (int)group, a->k + row * D, a->Hkv * D,
-                         a->v + row * Dv, a->Hkv * Dv, p - lo + 1, D, Dv, a->scale, a->sinks ? a->sinks + h : 0, work,
+                         a->v + row * Dv, a->Hkv * Dv, count, D, Dv, a->scale, a->sinks ? a->sinks + h : 0, work,
                          a->out + ((b * a->Hq + h) * T + t) * Dv, T * Dv);
         }
     }
