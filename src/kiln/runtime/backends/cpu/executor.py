@@ -35,6 +35,7 @@ from kiln.ir.symbolic import resolve_shape
 from kiln.registry import register_once
 from kiln.runtime.backends.array_api.conv import pool_geometry
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
+from kiln.runtime.backends.base import absent, constant_ref
 from kiln.runtime.backends.cpu import conv, forms, linalg, native, quant, resident
 from kiln.runtime.backends.cpu import experts as cpu_experts
 from kiln.runtime.backends.cpu.reduce import reduced_shape, trailing_rows
@@ -45,7 +46,7 @@ log = logging.getLogger("kiln.runtime.cpu")
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
       "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
       "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19, "gemm_rows": 20, "route": 21,
-      "gathered": 22, "gathered_q": 23}
+      "gathered": 22, "gathered_q": 23, "q4lanes": 24}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -347,12 +348,27 @@ def _rows(x: Loc) -> int:
     return math.prod(x.shape[:-1])
 
 
-def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, q: Loc, scale: Loc, zero: Loc | None, bias: Loc | None,
-                          attrs: dict[str, Any]) -> Loc:
-    """quantized_linear's few float32 rows by the native qlinear (the node's own quantization attributes; its
-    inputs refined where the node yields a method output: quant.yields_output)."""
-    bits, group = int(attrs["bits"]), int(attrs["group_size"])
-    _need(x.dtype == F32 and scale.dtype == F32 and _rows(x) <= quant.FEW_ROWS, "not a few float32 rows")
+def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: dict[str, Any]) -> Loc:
+    """quantized_linear of x by the node's weight (q at input `first`, then scale, zero, bias; its own quantization
+    attributes; its inputs refined where the node yields a method output: quant.yields_output): int4 constants in
+    groups the lanes form takes (quant.lanes_form, resident.packed_int4), any rows; otherwise few float32 rows by
+    the native qlinear."""
+    bits, group, offset = int(attrs["bits"]), int(attrs["group_size"]), bool(attrs.get("offset", False))
+    refine = quant.yields_output(lw.method, node)
+    _need(x.dtype == F32, "not float32 rows")
+    packed = _lanes_weight(lw, node, first, bits, group, offset)
+    if packed is not None:
+        n, k = packed[1], x.shape[-1]
+        bias = lw.loc(node.inputs[first + 3])
+        _need(bias is None or (bias.dtype == F32 and bias.shape == (n,)), "float32 bias")
+        x, bias = lw.contiguous(x), None if bias is None else lw.contiguous(bias)
+        out = lw.new(x.shape[:-1] + (n,), F32)
+        work = lw.work(2 * _rows(x) * (k + k // group) * 4)
+        lw.emit("q4lanes", x, lw.fixed_array(packed[0]), bias, out, work, _rows(x), n, k,
+                native.quant_format(bits, offset, refine), group)
+        return out
+    q, scale, zero, bias = (lw.loc(node.inputs[first + i]) for i in range(4))
+    _need(scale.dtype == F32 and _rows(x) <= quant.FEW_ROWS, "not a few float32 rows")
     k, n = x.shape[-1], q.shape[0]
     _need(bits in (4, 8) and group > 0 and k % group == 0 and q.shape == (n, k * bits // 8), "weight layout")
     _need(all(a is None or a.dtype == F32 for a in (zero, bias)), "float32 scales")
@@ -360,29 +376,43 @@ def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, q: Loc, scale: Loc, 
     zero, bias = (None if a is None else lw.contiguous(a) for a in (zero, bias))
     out = lw.new(x.shape[:-1] + (n,), F32)
     work = lw.work(2 * quant.FEW_ROWS * (k + k // group) * 4)  # (twice: refined inputs, quant.h)
-    form = native.quant_format(bits, attrs.get("offset", False), quant.yields_output(lw.method, node))
+    form = native.quant_format(bits, offset, refine)
     lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, form, group, int(native.integer_dot()))
     return out
 
 
+def _lanes_weight(lw: Lowering, node: Node, first: int, bits: int, group: int,
+                  offset: bool) -> tuple[np.ndarray, int] | None:
+    """(the lanes form, n) of the node's weight where it is a constant int4 the helpers take in that form
+    (quant.lanes_form), else None."""
+    refs = [constant_ref(lw.method, node, first + i) for i in range(3)]
+    if refs[0] is None or refs[1] is None or (refs[2] is None and not absent(node, first + 2)):
+        return None
+    shape = lw.program.ir.constants[refs[0]].shape
+    if len(shape) != 2 or not quant.lanes_form(bits, group, shape[0], shape[1] * 8 // max(bits, 1)):
+        return None
+    packed = resident.packed_int4(lw.program, refs[0], refs[1], refs[2], offset)
+    return None if packed is None else (packed, int(shape[0]))
+
+
 @lowering("quantized_linear")
 def _quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
-    lw.output(node, emit_quantized_linear(lw, node, *_inputs(lw, node), attrs))
+    lw.output(node, emit_quantized_linear(lw, node, lw.loc(node.inputs[0]), 1, attrs))
 
 
 @lowering("gated_quantized_linear")
 def _gated_quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     """As composite.gated_quantized_linear."""
-    h = emit_quantized_linear(lw, node, *_inputs(lw, node), attrs)
+    h = emit_quantized_linear(lw, node, lw.loc(node.inputs[0]), 1, attrs)
     lw.output(node, emit_gated(lw, *_halves(h), attrs["activation"]))
 
 
 @lowering("add_rms_norm_quantized_linear")
 def _add_rms_norm_quantized_linear(lw: Lowering, node: Node, attrs: dict[str, Any]) -> None:
     """As composite.add_rms_norm_quantized_linear."""
-    x, residual, norm_weight, q, scale, zero, bias = _inputs(lw, node)
+    x, residual, norm_weight = (lw.loc(i) for i in node.inputs[:3])
     total, normed = emit_rms_norm(lw, x, residual, norm_weight, int(attrs["axes"]), attrs["eps"])
-    h = emit_quantized_linear(lw, node, normed, q, scale, zero, bias, attrs)
+    h = emit_quantized_linear(lw, node, normed, 3, attrs)
     activation = attrs["activation"]
     lw.output(node, total, emit_gated(lw, *_halves(h), activation) if activation else h)
 

@@ -2,8 +2,10 @@
 bind once gets a kernel made for it when a session plans its method.
 
 - quantized_linear with constant weights: their addresses taken once, the few-row scratch kept (quant.py), so a
-  decode step's ~120 quantized linears stop paying the general kernel's per-call checks and conversions; its
-  fused forms (gated_quantized_linear, add_rms_norm_quantized_linear) run their composition with that kernel.
+  decode step's ~120 quantized linears stop paying the general kernel's per-call checks and conversions; int4
+  weights in groups of 32 in the lanes form (resident.packed_int4) where the helpers have it, for every row
+  count; its fused forms (gated_quantized_linear, add_rms_norm_quantized_linear) run their composition with that
+  kernel.
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ prepare = PREPARERS.prepare
 def _bound(program: Program, method: Method, node: Node, first: int):
     """The bound few-row kernel of the node's quantized weight (q at input `first`, then scale, zero, bias; its
     attributes by name), or None where the weights are not constants it can bind."""
-    from kiln.runtime.backends.cpu.quant import bound_linear, yields_output
+    from kiln.runtime.backends.cpu.quant import bound_lanes, bound_linear, lanes_form, yields_output
 
     refs = [constant_ref(method, node, first + i) for i in range(4)]  # q, scale, zero, bias
     if refs[0] is None or refs[1] is None or any(r is None and not absent(node, first + i)
                                                  for i, r in enumerate(refs)):
         return None
+    bits, group, offset = int(node.attrs["bits"]), int(node.attrs["group_size"]), bool(node.attrs.get("offset", False))
+    shape = program.ir.constants[refs[0]].shape
+    if len(shape) == 2 and lanes_form(bits, group, shape[0], shape[1] * 8 // bits):
+        packed = resident.packed_int4(program, refs[0], refs[1], refs[2], offset)
+        if packed is not None:
+            bias = None if refs[3] is None else resident.constant(program, refs[3])
+            return bound_lanes(packed, bias, shape[0], shape[1] * 2, group, offset, refine=yields_output(method, node))
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
-    return bound_linear(*arrays, int(node.attrs["bits"]), int(node.attrs["group_size"]),
-                        bool(node.attrs.get("offset", False)), refine=yields_output(method, node))
+    return bound_linear(*arrays, bits, group, offset, refine=yields_output(method, node))
 
 
 @preparer("quantized_linear")

@@ -16,7 +16,7 @@ import numpy as np
 
 from kiln.ir.graph import Method, Node
 from kiln.runtime.backends.array_api.quant import dequantize
-from kiln.runtime.backends.cpu import native
+from kiln.runtime.backends.cpu import forms, native
 from kiln.runtime.backends.cpu.registry import kernel, upcast
 
 FEW_ROWS = 8
@@ -92,6 +92,58 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
     return run
 
 
+def lanes_form(bits: int, group_size: int, n: int, k: int) -> bool:
+    """Whether a quantized [n, k] weight of these attributes runs in the lanes form (resident.packed_int4, qdot.c's
+    kiln_q4_lanes_linear_f32) where it is a program constant: int4 in groups of 32 or a larger power of two, on
+    CPUs with AVX-512 VNNI and BW, integer products on (native.integer_dot). The form serves every row count, so a
+    row's bits never depend on how many rows share its call (a prompt's, a decode step's, a batch's)."""
+    return bits == 4 and native.q4_lanes_bytes(n, k, group_size) > 0
+
+
+def bound_lanes(packed: np.ndarray, bias: np.ndarray | None, n: int, k: int, group: int, offset: bool,
+                refine: bool = False) -> Callable[..., np.ndarray]:
+    """quantized_linear for one node whose int4 weights are held in the lanes form (resident.packed_int4), any
+    number of rows; the inputs' scratch is kept and grown as rows need it."""
+    lib = native.library()
+    form = native.quant_format(4, offset, refine)
+    work = [np.empty(0, np.uint8)]
+    bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+
+    def run(x: np.ndarray, *constants: np.ndarray | None, bits: int, group_size: int,
+            offset: bool = False) -> np.ndarray:
+        if x.shape[-1] != k:
+            raise ValueError(f"quantized_linear: input of {x.shape[-1]} features for a weight of {k}")
+        x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
+        need = 2 * x2.shape[0] * (k + k // group) * 4
+        if work[0].nbytes < need:
+            work[0] = np.empty(need, np.uint8)
+        out = np.empty(x.shape[:-1] + (n,), dtype=np.float32)
+        _lanes_rows(lib, x2, packed, bias, out.reshape(-1, n), n, k, group, form, work[0])
+        return out
+
+    run.packed = packed  # (kept alive with the closure)
+    return run
+
+
+def _lanes_of(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, offset: bool) -> np.ndarray:
+    """The lanes form of a weight the general kernel meets (a program's constant, made once per array: forms)."""
+    n, k = q.shape[0], q.shape[1] * 2
+    packed = np.empty(native.q4_lanes_bytes(n, k, k // scale.shape[1]), np.uint8)
+    native.pack_q4_lanes(q, scale, zero, offset, packed)
+    return packed
+
+
+def _lanes_rows(lib, x: np.ndarray, packed: np.ndarray, bias: np.ndarray | None, out: np.ndarray, n: int, k: int,
+                group: int, form: int, work: np.ndarray | None = None) -> None:
+    """out [rows, n] = x [rows, k] (float32, contiguous) times the lanes form's weight, plus bias."""
+    rows = x.shape[0]
+    need = 2 * rows * (k + k // group) * 4
+    if work is None or work.nbytes < need:
+        work = np.empty(need, np.uint8)
+    lib.kiln_q4_lanes_linear_f32(x.ctypes.data, packed.ctypes.data, native.address(bias), out.ctypes.data,
+                                 work.ctypes.data, rows, n, k, form, group, native.threads())
+
+
 def _dot_rows(lib, x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
               bias: np.ndarray | None, out: np.ndarray, form: int, group_size: int) -> bool:
     """out = the product by integer dot products (qdot.c) for more rows than FEW_ROWS (INT4_DOT_ROWS); False,
@@ -117,7 +169,11 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     compiled = lib is not None and native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous
     out = np.empty((rows, n), dtype=np.float32)
     form = native.quant_format(bits, offset)
-    if compiled and rows <= FEW_ROWS:
+    if compiled and dtype == _F32 and lanes_form(bits, group_size, n, k):
+        packed = forms.derived(f"q4lanes-{id(scale)}-{id(zero)}-{offset}", q,
+                               lambda q: _lanes_of(q, scale, zero, offset))
+        _lanes_rows(lib, x2, packed, bias, out, n, k, group_size, form)
+    elif compiled and rows <= FEW_ROWS:
         work = np.empty(2 * rows * (k + k // group_size), dtype=np.float32)
         _few_rows(lib, (x2.ctypes.data, q.ctypes.data, scale.ctypes.data, native.address(zero), native.address(bias),
                         out.ctypes.data, work.ctypes.data, rows, n, k, form, group_size, native.threads()))

@@ -461,6 +461,232 @@ static void qdot_part(const void *ctx, i64 begin, i64 end) {
 }
 #endif
 
+/* ---- int4 weights laid out one block of 32 a lane (the CPU backend's packed form, made once per weight:
+ * kiln_q4_lanes_pack; groups of 32 or a larger power of two) ----
+ *
+ * q4_rows multiplies the weights as the program stores them: a 512-bit product holds four blocks, four lanes each,
+ * so every 128 weights and row cost a conversion to float, a scale product and a multiply-add beside the two dot
+ * products. Here the weights are rearranged once so that lane l of every 512-bit code vector holds four codes of
+ * block l: eight dot products accumulate a block's 32 products whole in its lane, and the float work is one
+ * conversion, product and multiply-add per 512 weights and row.
+ *
+ * A pass is 4 weight rows, stored together: their codes (2k bytes) chunk by chunk, then their scales [4][k / group],
+ * then their points [4][k / group] (quant_point, explicit even where the program has none). Chunks: 16 blocks (512
+ * weights, 256 bytes a row: byte j of its u-th 64 holds elements 8u + j % 4 (low nibble) and 8u + 4 + j % 4 (high)
+ * of block j / 4), then 4 blocks (64 bytes a row: byte j holds elements j % 16 and 16 + j % 16 of block j / 16),
+ * then 2 (32 bytes a row: byte j holds element j of the first block and of the second). The input's codes follow
+ * the same order (lanes_codes). */
+#define LANE_POINTS_OFFSET(k, group) (2 * (k) + 16 * ((k) / (group))) /* of a pass: its points, after the scales */
+#define LANE_PASS_BYTES(k, group) (2 * (k) + 32 * ((k) / (group)))
+
+/* whether the form holds [n, k] in groups of `group`: whole passes, whole 64s, groups a power of two >= 32 */
+static inline int lanes_shapes(i64 n, i64 k, i64 group) {
+    return n % 4 == 0 && k % 64 == 0 && group >= 32 && (group & (group - 1)) == 0 && k % group == 0;
+}
+
+/* the (block, element) of a chunk's code byte j's low (hi = 0) or high nibble, its chunk of W blocks at block b0 */
+static inline i64 lane_element(i64 b0, int W, i64 j, int hi) {
+    if (W == 16) return 32 * (b0 + j % 64 / 4) + 8 * (j / 64) + 4 * hi + j % 4;
+    if (W == 4) return 32 * (b0 + j / 16) + 16 * hi + j % 16;
+    return 32 * (b0 + hi) + j;
+}
+
+/* the width of the chunk at block b0 of a row of ng blocks */
+static inline int lane_width(i64 b0, i64 ng) { return ng - ng % 16 > b0 ? 16 : ng - ng % 4 > b0 ? 4 : 2; }
+
+/* The packed form of int4 weight rows [n, k] (lanes_shapes) into out (n / 4 * LANE_PASS_BYTES(k, group) bytes);
+ * 0 where the shapes do not allow it */
+i64 kiln_q4_lanes_pack(const unsigned char *restrict q, const float *restrict scale, const float *restrict zero,
+                       i64 n, i64 k, i64 format, i64 group, unsigned char *restrict out) {
+    if (!lanes_shapes(n, k, group) || QUANT_BITS(format) != 4) return 0;
+    const i64 nb = k / 32, ng = k / group;
+    for (i64 p = 0; p < n / 4; p++) {
+        unsigned char *pass = out + p * LANE_PASS_BYTES(k, group);
+        float *s = (float *)(pass + 2 * k), *z = (float *)(pass + LANE_POINTS_OFFSET(k, group));
+        unsigned char *c = pass;
+        for (i64 b0 = 0; b0 < nb;) {
+            const int W = lane_width(b0, nb);
+            for (int i = 0; i < 4; i++) {
+                const unsigned char *row = q + (4 * p + i) * (k / 2);
+                for (int j = 0; j < 16 * W; j++) {
+                    unsigned char byte = 0;
+                    for (int hi = 0; hi < 2; hi++) {
+                        const i64 e = lane_element(b0, W, j, hi);
+                        byte |= (unsigned char)(((row[e / 2] >> (4 * (e & 1))) & 15) << (4 * hi));
+                    }
+                    *c++ = byte;
+                }
+            }
+            b0 += W;
+        }
+        for (int i = 0; i < 4; i++)
+            for (i64 g = 0; g < ng; g++) {
+                s[i * ng + g] = scale[(4 * p + i) * ng + g];
+                z[i * ng + g] = quant_point(zero ? zero + (4 * p + i) * ng : 0, g, format);
+            }
+    }
+    return 1;
+}
+
+#if Q4_WIDE
+/* an input row's natural codes (k bytes) rearranged in place to the chunks' order: in a chunk of 16 blocks, code
+ * vector v's lane l is block l's elements 4v..4v+3 (a transpose of the chunk's 32-bit words, 16 blocks x 8); in a
+ * chunk of 4, vector v's lanes 4b..4b+3 are block b's elements 16v..16v+15; a chunk of 2 is in natural order */
+static void lanes_codes(signed char *restrict xq, i64 k) {
+    const i64 ng = k / 32;
+    unsigned int chunk[128];
+    for (i64 b0 = 0; b0 < ng;) {
+        const int W = lane_width(b0, ng);
+        if (W == 2) break;
+        unsigned int *words = (unsigned int *)(xq + 32 * b0);
+        __builtin_memcpy(chunk, words, 32 * W);
+        if (W == 16)
+            for (int v = 0; v < 8; v++)
+                for (int l = 0; l < 16; l++) words[16 * v + l] = chunk[8 * l + v];
+        else
+            for (int v = 0; v < 2; v++)
+                for (int b = 0; b < 4; b++)
+                    for (int w = 0; w < 4; w++) words[16 * v + 4 * b + w] = chunk[8 * b + 4 * v + w];
+        b0 += W;
+    }
+}
+
+/* 4 weight rows (one pass) against M input rows of the work area (quantize_row's layout, codes by lanes_codes),
+ * outputs out[r * n + i] */
+static inline __attribute__((always_inline)) void lanes_rows(const char *restrict work, i64 stride, const int M,
+                                                             const unsigned char *restrict pass,
+                                                             const float *restrict bias, float *restrict out, i64 n,
+                                                             i64 k, i64 group, i64 format, const char *next,
+                                                             const int grouped) {
+    const i64 nb = k / 32, ng = k / group, per = group / 32;
+    const float *s = (const float *)(pass + 2 * k), *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group));
+    for (i64 line = 0; line < LANE_PASS_BYTES(k, group); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i shift = _mm_cvtsi64_si128(__builtin_ctzll((unsigned long long)per));
+    /* a chunk's weight scales by lane (lane l: block b0 + (l >> spread)): the row's groups from b0's, spread */
+#define LANE_SCALES(row, spread)                                                                                  \
+    (!grouped && (spread) == 0                                                                                    \
+         ? _mm512_loadu_ps((row) + b0)                                                                            \
+         : _mm512_permutexvar_ps(                                                                                 \
+               _mm512_srl_epi32(_mm512_add_epi32(_mm512_srli_epi32(lane, spread), _mm512_set1_epi32((int)(b0 % per))), \
+                                shift),                                                                           \
+               _mm512_maskz_loadu_ps((__mmask16)((1u << ((b0 % per + (16 >> (spread)) - 1) / per + 1)) - 1u),        \
+                                     (row) + b0 / per)))
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 wide[QDOT_INPUTS][QDOT_ROWS];
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < QDOT_ROWS; i++) wide[r][i] = _mm512_setzero_ps();
+    const unsigned char *c = pass;
+    i64 b0 = 0;
+    for (; b0 + 16 <= nb; b0 += 16, c += 4 * 256) {
+        for (int i = 0; i < QDOT_ROWS; i++) {
+            /* two sums a row (the low nibbles', the high nibbles'): chains of 4 dot products, interleaved over the
+             * rows, where one chain of 8 a row left the products waiting on each other's latency */
+            __m512i even[QDOT_INPUTS], odd[QDOT_INPUTS];
+            for (int r = 0; r < M; r++) even[r] = odd[r] = _mm512_setzero_si512();
+            for (int u = 0; u < 4; u++) {
+                const __m512i b = _mm512_loadu_si512((const void *)(c + 256 * i + 64 * u));
+                const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                for (int r = 0; r < M; r++)
+                    even[r] = _mm512_dpbusd_epi32(even[r], lo,
+                                                  _mm512_loadu_si512((const void *)(work + r * stride + 32 * b0 + 128 * u)));
+                for (int r = 0; r < M; r++)
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], hi,
+                                                 _mm512_loadu_si512((const void *)(work + r * stride + 32 * b0 + 128 * u + 64)));
+            }
+            const __m512 sv = LANE_SCALES(s + i * ng, 0);
+            for (int r = 0; r < M; r++)
+                wide[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r])),
+                                             _mm512_mul_ps(sv, _mm512_loadu_ps((const float *)(work + r * stride + k) + b0)),
+                                             wide[r][i]);
+        }
+    }
+    const __m512i spread4 = _mm512_srli_epi32(lane, 2), spread2 = _mm512_srli_epi32(lane, 3);
+    for (; b0 + 4 <= nb; b0 += 4, c += 4 * 64) {
+        __m512 dv[QDOT_INPUTS];
+        for (int r = 0; r < M; r++)
+            dv[r] = _mm512_permutexvar_ps(spread4, _mm512_maskz_loadu_ps(0xF, (const float *)(work + r * stride + k) + b0));
+        for (int i = 0; i < QDOT_ROWS; i++) {
+            const __m512i b = _mm512_loadu_si512((const void *)(c + 64 * i));
+            const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            const __m512 sv = LANE_SCALES(s + i * ng, 2);
+            for (int r = 0; r < M; r++) {
+                const char *xr = work + r * stride + 32 * b0;
+                const __m512i acc = _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xr)), hi,
+                    _mm512_loadu_si512((const void *)(xr + 64)));
+                wide[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, dv[r]), wide[r][i]);
+            }
+        }
+    }
+    if (b0 < nb) { /* the last 2 blocks: low nibbles in the low 256 bits, high nibbles in the high */
+        const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+        __m512 dv[QDOT_INPUTS];
+        for (int r = 0; r < M; r++)
+            dv[r] = _mm512_permutexvar_ps(spread2, _mm512_maskz_loadu_ps(0x3, (const float *)(work + r * stride + k) + b0));
+        for (int i = 0; i < QDOT_ROWS; i++) {
+            const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 32 * i)));
+            const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(b, shifts), low);
+            const __m512 sv = LANE_SCALES(s + i * ng, 3);
+            for (int r = 0; r < M; r++) {
+                const __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                                        _mm512_loadu_si512((const void *)(work + r * stride + 32 * b0)));
+                wide[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sv, dv[r]), wide[r][i]);
+            }
+        }
+    }
+#undef LANE_SCALES
+    q4_wide_finish(wide, M, QDOT_ROWS, s, z, format, work, stride, k, ng, bias, out, n);
+}
+
+typedef struct {
+    const unsigned char *packed;
+    const float *bias;
+    float *out;
+    const char *work;
+    i64 m, n, k, group, format, stride;
+} lanes_args;
+
+/* passes [begin, end) for every input row, QDOT_INPUTS rows at a time (refined inputs: value and residual rows
+ * one at a time, the residual's product added) */
+static void lanes_part(const void *ctx, i64 begin, i64 end) {
+    const lanes_args *a = ctx;
+    const i64 n = a->n, k = a->k, g = a->group, bytes = LANE_PASS_BYTES(k, g), st = a->stride, f = a->format;
+    const int grouped = g != 32;
+    const int refine = (f & QUANT_REFINE) != 0;
+/* (groups of 32, the common case, without their general spread) */
+#define LANES_ROWS(work_, st_, M_, pass_, bias_, out_, n_)                                                         \
+    (grouped ? lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, g, f, next, 1)                               \
+             : lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, 32, f, next, 0))
+    for (i64 p = begin; p < end; p++) {
+        const unsigned char *pass = a->packed + p * bytes;
+        const char *next = (const char *)pass + 2 * bytes;
+        const float *bias = a->bias ? a->bias + 4 * p : 0;
+        if (!refine) {
+            for (i64 r0 = 0; r0 < a->m; r0 += QDOT_INPUTS) {
+                const int M = a->m - r0 < QDOT_INPUTS ? (int)(a->m - r0) : QDOT_INPUTS;
+                const char *work = a->work + r0 * st;
+                float *out = a->out + r0 * n + 4 * p;
+                switch (M) {
+                case 4: LANES_ROWS(work, st, 4, pass, bias, out, n); break;
+                case 3: LANES_ROWS(work, st, 3, pass, bias, out, n); break;
+                case 2: LANES_ROWS(work, st, 2, pass, bias, out, n); break;
+                default: LANES_ROWS(work, st, 1, pass, bias, out, n); break;
+                }
+            }
+        } else {
+            for (i64 r = 0; r < a->m; r++) {
+                float *out = a->out + r * n + 4 * p, extra[QDOT_ROWS];
+                LANES_ROWS(a->work + 2 * r * st, st, 1, pass, bias, out, n);
+                LANES_ROWS(a->work + (2 * r + 1) * st, st, 1, pass, 0, extra, QDOT_ROWS);
+                for (int i = 0; i < QDOT_ROWS; i++) out[i] += extra[i];
+            }
+        }
+    }
+#undef LANES_ROWS
+}
+#endif
+
 #if defined(__AVX512F__)
 #define QFLOAT_COLS 4 /* input rows a pass of q8_float_rows holds accumulators for */
 /* A refined int8 linear (a language model's logits) in float32: weight rows o..o+R-1, each 16 weights converted
@@ -587,6 +813,97 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
 #else
     (void)x, (void)q, (void)scale, (void)zero, (void)bias, (void)out, (void)work, (void)m, (void)n, (void)k;
     (void)format, (void)group, (void)threads;
+    return 0;
+#endif
+}
+
+/* rows [0, n) of a packed int4 weight (kiln_q4_lanes_pack) as float32 w [n, k], each weight as quant_value rounds
+ * it: what the product is of, for the tests and for inputs the integer products cannot take */
+void kiln_q4_lanes_dequantize(const unsigned char *restrict packed, i64 n, i64 k, i64 format, i64 group,
+                              float *restrict w) {
+    const i64 nb = k / 32, ng = k / group;
+    for (i64 p = 0; p < n / 4; p++) {
+        const unsigned char *pass = packed + p * LANE_PASS_BYTES(k, group), *c = pass;
+        const float *s = (const float *)(pass + 2 * k), *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group));
+        for (i64 b0 = 0; b0 < nb;) {
+            const int W = lane_width(b0, nb);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 16 * W; j++, c++)
+                    for (int hi = 0; hi < 2; hi++) {
+                        const i64 e = lane_element(b0, W, j, hi);
+                        w[(4 * p + i) * k + e] = quant_value((float)((*c >> (4 * hi)) & 15), z + i * ng, e / group,
+                                                             s[i * ng + e / group], format);
+                    }
+            b0 += W;
+        }
+    }
+}
+
+/* kiln_qlinear_dot_f32's product for an int4 weight in the packed form (kiln_q4_lanes_pack, its group): x
+ * [m, k], bias [n] or NULL, out [m, n], work as kiln_qlinear_dot_f32's. A row holding inf or NaN is multiplied in
+ * float32 by the dequantized rows (int8 cannot hold them; the other rows are not affected). Returns 0 where the
+ * helpers lack the instructions, the shapes do not fit the form or memory ran out, else 1. */
+i64 kiln_q4_lanes_linear_f32(const float *restrict x, const void *restrict packed, const float *restrict bias,
+                             float *restrict out, void *work, i64 m, i64 n, i64 k, i64 format, i64 group,
+                             i64 threads) {
+#if Q4_WIDE
+    if (!lanes_shapes(n, k, group) || QUANT_BITS(format) != 4) return 0;
+    const i64 stride = 4 * (k + k / group);
+    const int refine = (format & QUANT_REFINE) != 0;
+    float *residual = refine ? malloc(sizeof(float) * k) : 0;
+    unsigned char *fails = calloc((size_t)(m > 0 ? m : 1), 1); /* rows holding inf or NaN */
+    if ((refine && !residual) || !fails) {
+        free(residual), free(fails);
+        return 0;
+    }
+    i64 failed = 0;
+    for (i64 r = 0; r < m; r++) {
+        signed char *xq = (signed char *)work + (refine ? 2 * r : r) * stride;
+        float *d = (float *)(xq + k);
+        int ok = quantize_row(x + r * k, k, group, 0, xq, d, d + k / 32, residual);
+        if (ok && refine) {
+            signed char *rq = xq + stride;
+            float *rd = (float *)(rq + k);
+            ok = quantize_row(residual, k, group, 0, rq, rd, rd + k / 32, 0);
+            lanes_codes(rq, k);
+        }
+        if (!ok) { /* its products run on zeros, then are replaced */
+            __builtin_memset(xq, 0, (size_t)((refine ? 2 : 1) * stride));
+            fails[r] = 1, failed++;
+        }
+        lanes_codes(xq, k);
+    }
+    free(residual);
+    const lanes_args args = {packed, bias, out, (const char *)work, m, n, k, group, format, stride};
+    parallel_for(lanes_part, &args, n / 4, threads_for(threads, n * k / LINEAR_MIN_PART));
+    float *w = failed ? malloc(sizeof(float) * 4 * k) : 0;
+    for (i64 p = 0; w && p < n / 4; p++) { /* rows holding inf or NaN: in float32, by the dequantized rows */
+        kiln_q4_lanes_dequantize((const unsigned char *)packed + p * LANE_PASS_BYTES(k, group), 4, k, format, group,
+                                 w);
+        for (i64 r = 0; r < m; r++)
+            for (int i = 0; fails[r] && i < 4; i++) {
+                float sum = bias ? bias[4 * p + i] : 0.0f;
+                for (i64 j = 0; j < k; j++) sum += x[r * k + j] * w[i * k + j];
+                out[r * n + 4 * p + i] = sum;
+            }
+    }
+    const int done = !failed || w;
+    free(w), free(fails);
+    return done;
+#else
+    (void)x, (void)packed, (void)bias, (void)out, (void)work, (void)m, (void)n, (void)k, (void)format, (void)group;
+    (void)threads;
+    return 0;
+#endif
+}
+
+/* the bytes of an [n, k] int4 weight's packed form in groups of `group` (kiln_q4_lanes_pack), 0 where the helpers
+ * have no such form */
+i64 kiln_q4_lanes_bytes(i64 n, i64 k, i64 group) {
+#if Q4_WIDE
+    return lanes_shapes(n, k, group) ? n / 4 * LANE_PASS_BYTES(k, group) : 0;
+#else
+    (void)n, (void)k, (void)group;
     return 0;
 #endif
 }
