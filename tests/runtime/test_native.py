@@ -455,7 +455,7 @@ def test_int4_rows_past_few_rows_take_the_integer_dot_products(group, offset, mo
     """int4 past FEW_ROWS up to INT4_DOT_ROWS (a short prompt's chunk) runs the integer dot products, not the GEMM:
     each row the same bits as the same row among at most FEW_ROWS (a decode step's), so a prompt's rows and a
     decode step's are one computation; one row more is the GEMM's again. Where the helpers have the lanes form
-    (test_q4_lanes.py) it takes every row count, the same bits whatever the rows."""
+    (test_qlanes.py) it takes every row count, the same bits whatever the rows."""
     from kiln.runtime.backends.cpu import quant
 
     if not native.integer_dot():
@@ -463,15 +463,15 @@ def test_int4_rows_past_few_rows_take_the_integer_dot_products(group, offset, mo
     q, scale, zero, bias = _quantized_case(4, group, 1030, 256, group + offset)
     x = np.random.default_rng(group).standard_normal((quant.INT4_DOT_ROWS + 1, 256), dtype=np.float32)
     kernel = CPU_KERNELS.kernels["quantized_linear"]
-    lanes = quant.lanes_form(4, group, 1028, 256)  # (1030 rows: not whole passes of 4, so the stored layout)
-    assert not quant.lanes_form(4, group, 1030, 256)
+    lanes = quant.lanes_form(4, group, 1028, 256, True, offset)  # (1030 rows: not whole passes of 4: stored layout)
+    assert not quant.lanes_form(4, group, 1030, 256, True, offset)
     lib, calls = native.library(), []
 
     class Spy:
         def __getattr__(self, name):
             fn = getattr(lib, name)
             return (lambda *args: calls.append(name) or fn(*args)) if name.startswith("kiln_q") and \
-                not name.startswith("kiln_q4_lanes_") or name == "kiln_q4_lanes_linear_f32" else fn
+                not name.startswith("kiln_qlanes_") or name == "kiln_qlanes_linear_f32" else fn
 
     monkeypatch.setattr(native, "library", Spy)
     for rows in (quant.FEW_ROWS + 1, quant.INT4_DOT_ROWS):
@@ -491,7 +491,7 @@ def test_int4_rows_past_few_rows_take_the_integer_dot_products(group, offset, mo
             calls.clear()
             assert np.array_equal(kernel(x[r0:r0 + rows], q, scale, zero, bias, 4, group, offset),
                                   whole[r0:r0 + rows])
-            assert calls == ["kiln_q4_lanes_linear_f32"]
+            assert calls == ["kiln_qlanes_linear_f32"]
 
 
 @needs_native
@@ -533,7 +533,7 @@ def test_integer_dot_declines_shapes_it_cannot_take(bits, group, k):
 @pytest.mark.parametrize("value", [np.inf, np.nan])
 def test_integer_dot_leaves_inf_and_nan_to_the_float_kernel(value, monkeypatch):
     """An input row holding inf or NaN has no int8 scale: the float kernel runs and gives them their meaning (the
-    lanes form, test_q4_lanes.py: that row alone in float32)."""
+    lanes form, test_qlanes.py: that row alone in float32)."""
     if not native.integer_dot():
         pytest.skip("the helpers here have no byte dot products (AVX2 or VNNI)")
     q, scale, zero, bias = _quantized_case(4, 64, 18, 128, 3)  # (18 rows: not whole passes of 4, the stored layout)

@@ -46,7 +46,7 @@ log = logging.getLogger("kiln.runtime.cpu")
 OP = {"qlinear": 1, "linear": 2, "rms_norm": 3, "rope_cache": 4, "attention": 5, "gated": 6, "qembed": 7,
       "gather": 8, "compare": 9, "copy": 10, "binary": 11, "slot_attention": 12, "rope_slot": 13, "layer_norm": 14,
       "unary": 15, "conv": 16, "sum_rows": 17, "max_pool": 18, "clamp": 19, "gemm_rows": 20, "route": 21,
-      "gathered": 22, "gathered_q": 23, "q4lanes": 24}
+      "gathered": 22, "gathered_q": 23, "qlanes": 24}
 """executor.c's instruction codes."""
 COMPARE_CODES = {"lt": 0, "le": 1, "gt": 2, "ge": 3, "eq": 4, "ne": 5}
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -351,7 +351,7 @@ def _rows(x: Loc) -> int:
 def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: dict[str, Any]) -> Loc:
     """quantized_linear of x by the node's weight (q at input `first`, then scale, zero, bias; its own quantization
     attributes; its inputs refined where the node yields a method output: quant.yields_output): int4 constants in
-    groups the lanes form takes (quant.lanes_form, resident.packed_int4), any rows; otherwise few float32 rows by
+    groups the lanes form takes (quant.lanes_form, resident.packed_lanes), any rows; otherwise few float32 rows by
     the native qlinear."""
     bits, group, offset = int(attrs["bits"]), int(attrs["group_size"]), bool(attrs.get("offset", False))
     refine = quant.yields_output(lw.method, node)
@@ -364,7 +364,7 @@ def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: d
         x, bias = lw.contiguous(x), None if bias is None else lw.contiguous(bias)
         out = lw.new(x.shape[:-1] + (n,), F32)
         work = lw.work(2 * _rows(x) * (k + k // group) * 4)
-        lw.emit("q4lanes", x, lw.fixed_array(packed[0]), bias, out, work, _rows(x), n, k,
+        lw.emit("qlanes", x, lw.fixed_array(packed[0]), bias, out, work, _rows(x), n, k,
                 native.quant_format(bits, offset, refine), group)
         return out
     q, scale, zero, bias = (lw.loc(node.inputs[first + i]) for i in range(4))
@@ -383,15 +383,16 @@ def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: d
 
 def _lanes_weight(lw: Lowering, node: Node, first: int, bits: int, group: int,
                   offset: bool) -> tuple[np.ndarray, int] | None:
-    """(the lanes form, n) of the node's weight where it is a constant int4 the helpers take in that form
+    """(the lanes form, n) of the node's weight where it is a constant the helpers take in that form
     (quant.lanes_form), else None."""
     refs = [constant_ref(lw.method, node, first + i) for i in range(3)]
     if refs[0] is None or refs[1] is None or (refs[2] is None and not absent(node, first + 2)):
         return None
     shape = lw.program.ir.constants[refs[0]].shape
-    if len(shape) != 2 or not quant.lanes_form(bits, group, shape[0], shape[1] * 8 // max(bits, 1)):
+    if len(shape) != 2 or bits not in (4, 8) or \
+            not quant.lanes_form(bits, group, shape[0], shape[1] * 8 // bits, refs[2] is not None, offset):
         return None
-    packed = resident.packed_int4(lw.program, refs[0], refs[1], refs[2], offset)
+    packed = resident.packed_lanes(lw.program, refs[0], refs[1], refs[2], bits, offset)
     return None if packed is None else (packed, int(shape[0]))
 
 

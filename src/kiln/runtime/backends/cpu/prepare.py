@@ -3,7 +3,7 @@ bind once gets a kernel made for it when a session plans its method.
 
 - quantized_linear with constant weights: their addresses taken once, the few-row scratch kept (quant.py), so a
   decode step's ~120 quantized linears stop paying the general kernel's per-call checks and conversions; int4
-  weights in groups of 32 in the lanes form (resident.packed_int4) where the helpers have it, for every row
+  and symmetric int8 weights in the lanes form (resident.packed_lanes) where the helpers have it, for every row
   count; its fused forms (gated_quantized_linear, add_rms_norm_quantized_linear) run their composition with that
   kernel.
 """
@@ -31,11 +31,12 @@ def _bound(program: Program, method: Method, node: Node, first: int):
         return None
     bits, group, offset = int(node.attrs["bits"]), int(node.attrs["group_size"]), bool(node.attrs.get("offset", False))
     shape = program.ir.constants[refs[0]].shape
-    if len(shape) == 2 and lanes_form(bits, group, shape[0], shape[1] * 8 // bits):
-        packed = resident.packed_int4(program, refs[0], refs[1], refs[2], offset)
+    if len(shape) == 2 and lanes_form(bits, group, shape[0], shape[1] * 8 // bits, refs[2] is not None, offset):
+        packed = resident.packed_lanes(program, refs[0], refs[1], refs[2], bits, offset)
         if packed is not None:
             bias = None if refs[3] is None else resident.constant(program, refs[3])
-            return bound_lanes(packed, bias, shape[0], shape[1] * 2, group, offset, refine=yields_output(method, node))
+            return bound_lanes(packed, bias, shape[0], shape[1] * 8 // bits, group, bits, offset,
+                               refine=yields_output(method, node))
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
     return bound_linear(*arrays, bits, group, offset, refine=yields_output(method, node))
 

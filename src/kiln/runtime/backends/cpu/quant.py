@@ -92,20 +92,23 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
     return run
 
 
-def lanes_form(bits: int, group_size: int, n: int, k: int) -> bool:
-    """Whether a quantized [n, k] weight of these attributes runs in the lanes form (resident.packed_int4, qdot.c's
-    kiln_q4_lanes_linear_f32) where it is a program constant: int4 in groups of 32 or a larger power of two, on
-    CPUs with AVX-512 VNNI and BW, integer products on (native.integer_dot). The form serves every row count, so a
-    row's bits never depend on how many rows share its call (a prompt's, a decode step's, a batch's)."""
-    return bits == 4 and native.q4_lanes_bytes(n, k, group_size) > 0
+def lanes_form(bits: int, group_size: int, n: int, k: int, zero: bool, offset: bool) -> bool:
+    """Whether a quantized [n, k] weight of these attributes (zero: it has zero points or offsets) runs in the lanes
+    form (resident.packed_lanes, qdot.c's kiln_qlanes_linear_f32) where it is a program constant: int4, or int8
+    without zero points, in groups of 32 or a larger power of two, on CPUs with AVX-512 VNNI and BW, integer products
+    on (native.integer_dot). The form serves every row count, so a row's bits never depend on how many rows share
+    its call (a prompt's, a decode step's, a batch's)."""
+    if bits == 8 and (zero or offset):
+        return False
+    return bits in (4, 8) and native.lanes_bytes(n, k, group_size, bits) > 0
 
 
-def bound_lanes(packed: np.ndarray, bias: np.ndarray | None, n: int, k: int, group: int, offset: bool,
+def bound_lanes(packed: np.ndarray, bias: np.ndarray | None, n: int, k: int, group: int, bits: int, offset: bool,
                 refine: bool = False) -> Callable[..., np.ndarray]:
-    """quantized_linear for one node whose int4 weights are held in the lanes form (resident.packed_int4), any
-    number of rows; the inputs' scratch is kept and grown as rows need it."""
+    """quantized_linear for one node whose weights are held in the lanes form (resident.packed_lanes), any number
+    of rows; the inputs' scratch is kept and grown as rows need it."""
     lib = native.library()
-    form = native.quant_format(4, offset, refine)
+    form = native.quant_format(bits, offset, refine)
     work = [np.empty(0, np.uint8)]
     bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
 
@@ -125,11 +128,11 @@ def bound_lanes(packed: np.ndarray, bias: np.ndarray | None, n: int, k: int, gro
     return run
 
 
-def _lanes_of(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, offset: bool) -> np.ndarray:
+def _lanes_of(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int, offset: bool) -> np.ndarray:
     """The lanes form of a weight the general kernel meets (a program's constant, made once per array: forms)."""
-    n, k = q.shape[0], q.shape[1] * 2
-    packed = np.empty(native.q4_lanes_bytes(n, k, k // scale.shape[1]), np.uint8)
-    native.pack_q4_lanes(q, scale, zero, offset, packed)
+    n, k = q.shape[0], q.shape[1] * 8 // bits
+    packed = np.empty(native.lanes_bytes(n, k, k // scale.shape[1], bits), np.uint8)
+    native.pack_lanes(q, scale, zero, bits, offset, packed)
     return packed
 
 
@@ -140,7 +143,7 @@ def _lanes_rows(lib, x: np.ndarray, packed: np.ndarray, bias: np.ndarray | None,
     need = 2 * rows * (k + k // group) * 4
     if work is None or work.nbytes < need:
         work = np.empty(need, np.uint8)
-    lib.kiln_q4_lanes_linear_f32(x.ctypes.data, packed.ctypes.data, native.address(bias), out.ctypes.data,
+    lib.kiln_qlanes_linear_f32(x.ctypes.data, packed.ctypes.data, native.address(bias), out.ctypes.data,
                                  work.ctypes.data, rows, n, k, form, group, native.threads())
 
 
@@ -169,9 +172,9 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     compiled = lib is not None and native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous
     out = np.empty((rows, n), dtype=np.float32)
     form = native.quant_format(bits, offset)
-    if compiled and dtype == _F32 and lanes_form(bits, group_size, n, k):
-        packed = forms.derived(f"q4lanes-{id(scale)}-{id(zero)}-{offset}", q,
-                               lambda q: _lanes_of(q, scale, zero, offset))
+    if compiled and dtype == _F32 and lanes_form(bits, group_size, n, k, zero is not None, offset):
+        packed = forms.derived(f"lanes-{id(scale)}-{id(zero)}-{offset}", q,
+                               lambda q: _lanes_of(q, scale, zero, bits, offset))
         _lanes_rows(lib, x2, packed, bias, out, n, k, group_size, form)
     elif compiled and rows <= FEW_ROWS:
         work = np.empty(2 * rows * (k + k // group_size), dtype=np.float32)

@@ -102,14 +102,14 @@ def constant(program: Program, index: int) -> np.ndarray:
     return resident.constant(index)
 
 
-LANES_KEY = "cpu-q4-lanes"
+LANES_KEY = "cpu-lanes"
 ARENA_BYTES = 32 << 20
 """Packed forms are placed in arenas of this size (or one of their own, if larger): whole huge pages, not one
 partial page per weight."""
 
 
 class PackedForms:
-    """A program's int4 weights in the lanes form (native.pack_q4_lanes: qdot.c's layout of 4 rows a pass, one
+    """A program's quantized weights in the lanes form (native.pack_lanes: qdot.c's layout of 4 rows a pass, one
     block a lane, each pass's scales and zero points beside its codes), made once per program from the file's own
     pages, which are then released: the stored layout is not also copied into memory (ResidentConstants), so the
     process holds the weights once."""
@@ -136,32 +136,35 @@ class PackedForms:
         return placed
 
 
-def packed_int4(program: Program, q_ref: int, scale_ref: int, zero_ref: int | None, offset: bool) -> np.ndarray | None:
-    """The lanes form of program constants q (uint8 [n, k / 2]), scale and zero (float32 [n, k / group]; zero
-    absent: None), made once per program; None where the helpers have no such form for them
-    (native.q4_lanes_bytes)."""
+def packed_lanes(program: Program, q_ref: int, scale_ref: int, zero_ref: int | None, bits: int,
+                 offset: bool) -> np.ndarray | None:
+    """The lanes form of program constants q (int4: uint8 [n, k / 2]; int8: int8 [n, k]), scale and zero (float32
+    [n, k / group]; zero absent: None), made once per program; None where the helpers have no such form for them
+    (native.lanes_bytes; int8 only symmetric)."""
     from kiln.runtime.backends.cpu import native
 
     constants = program.ir.constants
     q, scale = constants[q_ref], constants[scale_ref]
-    if len(q.shape) != 2 or q.dtype.numpy != np.uint8 or scale.dtype.numpy != np.float32 or \
-            (zero_ref is not None and constants[zero_ref].dtype.numpy != np.float32):
+    stored = {4: np.uint8, 8: np.int8}.get(bits)
+    if len(q.shape) != 2 or q.dtype.numpy != stored or scale.dtype.numpy != np.float32 or \
+            (zero_ref is not None and constants[zero_ref].dtype.numpy != np.float32) or \
+            (bits == 8 and (zero_ref is not None or offset)):
         return None
-    n, k = q.shape[0], q.shape[1] * 2
+    n, k = q.shape[0], q.shape[1] * 8 // bits
     if len(scale.shape) != 2 or scale.shape[0] != n or not scale.shape[1] or k % scale.shape[1]:
         return None
-    nbytes = native.q4_lanes_bytes(n, k, k // scale.shape[1])
+    nbytes = native.lanes_bytes(n, k, k // scale.shape[1], bits)
     if not nbytes:
         return None
     forms = program.backend_cache.setdefault(LANES_KEY, PackedForms())
-    key = (q_ref, scale_ref, zero_ref, offset)
+    key = (q_ref, scale_ref, zero_ref, bits, offset)
     with forms.lock:
         form = forms.forms.get(key)
         if form is None:
             form = forms.place(nbytes)
             refs = [r for r in (q_ref, scale_ref, zero_ref) if r is not None]
-            native.pack_q4_lanes(*(program.constant(r) for r in (q_ref, scale_ref)),
-                                 None if zero_ref is None else program.constant(zero_ref), offset, form)
+            native.pack_lanes(*(program.constant(r) for r in (q_ref, scale_ref)),
+                              None if zero_ref is None else program.constant(zero_ref), bits, offset, form)
             form.flags.writeable = False
             for ref in refs:
                 program.release_constant_pages(ref)

@@ -87,17 +87,17 @@ SIGNATURES: dict[str, tuple] = {
     "kiln_qdot_level": (),
     "kiln_qlinear_dot_f32": (_ptr,) * 7 + (_i64,) * 6,
     "kiln_qgemm_f32": (_ptr,) * 5 + (_i64,) * 6,
-    "kiln_q4_lanes_bytes": (_i64, _i64, _i64),
-    "kiln_q4_lanes_pack": (_ptr,) * 3 + (_i64,) * 4 + (_ptr,),
-    "kiln_q4_lanes_dequantize": (_ptr,) + (_i64,) * 4 + (_ptr,),
-    "kiln_q4_lanes_linear_f32": (_ptr,) * 5 + (_i64,) * 6,
+    "kiln_qlanes_bytes": (_i64,) * 4,
+    "kiln_qlanes_pack": (_ptr,) * 3 + (_i64,) * 4 + (_ptr,),
+    "kiln_qlanes_dequantize": (_ptr,) + (_i64,) * 4 + (_ptr,),
+    "kiln_qlanes_linear_f32": (_ptr,) * 5 + (_i64,) * 6,
 }
 """Every exported function and its argument types: pointers are passed as integers (`array.ctypes.data`)."""
 RESULTS: dict[str, type] = {name: _i64 for name in (
     "kiln_qdot_level", "kiln_conv2d_f32", "kiln_gemm_packed_size", "kiln_qlinear_dot_f32", "kiln_rope_cache_update_f32",
     "kiln_execute", "kiln_execute_timed", "kiln_execute_words", "kiln_slot_attention_f32", "kiln_rope_slot_update_f32",
     "kiln_gathered_linear_f32", "kiln_gathered_qlinear_f32", "kiln_attention_f32", "kiln_qgemm_f32",
-    "kiln_q4_lanes_bytes", "kiln_q4_lanes_pack", "kiln_q4_lanes_linear_f32")}
+    "kiln_qlanes_bytes", "kiln_qlanes_pack", "kiln_qlanes_linear_f32")}
 """The functions that return a value (the rest return nothing)."""
 
 _lock = threading.Lock()
@@ -272,26 +272,29 @@ ACTIVATION_CODES = {"none": 0, "clamp": 1, "hardswish": 2}
 """A convolution's fused activation as the compiled kernels number it."""
 
 
-def q4_lanes_bytes(n: int, k: int, group: int) -> int:
-    """The bytes of an int4 [n, k] weight in groups of `group` in the lanes form (qdot.c's kiln_q4_lanes_pack: 4
-    rows a pass, one block of 32 a lane), 0 where the helpers have no such form (no AVX-512 VNNI and BW, shapes
-    it cannot hold: n % 4, k % 64, groups not a power of two >= 32; or KILN_QUANT_DOT=float)."""
+def lanes_bytes(n: int, k: int, group: int, bits: int) -> int:
+    """The bytes of an int4 or int8 [n, k] weight in groups of `group` in the lanes form (qdot.c's
+    kiln_qlanes_pack: 4 rows a pass, one block of 32 a lane), 0 where the helpers have no such form (no AVX-512
+    VNNI and BW, shapes it cannot hold: n % 4, k % 64, groups not a power of two >= 32; or KILN_QUANT_DOT=float).
+    int8 is taken symmetric only (pack_lanes)."""
     lib = library()
     if lib is None or not integer_dot():
         return 0
-    return int(lib.kiln_q4_lanes_bytes(n, k, group))
+    return int(lib.kiln_qlanes_bytes(n, k, group, bits))
 
 
-def pack_q4_lanes(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, offset: bool, out: np.ndarray) -> None:
-    """q (uint8 [n, k / 2]), scale and zero (float32 [n, k / group]) into out (q4_lanes_bytes(n, k, group) bytes)."""
+def pack_lanes(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int, offset: bool,
+               out: np.ndarray) -> None:
+    """q (int4: uint8 [n, k / 2]; int8: [n, k], symmetric: no zero, no offset), scale and zero (float32 [n, k /
+    group]) into out (lanes_bytes(n, k, group, bits) bytes)."""
     lib = library()
-    n, k = q.shape[0], q.shape[1] * 2
+    n, k = q.shape[0], q.shape[1] * 8 // bits
     group = k // scale.shape[1]
     arrays = [np.ascontiguousarray(a) for a in (q, scale)] + [None if zero is None else np.ascontiguousarray(zero)]
-    if out.nbytes < q4_lanes_bytes(n, k, group) or arrays[1].dtype != np.float32 or \
-            not lib.kiln_q4_lanes_pack(arrays[0].ctypes.data, arrays[1].ctypes.data, address(arrays[2]), n, k,
-                                       quant_format(4, offset), group, out.ctypes.data):
-        raise ValueError(f"an int4 [{n}, {k}] weight in groups of {group} the lanes form cannot hold")
+    if out.nbytes < lanes_bytes(n, k, group, bits) or arrays[1].dtype != np.float32 or \
+            not lib.kiln_qlanes_pack(arrays[0].ctypes.data, arrays[1].ctypes.data, address(arrays[2]), n, k,
+                                     quant_format(bits, offset), group, out.ctypes.data):
+        raise ValueError(f"an int{bits} [{n}, {k}] weight in groups of {group} the lanes form cannot hold")
 
 
 def pack_gemm_weight(weight: np.ndarray) -> np.ndarray | None:

@@ -45,7 +45,7 @@ enum {
     OP_ROUTE = 21,          /* logits weights ids work | rows n k normalize (experts.c) */
     OP_GATHERED = 22,       /* x index w bias combine out work | s n k experts topk (experts.c; 0: an index is out) */
     OP_GATHERED_Q = 23,     /* x index q scale zero bias combine out work | s n k experts topk format group dot */
-    OP_Q4LANES = 24,        /* x packed bias out work | m n k format group (an int4 weight in qdot.c's lanes form) */
+    OP_QLANES = 24,         /* x packed bias out work | m n k format group (a weight in qdot.c's lanes form) */
 };
 
 /* kind: 0 +, 1 -, 2 *, 3 / (float32), 4 remainder (int64: the divisor's sign, as NumPy's; by 0: 0), 5 &, 6 |, 7 ^
@@ -105,8 +105,8 @@ static void binary_row_f32(i64 kind, const float *restrict x, i64 xs, const floa
 
 i64 kiln_qlinear_dot_f32(const float *x, const void *q, const float *scale, const float *zero, const float *bias,
                          float *out, void *work, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
-i64 kiln_q4_lanes_linear_f32(const float *x, const void *packed, const float *bias, float *out, void *work, i64 m,
-                             i64 n, i64 k, i64 format, i64 group, i64 threads);
+i64 kiln_qlanes_linear_f32(const float *x, const void *packed, const float *bias, float *out, void *work, i64 m,
+                           i64 n, i64 k, i64 format, i64 group, i64 threads);
 void kiln_qlinear_f32(const float *x, const void *qv, const float *scale, const float *zero, const float *bias,
                       float *out, float *xs, i64 m, i64 n, i64 k, i64 format, i64 group, i64 threads);
 void kiln_linear_rows_f32(const float *x, const float *w, const float *bias, float *out, i64 m, i64 n, i64 k,
@@ -189,9 +189,9 @@ static int run(const i64 *a, char *const *bases, i64 threads) {
                                  s[4], threads);
             return 1;
         }
-        case OP_Q4LANES:
-            return (int)kiln_q4_lanes_linear_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), a[11], a[12], a[13], a[14],
-                                                 a[15], threads);
+        case OP_QLANES:
+            return (int)kiln_qlanes_linear_f32(PTR(1), PTR(3), PTR(5), PTR(7), PTR(9), a[11], a[12], a[13], a[14],
+                                               a[15], threads);
         case OP_LINEAR:
             kiln_linear_rows_f32(PTR(1), PTR(3), PTR(5), PTR(7), a[9], a[10], a[11], threads);
             return 1;

@@ -461,8 +461,8 @@ static void qdot_part(const void *ctx, i64 begin, i64 end) {
 }
 #endif
 
-/* ---- int4 weights laid out one block of 32 a lane (the CPU backend's packed form, made once per weight:
- * kiln_q4_lanes_pack; groups of 32 or a larger power of two) ----
+/* ---- int4 and int8 weights laid out one block of 32 a lane (the CPU backend's packed form, made once per
+ * weight: kiln_qlanes_pack; groups of 32 or a larger power of two) ----
  *
  * q4_rows multiplies the weights as the program stores them: a 512-bit product holds four blocks, four lanes each,
  * so every 128 weights and row cost a conversion to float, a scale product and a multiply-add beside the two dot
@@ -470,21 +470,27 @@ static void qdot_part(const void *ctx, i64 begin, i64 end) {
  * block l: eight dot products accumulate a block's 32 products whole in its lane, and the float work is one
  * conversion, product and multiply-add per 512 weights and row.
  *
- * A pass is 4 weight rows, stored together: their codes (2k bytes) chunk by chunk, then their scales [4][k / group],
- * then their points [4][k / group] (quant_point, explicit even where the program has none). Chunks: 16 blocks (512
- * weights, 256 bytes a row: byte j of its u-th 64 holds elements 8u + j % 4 (low nibble) and 8u + 4 + j % 4 (high)
- * of block j / 4), then 4 blocks (64 bytes a row: byte j holds elements j % 16 and 16 + j % 16 of block j / 16),
- * then 2 (32 bytes a row: byte j holds element j of the first block and of the second). The input's codes follow
- * the same order (lanes_codes). */
-#define LANE_POINTS_OFFSET(k, group) (2 * (k) + 16 * ((k) / (group))) /* of a pass: its points, after the scales */
-#define LANE_PASS_BYTES(k, group) (2 * (k) + 32 * ((k) / (group)))
+ * A pass is 4 weight rows, stored together: their codes (int4: 2k bytes, int8: 4k) chunk by chunk, then their
+ * scales [4][k / group], then their points [4][k / group] (quant_point, explicit even where the program has none).
+ * Chunks: 16 blocks (512 weights; int4: 256 bytes a row, byte j of its u-th 64 holding elements 8u + j % 4 (low
+ * nibble) and 8u + 4 + j % 4 (high) of block j / 4), then 4 blocks (int4: 64 bytes a row, byte j holding elements
+ * j % 16 and 16 + j % 16 of block j / 16), then 2 (int4: 32 bytes a row, byte j holding element j of the first block
+ * and of the second). int8 codes are stored as the unsigned dot product takes them, q + 128 (its point 128: only
+ * symmetric int8 is taken, so the point is exact), each chunk already in the order its int4 codes unpack to: code
+ * vector v of a 16-block chunk holds elements 4v..4v+3 of block l in lane l. The input's codes follow the same
+ * order (lanes_codes). */
+#define LANE_CODE_BYTES(k, bits) ((bits) == 4 ? 2 * (k) : 4 * (k)) /* of a pass */
+#define LANE_POINTS_OFFSET(k, group, bits) (LANE_CODE_BYTES(k, bits) + 16 * ((k) / (group)))
+#define LANE_PASS_BYTES(k, group, bits) (LANE_CODE_BYTES(k, bits) + 32 * ((k) / (group)))
 
 /* whether the form holds [n, k] in groups of `group`: whole passes, whole 64s, groups a power of two >= 32 */
 static inline int lanes_shapes(i64 n, i64 k, i64 group) {
     return n % 4 == 0 && k % 64 == 0 && group >= 32 && (group & (group - 1)) == 0 && k % group == 0;
 }
 
-/* the (block, element) of a chunk's code byte j's low (hi = 0) or high nibble, its chunk of W blocks at block b0 */
+/* the (block, element) of an int4 chunk's code byte j's low (hi = 0) or high nibble, its chunk of W blocks at
+ * block b0; an int8 chunk's byte 64 v + j is the int4 chunk's code vector v's byte j: lane_element(b0, W, 64
+ * (v / 2) + j, v % 2) for 16 blocks, (b0, W, j, v) for 4, (b0, W, j % 32, j / 32) for 2 */
 static inline i64 lane_element(i64 b0, int W, i64 j, int hi) {
     if (W == 16) return 32 * (b0 + j % 64 / 4) + 8 * (j / 64) + 4 * hi + j % 4;
     if (W == 4) return 32 * (b0 + j / 16) + 16 * hi + j % 16;
@@ -494,35 +500,51 @@ static inline i64 lane_element(i64 b0, int W, i64 j, int hi) {
 /* the width of the chunk at block b0 of a row of ng blocks */
 static inline int lane_width(i64 b0, i64 ng) { return ng - ng % 16 > b0 ? 16 : ng - ng % 4 > b0 ? 4 : 2; }
 
-/* The packed form of int4 weight rows [n, k] (lanes_shapes) into out (n / 4 * LANE_PASS_BYTES(k, group) bytes);
- * 0 where the shapes do not allow it */
-i64 kiln_q4_lanes_pack(const unsigned char *restrict q, const float *restrict scale, const float *restrict zero,
-                       i64 n, i64 k, i64 format, i64 group, unsigned char *restrict out) {
-    if (!lanes_shapes(n, k, group) || QUANT_BITS(format) != 4) return 0;
+/* the element an int8 chunk's code byte b holds (see lane_element) */
+static inline i64 lane_element8(i64 b0, int W, i64 b) {
+    const i64 v = b / 64, j = b % 64;
+    return W == 16 ? lane_element(b0, W, 64 * (v / 2) + j, (int)(v % 2))
+                   : W == 4 ? lane_element(b0, W, j, (int)v) : lane_element(b0, W, j % 32, (int)(j / 32));
+}
+
+/* whether the form takes weights of this format: int4 in either form, int8 symmetric (its point 128 exact) */
+static inline int lanes_format(i64 format, const float *zero) {
+    return QUANT_BITS(format) == 4 || (QUANT_BITS(format) == 8 && !zero && !(format & QUANT_OFFSET));
+}
+
+/* The packed form of int4 or int8 weight rows [n, k] (lanes_shapes, lanes_format) into out (n / 4 *
+ * LANE_PASS_BYTES(k, group, bits) bytes); 0 where the shapes or the format do not allow it */
+i64 kiln_qlanes_pack(const unsigned char *restrict q, const float *restrict scale, const float *restrict zero,
+                     i64 n, i64 k, i64 format, i64 group, unsigned char *restrict out) {
+    const int bits = (int)QUANT_BITS(format);
+    if (!lanes_shapes(n, k, group) || !lanes_format(format, zero)) return 0;
     const i64 nb = k / 32, ng = k / group;
     for (i64 p = 0; p < n / 4; p++) {
-        unsigned char *pass = out + p * LANE_PASS_BYTES(k, group);
-        float *s = (float *)(pass + 2 * k), *z = (float *)(pass + LANE_POINTS_OFFSET(k, group));
+        unsigned char *pass = out + p * LANE_PASS_BYTES(k, group, bits);
+        float *s = (float *)(pass + LANE_CODE_BYTES(k, bits)), *z = (float *)(pass + LANE_POINTS_OFFSET(k, group, bits));
         unsigned char *c = pass;
         for (i64 b0 = 0; b0 < nb;) {
             const int W = lane_width(b0, nb);
             for (int i = 0; i < 4; i++) {
-                const unsigned char *row = q + (4 * p + i) * (k / 2);
-                for (int j = 0; j < 16 * W; j++) {
-                    unsigned char byte = 0;
-                    for (int hi = 0; hi < 2; hi++) {
-                        const i64 e = lane_element(b0, W, j, hi);
-                        byte |= (unsigned char)(((row[e / 2] >> (4 * (e & 1))) & 15) << (4 * hi));
+                const unsigned char *row = q + (4 * p + i) * (k * bits / 8);
+                if (bits == 8)
+                    for (int b = 0; b < 32 * W; b++) *c++ = (unsigned char)(row[lane_element8(b0, W, b)] ^ 0x80);
+                else
+                    for (int j = 0; j < 16 * W; j++) {
+                        unsigned char byte = 0;
+                        for (int hi = 0; hi < 2; hi++) {
+                            const i64 e = lane_element(b0, W, j, hi);
+                            byte |= (unsigned char)(((row[e / 2] >> (4 * (e & 1))) & 15) << (4 * hi));
+                        }
+                        *c++ = byte;
                     }
-                    *c++ = byte;
-                }
             }
             b0 += W;
         }
         for (int i = 0; i < 4; i++)
             for (i64 g = 0; g < ng; g++) {
                 s[i * ng + g] = scale[(4 * p + i) * ng + g];
-                z[i * ng + g] = quant_point(zero ? zero + (4 * p + i) * ng : 0, g, format);
+                z[i * ng + g] = bits == 8 ? 128.0f : quant_point(zero ? zero + (4 * p + i) * ng : 0, g, format);
             }
     }
     return 1;
@@ -557,14 +579,15 @@ static inline __attribute__((always_inline)) void lanes_rows(const char *restric
                                                              const unsigned char *restrict pass,
                                                              const float *restrict bias, float *restrict out, i64 n,
                                                              i64 k, i64 group, i64 format, const char *next,
-                                                             const int grouped) {
+                                                             const int grouped, const int bits) {
     const i64 nb = k / 32, ng = k / group, per = group / 32;
-    const float *s = (const float *)(pass + 2 * k), *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group));
+    const float *s = (const float *)(pass + LANE_CODE_BYTES(k, bits));
+    const float *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group, bits));
     /* the pass two on, fetched while this one computes; not for one row of a short pass, which the hardware's
      * prefetcher streams alone (measured: SmolLM2's k = 576 layers at one row 5-10% faster without, its k = 1536
      * layer 15-20% slower, four rows slower without at either) */
     if (M > 1 || k >= 1024)
-        for (i64 line = 0; line < LANE_PASS_BYTES(k, group); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+        for (i64 line = 0; line < LANE_PASS_BYTES(k, group, bits); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m128i shift = _mm_cvtsi64_si128(__builtin_ctzll((unsigned long long)per));
     /* a chunk's weight scales by lane (lane l: block b0 + (l >> spread)): the row's groups from b0's, spread */
@@ -582,15 +605,21 @@ static inline __attribute__((always_inline)) void lanes_rows(const char *restric
         for (int i = 0; i < QDOT_ROWS; i++) wide[r][i] = _mm512_setzero_ps();
     const unsigned char *c = pass;
     i64 b0 = 0;
-    for (; b0 + 16 <= nb; b0 += 16, c += 4 * 256) {
+    for (; b0 + 16 <= nb; b0 += 16, c += 256 * bits) { /* (4 rows of 16 blocks: 64 bits bytes each) */
         for (int i = 0; i < QDOT_ROWS; i++) {
             /* two sums a row (the low nibbles', the high nibbles'): chains of 4 dot products, interleaved over the
              * rows, where one chain of 8 a row left the products waiting on each other's latency */
             __m512i even[QDOT_INPUTS], odd[QDOT_INPUTS];
             for (int r = 0; r < M; r++) even[r] = odd[r] = _mm512_setzero_si512();
             for (int u = 0; u < 4; u++) {
-                const __m512i b = _mm512_loadu_si512((const void *)(c + 256 * i + 64 * u));
-                const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                __m512i lo, hi;
+                if (bits == 8) {
+                    lo = _mm512_loadu_si512((const void *)(c + 512 * i + 128 * u));
+                    hi = _mm512_loadu_si512((const void *)(c + 512 * i + 128 * u + 64));
+                } else {
+                    const __m512i b = _mm512_loadu_si512((const void *)(c + 256 * i + 64 * u));
+                    lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                }
                 for (int r = 0; r < M; r++)
                     even[r] = _mm512_dpbusd_epi32(even[r], lo,
                                                   _mm512_loadu_si512((const void *)(work + r * stride + 32 * b0 + 128 * u)));
@@ -606,13 +635,19 @@ static inline __attribute__((always_inline)) void lanes_rows(const char *restric
         }
     }
     const __m512i spread4 = _mm512_srli_epi32(lane, 2), spread2 = _mm512_srli_epi32(lane, 3);
-    for (; b0 + 4 <= nb; b0 += 4, c += 4 * 64) {
+    for (; b0 + 4 <= nb; b0 += 4, c += 64 * bits) {
         __m512 dv[QDOT_INPUTS];
         for (int r = 0; r < M; r++)
             dv[r] = _mm512_permutexvar_ps(spread4, _mm512_maskz_loadu_ps(0xF, (const float *)(work + r * stride + k) + b0));
         for (int i = 0; i < QDOT_ROWS; i++) {
-            const __m512i b = _mm512_loadu_si512((const void *)(c + 64 * i));
-            const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            __m512i lo, hi;
+            if (bits == 8) {
+                lo = _mm512_loadu_si512((const void *)(c + 128 * i));
+                hi = _mm512_loadu_si512((const void *)(c + 128 * i + 64));
+            } else {
+                const __m512i b = _mm512_loadu_si512((const void *)(c + 64 * i));
+                lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            }
             const __m512 sv = LANE_SCALES(s + i * ng, 2);
             for (int r = 0; r < M; r++) {
                 const char *xr = work + r * stride + 32 * b0;
@@ -629,8 +664,11 @@ static inline __attribute__((always_inline)) void lanes_rows(const char *restric
         for (int r = 0; r < M; r++)
             dv[r] = _mm512_permutexvar_ps(spread2, _mm512_maskz_loadu_ps(0x3, (const float *)(work + r * stride + k) + b0));
         for (int i = 0; i < QDOT_ROWS; i++) {
-            const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 32 * i)));
-            const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(b, shifts), low);
+            const __m512i w = bits == 8 ? _mm512_loadu_si512((const void *)(c + 64 * i))
+                                        : _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                                                                 (const __m256i *)(c + 32 * i))),
+                                                                             shifts),
+                                                           low);
             const __m512 sv = LANE_SCALES(s + i * ng, 3);
             for (int r = 0; r < M; r++) {
                 const __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
@@ -655,13 +693,16 @@ typedef struct {
  * one at a time, the residual's product added) */
 static void lanes_part(const void *ctx, i64 begin, i64 end) {
     const lanes_args *a = ctx;
-    const i64 n = a->n, k = a->k, g = a->group, bytes = LANE_PASS_BYTES(k, g), st = a->stride, f = a->format;
-    const int grouped = g != 32;
+    const i64 n = a->n, k = a->k, g = a->group, st = a->stride, f = a->format;
+    const int grouped = g != 32, bits = (int)QUANT_BITS(f);
+    const i64 bytes = LANE_PASS_BYTES(k, g, bits);
     const int refine = (f & QUANT_REFINE) != 0;
 /* (groups of 32, the common case, without their general spread) */
 #define LANES_ROWS(work_, st_, M_, pass_, bias_, out_, n_)                                                         \
-    (grouped ? lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, g, f, next, 1)                               \
-             : lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, 32, f, next, 0))
+    (bits == 8 ? (grouped ? lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, g, f, next, 1, 8)               \
+                          : lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, 32, f, next, 0, 8))             \
+               : (grouped ? lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, g, f, next, 1, 4)               \
+                          : lanes_rows(work_, st_, M_, pass_, bias_, out_, n_, k, 32, f, next, 0, 4)))
     for (i64 p = begin; p < end; p++) {
         const unsigned char *pass = a->packed + p * bytes;
         const char *next = (const char *)pass + 2 * bytes;
@@ -678,12 +719,15 @@ static void lanes_part(const void *ctx, i64 begin, i64 end) {
                 default: LANES_ROWS(work, st, 1, pass, bias, out, n); break;
                 }
             }
-        } else {
-            for (i64 r = 0; r < a->m; r++) {
-                float *out = a->out + r * n + 4 * p, extra[QDOT_ROWS];
-                LANES_ROWS(a->work + 2 * r * st, st, 1, pass, bias, out, n);
-                LANES_ROWS(a->work + (2 * r + 1) * st, st, 1, pass, 0, extra, QDOT_ROWS);
-                for (int i = 0; i < QDOT_ROWS; i++) out[i] += extra[i];
+        } else { /* two input rows at a time, each a value row and a residual row: out = (value + bias) + residual */
+            for (i64 r0 = 0; r0 < a->m; r0 += 2) {
+                float part[QDOT_INPUTS][QDOT_ROWS];
+                const char *work = a->work + 2 * r0 * st;
+                if (a->m - r0 >= 2) LANES_ROWS(work, st, 4, pass, 0, part[0], QDOT_ROWS);
+                else LANES_ROWS(work, st, 2, pass, 0, part[0], QDOT_ROWS);
+                for (int r = 0; r < 2 && r0 + r < a->m; r++)
+                    for (int i = 0; i < QDOT_ROWS; i++)
+                        a->out[(r0 + r) * n + 4 * p + i] = (part[2 * r][i] + (bias ? bias[i] : 0.0f)) + part[2 * r + 1][i];
             }
         }
     }
@@ -821,37 +865,48 @@ i64 kiln_qlinear_dot_f32(const float *restrict x, const void *restrict q, const 
 #endif
 }
 
-/* rows [0, n) of a packed int4 weight (kiln_q4_lanes_pack) as float32 w [n, k], each weight as quant_value rounds
- * it: what the product is of, for the tests and for inputs the integer products cannot take */
-void kiln_q4_lanes_dequantize(const unsigned char *restrict packed, i64 n, i64 k, i64 format, i64 group,
-                              float *restrict w) {
+/* rows [0, n) of a packed weight (kiln_qlanes_pack) as float32 w [n, k], each weight as quant_value rounds it
+ * (int8: as its stored code, (q - 0) * s): what the product is of, for the tests and for inputs the integer
+ * products cannot take */
+void kiln_qlanes_dequantize(const unsigned char *restrict packed, i64 n, i64 k, i64 format, i64 group,
+                            float *restrict w) {
+    const int bits = (int)QUANT_BITS(format);
     const i64 nb = k / 32, ng = k / group;
     for (i64 p = 0; p < n / 4; p++) {
-        const unsigned char *pass = packed + p * LANE_PASS_BYTES(k, group), *c = pass;
-        const float *s = (const float *)(pass + 2 * k), *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group));
+        const unsigned char *pass = packed + p * LANE_PASS_BYTES(k, group, bits), *c = pass;
+        const float *s = (const float *)(pass + LANE_CODE_BYTES(k, bits));
+        const float *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group, bits));
         for (i64 b0 = 0; b0 < nb;) {
             const int W = lane_width(b0, nb);
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 16 * W; j++, c++)
-                    for (int hi = 0; hi < 2; hi++) {
-                        const i64 e = lane_element(b0, W, j, hi);
-                        w[(4 * p + i) * k + e] = quant_value((float)((*c >> (4 * hi)) & 15), z + i * ng, e / group,
-                                                             s[i * ng + e / group], format);
+            for (int i = 0; i < 4; i++) {
+                float *row = w + (4 * p + i) * k;
+                if (bits == 8)
+                    for (int b = 0; b < 32 * W; b++, c++) {
+                        const i64 e = lane_element8(b0, W, b);
+                        row[e] = quant_value((float)((int)*c - 128), 0, e / group, s[i * ng + e / group], format);
                     }
+                else
+                    for (int j = 0; j < 16 * W; j++, c++)
+                        for (int hi = 0; hi < 2; hi++) {
+                            const i64 e = lane_element(b0, W, j, hi);
+                            row[e] = quant_value((float)((*c >> (4 * hi)) & 15), z + i * ng, e / group,
+                                                 s[i * ng + e / group], format);
+                        }
+            }
             b0 += W;
         }
     }
 }
 
-/* kiln_qlinear_dot_f32's product for an int4 weight in the packed form (kiln_q4_lanes_pack, its group): x
+/* kiln_qlinear_dot_f32's product for a weight in the packed form (kiln_qlanes_pack, its format and group): x
  * [m, k], bias [n] or NULL, out [m, n], work as kiln_qlinear_dot_f32's. A row holding inf or NaN is multiplied in
  * float32 by the dequantized rows (int8 cannot hold them; the other rows are not affected). Returns 0 where the
  * helpers lack the instructions, the shapes do not fit the form or memory ran out, else 1. */
-i64 kiln_q4_lanes_linear_f32(const float *restrict x, const void *restrict packed, const float *restrict bias,
-                             float *restrict out, void *work, i64 m, i64 n, i64 k, i64 format, i64 group,
-                             i64 threads) {
+i64 kiln_qlanes_linear_f32(const float *restrict x, const void *restrict packed, const float *restrict bias,
+                           float *restrict out, void *work, i64 m, i64 n, i64 k, i64 format, i64 group,
+                           i64 threads) {
 #if Q4_WIDE
-    if (!lanes_shapes(n, k, group) || QUANT_BITS(format) != 4) return 0;
+    if (!lanes_shapes(n, k, group) || !lanes_format(format, 0)) return 0;
     const i64 stride = 4 * (k + k / group);
     const int refine = (format & QUANT_REFINE) != 0;
     float *residual = refine ? malloc(sizeof(float) * k) : 0;
@@ -882,8 +937,8 @@ i64 kiln_q4_lanes_linear_f32(const float *restrict x, const void *restrict packe
     parallel_for(lanes_part, &args, n / 4, threads_for(threads, n * k / LINEAR_MIN_PART));
     float *w = failed ? malloc(sizeof(float) * 4 * k) : 0;
     for (i64 p = 0; w && p < n / 4; p++) { /* rows holding inf or NaN: in float32, by the dequantized rows */
-        kiln_q4_lanes_dequantize((const unsigned char *)packed + p * LANE_PASS_BYTES(k, group), 4, k, format, group,
-                                 w);
+        kiln_qlanes_dequantize((const unsigned char *)packed + p * LANE_PASS_BYTES(k, group, QUANT_BITS(format)), 4, k,
+                               format, group, w);
         for (i64 r = 0; r < m; r++)
             for (int i = 0; fails[r] && i < 4; i++) {
                 float sum = bias ? bias[4 * p + i] : 0.0f;
@@ -901,13 +956,13 @@ i64 kiln_q4_lanes_linear_f32(const float *restrict x, const void *restrict packe
 #endif
 }
 
-/* the bytes of an [n, k] int4 weight's packed form in groups of `group` (kiln_q4_lanes_pack), 0 where the helpers
- * have no such form */
-i64 kiln_q4_lanes_bytes(i64 n, i64 k, i64 group) {
+/* the bytes of an [n, k] int4 or int8 weight's packed form in groups of `group` (kiln_qlanes_pack), 0 where the
+ * helpers have no such form */
+i64 kiln_qlanes_bytes(i64 n, i64 k, i64 group, i64 bits) {
 #if Q4_WIDE
-    return lanes_shapes(n, k, group) ? n / 4 * LANE_PASS_BYTES(k, group) : 0;
+    return lanes_shapes(n, k, group) && (bits == 4 || bits == 8) ? n / 4 * LANE_PASS_BYTES(k, group, bits) : 0;
 #else
-    (void)n, (void)k, (void)group;
+    (void)n, (void)k, (void)group, (void)bits;
     return 0;
 #endif
 }
