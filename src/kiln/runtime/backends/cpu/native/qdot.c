@@ -583,11 +583,10 @@ static inline __attribute__((always_inline)) void lanes_rows(const char *restric
     const i64 nb = k / 32, ng = k / group, per = group / 32;
     const float *s = (const float *)(pass + LANE_CODE_BYTES(k, bits));
     const float *z = (const float *)(pass + LANE_POINTS_OFFSET(k, group, bits));
-    /* the pass two on, fetched while this one computes; not for one row of a short pass, which the hardware's
-     * prefetcher streams alone (measured: SmolLM2's k = 576 layers at one row 5-10% faster without, its k = 1536
-     * layer 15-20% slower, four rows slower without at either) */
-    if (M > 1 || k >= 1024)
-        for (i64 line = 0; line < LANE_PASS_BYTES(k, group, bits); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    /* the pass two on, fetched into L2 while this one computes (the L1's prefetcher takes it from there). Into L1
+     * (T0) its fills held the L1's few miss buffers from the loads (SmolLM2's linears cold, 4 rows 4.57-4.83 ms
+     * against 3.97-4.06; 1 row 2.61-2.78 against 2.53); into L3 (T2), or 4 passes on, no better */
+    for (i64 line = 0; line < LANE_PASS_BYTES(k, group, bits); line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m128i shift = _mm_cvtsi64_si128(__builtin_ctzll((unsigned long long)per));
     /* a chunk's weight scales by lane (lane l: block b0 + (l >> spread)): the row's groups from b0's, spread */
