@@ -162,9 +162,12 @@ class _TwoLayers(torch.nn.Module):
 @pytest.mark.parametrize("mode,group", [("int4", 32), ("int4", 64), ("int8", 64)])
 def test_a_programs_weights_run_in_the_lanes_form_and_are_held_once(mode, group, executor, monkeypatch):
     """Exported int4 and int8 linears on the CPU: the prepared kernels (python) and the native executor's
-    instructions run the lanes form, for one row and for many, with the same bits either way; the form is made once
-    per program from the file's pages, and the stored codes, scales and zero points are never also copied into
-    resident memory."""
+    instructions run the lanes form, for one row and for as many as take integer products (quant.lanes_rows), with
+    the same bits either way; more rows (a long prompt's) take the float GEMM on the stored weights, read from the
+    file's pages. The form is made once per program from the file's pages, and the stored codes, scales and zero
+    points are never also copied into resident memory."""
+    from kiln.runtime.backends.cpu import quant
+
     monkeypatch.setenv("KILN_EXECUTOR", executor)
     torch.manual_seed(0)
     model = _TwoLayers().eval()
@@ -182,7 +185,8 @@ def test_a_programs_weights_run_in_the_lanes_form_and_are_held_once(mode, group,
     monkeypatch.setattr(native, "library", Spy)
     session = program.session("cpu")
     x = np.random.default_rng(1).standard_normal((40, 576), dtype=np.float32)
-    many = session.run("forward", x)[0]
+    rows = quant.lanes_rows(int(mode[3:]))
+    many = session.run("forward", x[:rows])[0]
     one = session.run("forward", x[7:8])[0]
     assert np.array_equal(one, many[7:8])
     if executor == "python":
@@ -190,9 +194,13 @@ def test_a_programs_weights_run_in_the_lanes_form_and_are_held_once(mode, group,
     else:  # (inside the executor's one compiled call)
         assert all(plan.lowered is not None for plan in session._plans["forward"].values())
         assert not {"kiln_qgemm_f32", "kiln_qlinear_dot_f32", "kiln_qlanes_linear_f32"} & set(calls)
+    calls.clear()
+    longer = session.run("forward", x)[0]
+    assert "kiln_qgemm_f32" in calls and "kiln_qlanes_linear_f32" not in calls
     monkeypatch.setenv("KILN_QUANT_DOT", "float")  # the float32 kernel: the same weights, inputs not rounded
     want = exported.load().session("cpu").run("forward", x)[0]
-    assert np.abs(many - want).max() < 0.02 * np.abs(want).max()
+    assert np.abs(many - want[:rows]).max() < 0.02 * np.abs(want).max()
+    assert np.abs(longer - want).max() < 1e-4 * np.abs(want).max()
     forms = program.backend_cache[resident.LANES_KEY].forms
     assert len(forms) == 2
     quantized = {c.blob for c in program.ir.constants if c.name.endswith((".q", ".scale", ".zero"))}

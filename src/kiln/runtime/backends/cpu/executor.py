@@ -352,12 +352,12 @@ def _rows(x: Loc) -> int:
 def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: dict[str, Any]) -> Loc:
     """quantized_linear of x by the node's weight (q at input `first`, then scale, zero, bias; its own quantization
     attributes; its inputs refined where the node yields a method output: quant.yields_output): int4 constants in
-    groups the lanes form takes (quant.lanes_form, resident.packed_lanes), any rows; otherwise few float32 rows by
-    the native qlinear."""
+    groups the lanes form takes (quant.lanes_form, resident.packed_lanes), up to quant.lanes_rows; otherwise few
+    float32 rows by the native qlinear."""
     bits, group, offset = int(attrs["bits"]), int(attrs["group_size"]), bool(attrs.get("offset", False))
     refine = quant.yields_output(lw.method, node)
     _need(x.dtype == F32, "not float32 rows")
-    packed = _lanes_weight(lw, node, first, bits, group, offset)
+    packed = _lanes_weight(lw, node, first, bits, group, offset) if _rows(x) <= quant.lanes_rows(bits) else None
     if packed is not None:
         n, k = packed[1], x.shape[-1]
         bias = lw.loc(node.inputs[first + 3])

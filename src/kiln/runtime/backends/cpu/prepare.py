@@ -35,7 +35,8 @@ def _bound(program: Program, method: Method, node: Node, first: int):
         packed = resident.packed_lanes(program, refs[0], refs[1], refs[2], bits, offset)
         if packed is not None:
             bias = None if refs[3] is None else resident.constant(program, refs[3])
-            return bound_lanes(packed, bias, shape[0], shape[1] * 8 // bits, group, bits, offset,
+            stored = tuple(None if r is None else program.constant(r) for r in refs[:3])
+            return bound_lanes(packed, stored, bias, shape[0], shape[1] * 8 // bits, group, bits, offset,
                                refine=yields_output(method, node))
     arrays = [None if r is None else resident.constant(program, r) for r in refs]
     return bound_linear(*arrays, bits, group, offset, refine=yields_output(method, node))

@@ -3,8 +3,10 @@ quantized_linear; the embedding and the reference dequantization are portable: k
 
 Where the helpers have the lanes form (AVX-512 VNNI and BW; lanes_form: int4, or int8 without zero points, in
 power-of-two groups of 32 or more), a constant weight is packed once into it (resident.packed_lanes, qdot.c) and
-every row count runs its integer products: one kernel for a decode step and a prompt, so a row's bits never depend
-on its neighbours, and a prompt of 96 tokens at 1.4x, a decode step at 1.1x the stored layout's speed (SmolLM2).
+the rows that take integer products (up to lanes_rows: a decode step's, a short prompt's) run them there, one
+kernel for all of them: a decode step of SmolLM2 at 1.2-1.3x the stored layout's speed. Longer prompts keep the
+float GEMM on the stored weights (below), whose inputs are not rounded to int8.
+
 Otherwise, few rows (a decode step): the compiled kernel reads each quantized weight row once and converts it in
 registers, so the step reads 4x (int8) or 8x (int4) fewer weight bytes than float32. Many rows (prefill,
 encoders): the packed GEMM dequantizes blocks of 32 weight rows as it packs them (gemm.c's kiln_qgemm_f32), so a
@@ -96,6 +98,15 @@ def bound_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bias
     return run
 
 
+def lanes_rows(bits: int) -> int:
+    """The most input rows a call multiplies in the lanes form, as many as took integer products before it
+    (INT4_DOT_ROWS, FEW_ROWS for int8); more go to the float GEMM on the stored weights. Rounding a prompt's rows to
+    int8 too ran its 96 tokens 1.4x faster, but moved SmolLM2's logits by ~1 against float inputs (the demo
+    question's first token: "L" 24.57 over "The" 24.43, where the GEMM gives "The" 25.33 over "L" 25.24, and with it
+    the whole answer): a prompt's errors go into every later token's keys and values."""
+    return INT4_DOT_ROWS if bits == 4 else FEW_ROWS
+
+
 def lanes_form(bits: int, group_size: int, n: int, k: int, zero: bool, offset: bool) -> bool:
     """Whether a quantized [n, k] weight of these attributes (zero: it has zero points or offsets) runs in the lanes
     form (resident.packed_lanes, qdot.c's kiln_qlanes_linear_f32) where it is a program constant: int4, or int8
@@ -107,10 +118,12 @@ def lanes_form(bits: int, group_size: int, n: int, k: int, zero: bool, offset: b
     return bits in (4, 8) and native.lanes_bytes(n, k, group_size, bits) > 0
 
 
-def bound_lanes(packed: np.ndarray, bias: np.ndarray | None, n: int, k: int, group: int, bits: int, offset: bool,
+def bound_lanes(packed: np.ndarray, stored: tuple[np.ndarray, np.ndarray, np.ndarray | None],
+                bias: np.ndarray | None, n: int, k: int, group: int, bits: int, offset: bool,
                 refine: bool = False) -> Callable[..., np.ndarray]:
-    """quantized_linear for one node whose weights are held in the lanes form (resident.packed_lanes), any number
-    of rows; the inputs' scratch is kept and grown as rows need it."""
+    """quantized_linear for one node whose weights are held in the lanes form (resident.packed_lanes), up to
+    lanes_rows(bits) rows (the inputs' scratch kept and grown as rows need it); more rows go to the general kernel
+    with the stored weights (q, scale, zero: the file's own pages, read only by such calls)."""
     lib = native.library()
     form = native.quant_format(bits, offset, refine)
     work = [np.empty(0, np.uint8)]
@@ -120,6 +133,8 @@ def bound_lanes(packed: np.ndarray, bias: np.ndarray | None, n: int, k: int, gro
             offset: bool = False) -> np.ndarray:
         if x.shape[-1] != k:
             raise ValueError(f"quantized_linear: input of {x.shape[-1]} features for a weight of {k}")
+        if x.size // k > lanes_rows(bits):
+            return quantized_linear(x, *stored, bias, bits=bits, group_size=group_size, offset=offset)
         x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
         need = 2 * x2.shape[0] * (k + k // group) * 4
         if work[0].nbytes < need:
@@ -176,7 +191,8 @@ def quantized_linear(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.n
     compiled = lib is not None and native.float32_contiguous(scale, zero, bias) and q.flags.c_contiguous
     out = np.empty((rows, n), dtype=np.float32)
     form = native.quant_format(bits, offset)
-    if compiled and dtype == _F32 and lanes_form(bits, group_size, n, k, zero is not None, offset):
+    if compiled and dtype == _F32 and rows <= lanes_rows(bits) and lanes_form(bits, group_size, n, k, zero is not None,
+                                                                              offset):
         packed = forms.derived(f"lanes-{id(scale)}-{id(zero)}-{offset}", q,
                                lambda q: _lanes_of(q, scale, zero, bits, offset))
         _lanes_rows(lib, x2, packed, bias, out, n, k, group_size, form)
