@@ -36,7 +36,6 @@ from kiln.ir.symbolic import resolve_shape
 from kiln.registry import register_once
 from kiln.runtime.backends.array_api.conv import pool_geometry
 from kiln.runtime.backends.array_api.norm import rms_norm_eps
-from kiln.runtime.backends.base import absent, constant_ref
 from kiln.runtime.backends.cpu import conv, forms, linalg, native, quant, resident
 from kiln.runtime.backends.cpu import experts as cpu_experts
 from kiln.runtime.backends.cpu.reduce import reduced_shape, trailing_rows
@@ -351,21 +350,22 @@ def _rows(x: Loc) -> int:
 
 def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: dict[str, Any]) -> Loc:
     """quantized_linear of x by the node's weight (q at input `first`, then scale, zero, bias; its own quantization
-    attributes; its inputs refined where the node yields a method output: quant.yields_output): int4 constants in
-    groups the lanes form takes (quant.lanes_form, resident.packed_lanes), up to quant.lanes_rows; otherwise few
-    float32 rows by the native qlinear."""
+    attributes; its inputs refined where the node yields a method output: quant.yields_output): constants the lanes
+    form takes (resident.node_lanes) up to quant.lanes_rows rows; otherwise few float32 rows by the native
+    qlinear."""
     bits, group, offset = int(attrs["bits"]), int(attrs["group_size"]), bool(attrs.get("offset", False))
     refine = quant.yields_output(lw.method, node)
     _need(x.dtype == F32, "not float32 rows")
-    packed = _lanes_weight(lw, node, first, bits, group, offset) if _rows(x) <= quant.lanes_rows(bits) else None
-    if packed is not None:
-        n, k = packed[1], x.shape[-1]
+    lanes = resident.node_lanes(lw.program, lw.method, node, first) if _rows(x) <= quant.lanes_rows(bits) else None
+    if lanes is not None:
+        packed, n, k, group = lanes
+        _need(x.shape[-1] == k, "input features")
         bias = lw.loc(node.inputs[first + 3])
         _need(bias is None or (bias.dtype == F32 and bias.shape == (n,)), "float32 bias")
         x, bias = lw.contiguous(x), None if bias is None else lw.contiguous(bias)
         out = lw.new(x.shape[:-1] + (n,), F32)
         work = lw.work(2 * _rows(x) * (k + k // group) * 4)
-        lw.emit("qlanes", x, lw.fixed_array(packed[0]), bias, out, work, _rows(x), n, k,
+        lw.emit("qlanes", x, lw.fixed_array(packed), bias, out, work, _rows(x), n, k,
                 native.quant_format(bits, offset, refine), group)
         return out
     q, scale, zero, bias = (lw.loc(node.inputs[first + i]) for i in range(4))
@@ -380,21 +380,6 @@ def emit_quantized_linear(lw: Lowering, node: Node, x: Loc, first: int, attrs: d
     form = native.quant_format(bits, offset, refine)
     lw.emit("qlinear", x, q, scale, zero, bias, out, work, _rows(x), n, k, form, group, int(native.integer_dot()))
     return out
-
-
-def _lanes_weight(lw: Lowering, node: Node, first: int, bits: int, group: int,
-                  offset: bool) -> tuple[np.ndarray, int] | None:
-    """(the lanes form, n) of the node's weight where it is a constant the helpers take in that form
-    (quant.lanes_form), else None."""
-    refs = [constant_ref(lw.method, node, first + i) for i in range(3)]
-    if refs[0] is None or refs[1] is None or (refs[2] is None and not absent(node, first + 2)):
-        return None
-    shape = lw.program.ir.constants[refs[0]].shape
-    if len(shape) != 2 or bits not in (4, 8) or \
-            not quant.lanes_form(bits, group, shape[0], shape[1] * 8 // bits, refs[2] is not None, offset):
-        return None
-    packed = resident.packed_lanes(lw.program, refs[0], refs[1], refs[2], bits, offset)
-    return None if packed is None else (packed, int(shape[0]))
 
 
 @lowering("quantized_linear")

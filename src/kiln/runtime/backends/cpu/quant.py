@@ -111,8 +111,8 @@ def lanes_form(bits: int, group_size: int, n: int, k: int, zero: bool, offset: b
     """Whether a quantized [n, k] weight of these attributes (zero: it has zero points or offsets) runs in the lanes
     form (resident.packed_lanes, qdot.c's kiln_qlanes_linear_f32) where it is a program constant: int4, or int8
     without zero points, in groups of 32 or a larger power of two, on CPUs with AVX-512 VNNI and BW, integer products
-    on (native.integer_dot). The form serves every row count, so a row's bits never depend on how many rows share
-    its call (a prompt's, a decode step's, a batch's)."""
+    on (native.integer_dot). Up to lanes_rows rows one kernel takes them all, so a row's bits do not depend on how
+    many rows share its call."""
     if bits == 8 and (zero or offset):
         return False
     return bits in (4, 8) and native.lanes_bytes(n, k, group_size, bits) > 0
@@ -136,11 +136,8 @@ def bound_lanes(packed: np.ndarray, stored: tuple[np.ndarray, np.ndarray, np.nda
         if x.size // k > lanes_rows(bits):
             return quantized_linear(x, *stored, bias, bits=bits, group_size=group_size, offset=offset)
         x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
-        need = 2 * x2.shape[0] * (k + k // group) * 4
-        if work[0].nbytes < need:
-            work[0] = np.empty(need, np.uint8)
         out = np.empty(x.shape[:-1] + (n,), dtype=np.float32)
-        _lanes_rows(lib, x2, packed, bias, out.reshape(-1, n), n, k, group, form, work[0])
+        work[0] = _lanes_rows(lib, x2, packed, bias, out.reshape(-1, n), n, k, group, form, work[0])
         return out
 
     run.packed = packed  # (kept alive with the closure)
@@ -156,14 +153,16 @@ def _lanes_of(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: i
 
 
 def _lanes_rows(lib, x: np.ndarray, packed: np.ndarray, bias: np.ndarray | None, out: np.ndarray, n: int, k: int,
-                group: int, form: int, work: np.ndarray | None = None) -> None:
-    """out [rows, n] = x [rows, k] (float32, contiguous) times the lanes form's weight, plus bias."""
+                group: int, form: int, work: np.ndarray | None = None) -> np.ndarray:
+    """out [rows, n] = x [rows, k] (float32, contiguous) times the lanes form's weight, plus bias; returns the
+    scratch it used (work where large enough, else a new one, for the caller to keep)."""
     rows = x.shape[0]
     need = 2 * rows * (k + k // group) * 4
     if work is None or work.nbytes < need:
         work = np.empty(need, np.uint8)
     lib.kiln_qlanes_linear_f32(x.ctypes.data, packed.ctypes.data, native.address(bias), out.ctypes.data,
-                                 work.ctypes.data, rows, n, k, form, group, native.threads())
+                               work.ctypes.data, rows, n, k, form, group, native.threads())
+    return work
 
 
 def _dot_rows(lib, x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,

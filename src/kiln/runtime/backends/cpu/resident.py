@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.ir.graph import Method, Node
+from kiln.runtime.backends.base import absent, constant_ref
 from kiln.runtime.program import Program
 
 MIN_BYTES = 256 << 10
@@ -136,26 +138,40 @@ class PackedForms:
         return placed
 
 
+def node_lanes(program: Program, method: Method, node: Node, first: int) -> tuple[np.ndarray, int, int, int] | None:
+    """(the lanes form, n, k, group) of a quantized node's weight (q at input `first`, then scale and zero) where
+    they are program constants the form takes (packed_lanes), else None: what the prepared kernels and the native
+    executor both run."""
+    refs = [constant_ref(method, node, first + i) for i in range(3)]
+    if refs[0] is None or refs[1] is None or (refs[2] is None and not absent(node, first + 2)):
+        return None
+    bits = int(node.attrs["bits"])
+    packed = packed_lanes(program, *refs, bits, bool(node.attrs.get("offset", False)))
+    if packed is None:
+        return None
+    (n, width), groups = program.ir.constants[refs[0]].shape, program.ir.constants[refs[1]].shape[1]
+    k = width * 8 // bits
+    return packed, n, k, k // groups
+
+
 def packed_lanes(program: Program, q_ref: int, scale_ref: int, zero_ref: int | None, bits: int,
                  offset: bool) -> np.ndarray | None:
     """The lanes form of program constants q (int4: uint8 [n, k / 2]; int8: int8 [n, k]), scale and zero (float32
     [n, k / group]; zero absent: None), made once per program; None where the helpers have no such form for them
     (native.lanes_bytes; int8 only symmetric)."""
-    from kiln.runtime.backends.cpu import native
+    from kiln.runtime.backends.cpu import native, quant
 
     constants = program.ir.constants
     q, scale = constants[q_ref], constants[scale_ref]
     stored = {4: np.uint8, 8: np.int8}.get(bits)
     if len(q.shape) != 2 or q.dtype.numpy != stored or scale.dtype.numpy != np.float32 or \
-            (zero_ref is not None and constants[zero_ref].dtype.numpy != np.float32) or \
-            (bits == 8 and (zero_ref is not None or offset)):
+            (zero_ref is not None and constants[zero_ref].dtype.numpy != np.float32):
         return None
     n, k = q.shape[0], q.shape[1] * 8 // bits
-    if len(scale.shape) != 2 or scale.shape[0] != n or not scale.shape[1] or k % scale.shape[1]:
+    if len(scale.shape) != 2 or scale.shape[0] != n or not scale.shape[1] or k % scale.shape[1] or \
+            not quant.lanes_form(bits, k // scale.shape[1], n, k, zero_ref is not None, offset):
         return None
     nbytes = native.lanes_bytes(n, k, k // scale.shape[1], bits)
-    if not nbytes:
-        return None
     forms = program.backend_cache.setdefault(LANES_KEY, PackedForms())
     key = (q_ref, scale_ref, zero_ref, bits, offset)
     with forms.lock:
